@@ -1,0 +1,114 @@
+"""Stage 3: token-budgeted prompts, then one partition of them per shard."""
+
+from __future__ import annotations
+
+import dagster as dg
+import polars as pl
+
+from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.budget import budget_prompts
+from expansion_dag.partitions import SHARD_KEYS, shard_partitions
+from expansion_dag.resources.fleet import FleetResource
+from expansion_dag.resources.settings import GenerationSettings
+from expansion_dag.resources.storage import StorageResource
+
+GROUP = "budget"
+
+
+@dg.asset(group_name=GROUP, io_manager_key="parquet_io")
+def budgeted_prompts(
+    context: dg.AssetExecutionContext,
+    prompts: pl.DataFrame,
+    fleet: FleetResource,
+    settings: GenerationSettings,
+    storage: StorageResource,
+) -> pl.DataFrame:
+    """Every prompt with its exact token count, its own max_tokens and its shard."""
+    fleet_info = fleet.provision(context.log)
+    context.log.info(
+        f"probed context length {fleet_info.context_length} and model {fleet_info.model_path} "
+        f"from {len(fleet_info.servers)} {'simulated ' if fleet_info.simulated else ''}server(s)"
+    )
+    result = budget_prompts(
+        prompts,
+        settings.load_tokenizer(),
+        context_length=fleet_info.context_length,
+        num_shards=len(SHARD_KEYS),
+        config=settings.budget_config(),
+    )
+    set_aside_path = storage.path("set_aside", "budgeted_prompts.parquet")
+    result.set_aside.drop("messages").write_parquet(set_aside_path)
+    shards = result.shard_stats()
+    context.add_output_metadata(
+        {
+            "prompts": result.prompts.height,
+            "set_aside": result.set_aside.height,
+            "set_aside_by_reason": dg.MetadataValue.json(
+                dict(result.set_aside.group_by("reason").len().iter_rows()) if result.set_aside.height else {}
+            ),
+            "set_aside_file": dg.MetadataValue.path(str(set_aside_path)),
+            "context_length": fleet_info.context_length,
+            "context_length_source": "probed: /v1/models max_model_len"
+            + (" (simulated fleet)" if fleet_info.simulated else ""),
+            "prompt_tokens": int(result.prompts["prompt_tokens"].sum() or 0),
+            "max_tokens_total": int(result.prompts["max_tokens"].sum() or 0),
+            "expected_tokens": int(result.prompts["expected_tokens"].sum() or 0),
+            "shard_balance_largest_over_mean": round(result.balance(), 4),
+            "shards": dg.MetadataValue.md(markdown_table(shards)),
+        }
+    )
+    return result.prompts.with_columns(pl.lit(result.context_length, pl.Int64).alias("context_length"))
+
+
+CHECK_IDS_UNIQUE = "ids_unique"
+CHECK_NO_EMPTY = "no_empty_prompt"
+CHECK_FITS = "fits_context"
+
+
+@dg.asset(
+    group_name=GROUP,
+    partitions_def=shard_partitions,
+    io_manager_key="parquet_io",
+    check_specs=[
+        dg.AssetCheckSpec(CHECK_IDS_UNIQUE, asset="shard_prompts", description="No prompt id appears twice."),
+        dg.AssetCheckSpec(CHECK_NO_EMPTY, asset="shard_prompts", description="Every prompt has text."),
+        dg.AssetCheckSpec(
+            CHECK_FITS, asset="shard_prompts", description="prompt_tokens + max_tokens <= context_length for every row."
+        ),
+    ],
+)
+def shard_prompts(context: dg.AssetExecutionContext, budgeted_prompts: pl.DataFrame):
+    """The prompts of one shard, the work its GPU server will do."""
+    shard = context.partition_key
+    rows = budgeted_prompts.filter(pl.col("shard") == shard)
+    yield dg.Output(
+        rows,
+        metadata={
+            "prompts": rows.height,
+            "prompt_tokens": int(rows["prompt_tokens"].sum() or 0),
+            "expected_tokens": int(rows["expected_tokens"].sum() or 0),
+            "max_tokens_total": int(rows["max_tokens"].sum() or 0),
+        },
+    )
+    yield from budget_checks(rows)
+
+
+def budget_checks(rows: pl.DataFrame):
+    duplicates = rows.height - rows["prompt_id"].n_unique()
+    yield dg.AssetCheckResult(
+        check_name=CHECK_IDS_UNIQUE, passed=duplicates == 0, metadata={"duplicate_ids": duplicates}
+    )
+    empty = rows.filter(
+        pl.col("messages").list.eval(pl.element().struct.field("content").str.strip_chars().str.len_chars()).list.sum()
+        == 0
+    ).height
+    yield dg.AssetCheckResult(check_name=CHECK_NO_EMPTY, passed=empty == 0, metadata={"empty_prompts": empty})
+    over = rows.filter(pl.col("prompt_tokens") + pl.col("max_tokens") > pl.col("context_length"))
+    yield dg.AssetCheckResult(
+        check_name=CHECK_FITS,
+        passed=over.height == 0,
+        metadata={
+            "over_context": over.height,
+            "example_ids": dg.MetadataValue.json(over["prompt_id"].head(5).to_list()),
+        },
+    )

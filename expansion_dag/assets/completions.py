@@ -1,0 +1,276 @@
+"""Stage 4: generated completions, one partition per shard, each on its own GPU server.
+
+The asset is a thin shell over ``expansion_dag.engine``: it picks the prompts the store does not
+hold yet, runs them, and turns the shard report into metadata and check results. A shard whose
+failures exceed ``max_failure_rate`` fails its materialization (so "backfill failed partitions"
+picks it up) after every success has been written; the next run sends only what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import dagster as dg
+import polars as pl
+
+from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.engine import ShardReport, Server, WorkItem, generate_shard
+from expansion_dag.errors import ShardAborted
+from expansion_dag.partitions import shard_index, shard_partitions
+from expansion_dag.resources.fleet import FleetResource
+from expansion_dag.resources.settings import GenerationSettings
+from expansion_dag.resources.storage import StorageResource
+
+GROUP = "generation"
+CHECK_FAILURE_RATE = "failure_rate"
+CHECK_CONTEXT_REJECTIONS = "no_context_length_rejections"
+CHECK_TRUNCATION = "truncation_rate"
+CHECK_DRIFT = "budget_drift"
+CHECK_CONFIG = "configuration_unchanged"
+
+
+def _spec(name: str, description: str, blocking: bool = False) -> dg.AssetCheckSpec:
+    return dg.AssetCheckSpec(name, asset="completions", description=description, blocking=blocking)
+
+
+@dg.asset(
+    group_name=GROUP,
+    partitions_def=shard_partitions,
+    check_specs=[
+        _spec(CHECK_FAILURE_RATE, "Failed prompts stay under settings.max_failure_rate."),
+        _spec(CHECK_CONTEXT_REJECTIONS, "No request was rejected for exceeding the context length."),
+        _spec(CHECK_TRUNCATION, "Answers cut at max_tokens stay under settings.max_truncation_rate (warning)."),
+        _spec(CHECK_DRIFT, "The server counts prompt tokens as this project does (warning)."),
+        _spec(CHECK_CONFIG, "Fleet and generation settings match this shard's previous run (warning)."),
+    ],
+)
+def completions(
+    context: dg.AssetExecutionContext,
+    shard_prompts: pl.DataFrame,
+    fleet: FleetResource,
+    settings: GenerationSettings,
+    storage: StorageResource,
+):
+    """Model-written answers for one shard's prompts, kept in the completion store as they arrive."""
+    shard = context.partition_key
+    fleet_info = fleet.provision(context.log)
+    url, fell_back = fleet.server_for_shard(shard_index(shard))
+    if fell_back:
+        context.log.warning(f"{shard}: its own server is down; running on healthy server {url}")
+    server = fleet_info.server(url)
+    sampling = settings.sampling()
+    keys = [sampling.key(pid, fleet_info.model_path) for pid in shard_prompts["prompt_id"].to_list()]
+    prompts = shard_prompts.with_columns(pl.Series("key", keys, dtype=pl.String))
+
+    store = storage.completion_store()
+    already = store.scan(shard)
+    todo = prompts.filter(~pl.col("key").is_in(list(already.done)))
+    context.log.info(
+        f"{shard}: {prompts.height} prompts, {prompts.height - todo.height} already done, "
+        f"{todo.height} to send to {url} ({server.slots} slots)"
+    )
+    items = [
+        WorkItem(
+            key=row["key"],
+            prompt_id=row["prompt_id"],
+            source=row["source"],
+            messages=row["messages"],
+            prompt_tokens=row["prompt_tokens"],
+            max_tokens=row["max_tokens"],
+            expected_tokens=row["expected_tokens"],
+        )
+        for row in todo.select(
+            "key", "prompt_id", "source", "messages", "prompt_tokens", "max_tokens", "expected_tokens"
+        ).iter_rows(named=True)
+    ]
+    aborted: str | None = None
+    with store.writer(shard) as writer:
+        try:
+            report = generate_shard(
+                items,
+                [Server(url=url, slots=server.slots)],
+                writer=writer,
+                model=fleet_info.model,
+                sampling=sampling,
+                config=settings.engine_config(),
+                api_key=fleet.api_key(),
+                on_progress=lambda p: context.log.info(f"{shard}: {p}"),
+            )
+        except ShardAborted as exc:
+            aborted = str(exc)
+            report = exc.report if isinstance(exc.report, ShardReport) else ShardReport(total=len(items))
+
+    # The shard's standing across every run, not only this one.
+    final = store.scan(shard)
+    shard_keys = set(keys)
+    done = len(shard_keys & final.done)
+    failed = len(shard_keys & final.failed)
+    missing = len(shard_keys) - done - failed
+    failure_rate = failed / len(shard_keys) if shard_keys else 0.0
+    effective = {
+        "fleet": fleet.effective_config(fleet_info, url),
+        "settings": settings.as_metadata(),
+    }
+    previous = _previous_effective_config(context, shard)
+
+    yield from _checks(report, settings, failure_rate, failed, effective, previous)
+    metadata = _metadata(report, shard, url, fell_back, done, failed, missing, already.done, final, effective)
+    if aborted or failure_rate > settings.max_failure_rate or missing:
+        reason = aborted or (
+            f"{failed} of {len(shard_keys)} prompts failed ({failure_rate:.1%} > max_failure_rate "
+            f"{settings.max_failure_rate:.1%})"
+            if failure_rate > settings.max_failure_rate
+            else f"{missing} prompts have neither a completion nor a failure record"
+        )
+        _log_failures(context, store, shard)
+        raise dg.Failure(
+            description=f"{shard}: {reason}. {done} completions are kept; re-materialize to send only the rest.",
+            metadata=metadata,
+        )
+    yield dg.MaterializeResult(metadata=metadata)
+
+
+def _log_failures(context: dg.AssetExecutionContext, store, shard: str) -> None:
+    failures = store.latest_failures(shard)[:5]
+    for record in failures:
+        context.log.error(
+            f"{shard}: prompt {record['prompt_id']} failed on {record['server']} after "
+            f"{record['attempts']} attempt(s): {record['error']} {record.get('http_status') or ''} {record['message']}"
+        )
+
+
+def _previous_effective_config(context: dg.AssetExecutionContext, shard: str) -> dict[str, Any] | None:
+    result = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=context.asset_key, asset_partitions=[shard]), limit=1
+    )
+    if not result.records:
+        return None
+    materialization = result.records[0].asset_materialization
+    value = materialization.metadata.get("effective_config") if materialization else None
+    return value.value if value is not None else None
+
+
+def config_differences(previous: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """Each setting that changed, as 'section.name: old -> new'."""
+    if previous is None:
+        return []
+    changes = []
+    for section in sorted(set(previous) | set(current)):
+        old, new = previous.get(section) or {}, current.get(section) or {}
+        for name in sorted(set(old) | set(new)):
+            if old.get(name) != new.get(name):
+                changes.append(f"{section}.{name}: {old.get(name)!r} -> {new.get(name)!r}")
+    return changes
+
+
+def _checks(
+    report: ShardReport,
+    settings: GenerationSettings,
+    failure_rate: float,
+    failed: int,
+    effective: dict[str, Any],
+    previous: dict[str, Any] | None,
+):
+    yield dg.AssetCheckResult(
+        check_name=CHECK_FAILURE_RATE,
+        passed=failure_rate <= settings.max_failure_rate,
+        metadata={"failed_prompts": failed, "failure_rate": round(failure_rate, 6), "threshold": settings.max_failure_rate},
+    )
+    rejections = report.failures_by_kind.get("context_length", 0)
+    yield dg.AssetCheckResult(
+        check_name=CHECK_CONTEXT_REJECTIONS,
+        passed=rejections == 0 and report.context_retries == 0,
+        metadata={"context_length_failures": rejections, "context_length_400s_retried": report.context_retries},
+    )
+    truncated = sum(report.truncated_by_source.values())
+    truncation_rate = truncated / report.ok if report.ok else 0.0
+    yield dg.AssetCheckResult(
+        check_name=CHECK_TRUNCATION,
+        passed=truncation_rate <= settings.max_truncation_rate,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={"truncated": truncated, "truncation_rate": round(truncation_rate, 4), "threshold": settings.max_truncation_rate},
+    )
+    yield dg.AssetCheckResult(
+        check_name=CHECK_DRIFT,
+        passed=report.drifted_completions == 0 and report.context_retries == 0,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "completions_with_drift": report.drifted_completions,
+            "context_retries": report.context_retries,
+            "drift_histogram": dg.MetadataValue.json({str(k): v for k, v in sorted(report.prompt_token_drift.items())}),
+        },
+    )
+    changes = config_differences(previous, effective)
+    yield dg.AssetCheckResult(
+        check_name=CHECK_CONFIG,
+        passed=not changes,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "changes": dg.MetadataValue.md("\n".join(f"- {c}" for c in changes) or "no change"),
+            "first_run": previous is None,
+        },
+    )
+
+
+def _metadata(
+    report: ShardReport,
+    shard: str,
+    url: str,
+    fell_back: bool,
+    done: int,
+    failed: int,
+    missing: int,
+    done_before: set[str],
+    final,
+    effective: dict[str, Any],
+) -> dict[str, Any]:
+    simulated = bool(effective["fleet"].get("simulator"))
+    label = " (simulator)" if simulated else ""
+    per_server = [
+        (
+            server_url,
+            stats.slots,
+            stats.requests,
+            stats.output_tokens,
+            round(stats.output_tokens / report.elapsed_s, 1) if report.elapsed_s else 0.0,
+            round(stats.busy_slot_seconds / (stats.slots * report.elapsed_s), 4) if report.elapsed_s else 0.0,
+        )
+        for server_url, stats in report.servers.items()
+    ]
+    truncation = [
+        (source, total, report.truncated_by_source.get(source, 0), round(report.truncated_by_source.get(source, 0) / total, 4))
+        for source, total in sorted(report.requests_by_source.items())
+    ]
+    return {
+        "shard": shard,
+        "server": url,
+        "server_is_fallback": fell_back,
+        "simulated_fleet": simulated,
+        "completions_total": done,
+        "failed_total": failed,
+        "missing_total": missing,
+        "completed_before_this_run": len(done_before),
+        "torn_lines_ignored": final.torn_lines,
+        "duplicate_lines_ignored": final.duplicates,
+        "sent_this_run": report.done,
+        "requests_by_outcome": dg.MetadataValue.json({"ok": report.ok, **dict(report.failures_by_kind)}),
+        "finish_reasons": dg.MetadataValue.json(dict(report.finish_reasons)),
+        "truncation_by_source": dg.MetadataValue.md(
+            markdown_table(columns=["source", "completions", "finish_reason length", "rate"], rows=truncation)
+        ),
+        "output_tokens": report.output_tokens,
+        "elapsed_s": round(report.elapsed_s, 2),
+        # Figures from a simulated fleet say so: they are not GPU throughput.
+        "output_tokens_per_s": round(report.output_tokens / report.elapsed_s, 1) if report.elapsed_s else 0.0,
+        "fleet_utilization": round(report.utilization(), 4),
+        "servers": dg.MetadataValue.md(
+            markdown_table(
+                columns=["server", "slots", "requests", "output tokens", f"output tok/s{label}", "utilization"],
+                rows=per_server,
+            )
+        ),
+        "context_retries": report.context_retries,
+        "effective_config": dg.MetadataValue.json(json.loads(json.dumps(effective, default=str))),
+        "aborted": report.aborted or "",
+    }

@@ -1,0 +1,44 @@
+"""Stage 2: prompts extracted from every source, cleaned, deduplicated and sampled."""
+
+from __future__ import annotations
+
+import dagster as dg
+import polars as pl
+
+from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.assets.raw_datasets import raw_asset_key
+from expansion_dag.catalog import Catalog
+from expansion_dag.extract import extract_prompts, select_prompts
+from expansion_dag.resources.storage import StorageResource
+
+GROUP = "prompts"
+
+
+def build_prompts_asset(catalog: Catalog) -> dg.AssetsDefinition:
+    ins = {f"raw_{s.name}": dg.AssetIn(key=raw_asset_key(s)) for s in catalog.sources}
+
+    @dg.asset(name="prompts", group_name=GROUP, io_manager_key="parquet_io", ins=ins)
+    def prompts(context: dg.AssetExecutionContext, storage: StorageResource, **raw: pl.DataFrame) -> pl.DataFrame:
+        """One chat prompt per row, ending at a user turn, with a stable content-hash id."""
+        results = [
+            extract_prompts(raw[f"raw_{s.name}"], source=s.name, extractor=s.extractor) for s in catalog.sources
+        ]
+        selection = select_prompts(results, catalog)
+        quarantine_path = storage.path("quarantine", "prompts.parquet")
+        selection.quarantine.write_parquet(quarantine_path)
+        stats = selection.stats
+        context.add_output_metadata(
+            {
+                "prompts": selection.prompts.height,
+                "quarantined": selection.quarantine.height,
+                "quarantine_file": dg.MetadataValue.path(str(quarantine_path)),
+                "accounting": dg.MetadataValue.md(markdown_table(stats_frame(stats))),
+            }
+        )
+        return selection.prompts
+
+    return prompts
+
+
+def stats_frame(stats) -> pl.DataFrame:
+    return pl.DataFrame(stats)

@@ -1,0 +1,110 @@
+"""Stage 5: the tokenized training set, merged from every shard's completions."""
+
+from __future__ import annotations
+
+import dagster as dg
+import polars as pl
+
+from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.training_set import (
+    build_training_set,
+    check_round_trip,
+    data_files,
+    export_conversations_jsonl,
+    manifest_markdown,
+    sample_rows,
+)
+from expansion_dag.resources.settings import GenerationSettings
+from expansion_dag.resources.storage import StorageResource
+
+GROUP = "training"
+CHECK_LOSS_MASK = "loss_mask_not_empty"
+CHECK_LENGTH = "within_context_length"
+CHECK_ROUND_TRIP = "round_trip"
+ROUND_TRIP_SAMPLE = 64
+
+
+def _context_length(context: dg.AssetExecutionContext) -> int:
+    """The context length the prompts were budgeted for, as probed from the fleet then."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("budgeted_prompts"))
+    value = event.asset_materialization.metadata.get("context_length") if event and event.asset_materialization else None
+    if value is None:
+        raise dg.Failure("budgeted_prompts has no recorded context length: materialize it first")
+    return int(value.value)
+
+
+@dg.asset(
+    group_name=GROUP,
+    deps=["completions"],
+    check_specs=[
+        dg.AssetCheckSpec(CHECK_LOSS_MASK, asset="training_set", description="Every row trains on some tokens."),
+        dg.AssetCheckSpec(CHECK_LENGTH, asset="training_set", description="No row is longer than the context."),
+        dg.AssetCheckSpec(
+            CHECK_ROUND_TRIP, asset="training_set", description="Sampled rows decode back to their conversation."
+        ),
+    ],
+)
+def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings, storage: StorageResource):
+    """Parquet shards of input_ids and loss_mask, one row per kept completion, plus a manifest."""
+    store = storage.completion_store()
+    tokenizer = settings.load_tokenizer()
+    config = settings.training_set_config(_context_length(context))
+    out_dir = storage.path("training_set")
+    manifest = build_training_set(store.iter_completions_sorted(), tokenizer, config, out_dir)
+    jsonl = storage.path("exports", "conversations.jsonl")
+    export_conversations_jsonl(store.iter_completions_sorted(), config, jsonl, tokenizer=tokenizer)
+
+    rows = sample_rows(out_dir, ROUND_TRIP_SAMPLE)
+    empty_masks = _rows_without_loss(out_dir)
+    over = [r["id"] for r in rows if r["length"] > config.max_length]
+    round_trip = check_round_trip(rows, store.iter_completions_sorted(), tokenizer, config)
+    yield dg.AssetCheckResult(
+        check_name=CHECK_LOSS_MASK, passed=empty_masks == 0, metadata={"rows_without_loss": empty_masks}
+    )
+    yield dg.AssetCheckResult(
+        check_name=CHECK_LENGTH,
+        passed=manifest.tokens_per_sample.get("max", 0) <= config.max_length and not over,
+        metadata={"max_tokens_per_sample": manifest.tokens_per_sample.get("max", 0), "context_length": config.max_length},
+    )
+    yield dg.AssetCheckResult(
+        check_name=CHECK_ROUND_TRIP,
+        passed=round_trip.ok or manifest.samples == 0,
+        metadata={
+            "checked": round_trip.checked,
+            "failed": round_trip.failed,
+            "missing": round_trip.missing,
+            "failing_ids": dg.MetadataValue.json(round_trip.failing_ids),
+        },
+    )
+    yield dg.MaterializeResult(
+        metadata={
+            "samples": manifest.samples,
+            "tokens": manifest.tokens,
+            "assistant_tokens": manifest.assistant_tokens,
+            "mean_tokens_per_sample": round(manifest.tokens_per_sample.get("mean", 0.0), 1),
+            "left_out": dg.MetadataValue.json(manifest.left_out),
+            "by_source": dg.MetadataValue.md(
+                markdown_table(
+                    columns=["source", "samples", "tokens"],
+                    rows=[(s, v["samples"], v["tokens"]) for s, v in sorted(manifest.by_source.items())],
+                )
+            ),
+            "summary": dg.MetadataValue.md(manifest_markdown(manifest)),
+            "path": dg.MetadataValue.path(str(out_dir)),
+            "files": dg.MetadataValue.json(data_files(out_dir)),
+            "conversations_jsonl": dg.MetadataValue.path(str(jsonl)),
+        }
+    )
+
+
+def _rows_without_loss(out_dir) -> int:
+    """Rows whose loss mask has no 1, over the whole set (a vectorized scan of the Parquet)."""
+    files = data_files(out_dir)
+    if not files:
+        return 0
+    return (
+        pl.scan_parquet(files)
+        .select((pl.col("loss_mask").list.sum() == 0).sum())
+        .collect()
+        .item()
+    )

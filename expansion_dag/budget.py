@@ -1,0 +1,175 @@
+"""Token budgets per prompt, and shards balanced on expected work.
+
+Every prompt gets its own ``max_tokens = min(max_output_tokens, context_length - prompt_tokens -
+margin)``, with ``prompt_tokens`` counted exactly as the server counts (the model's chat template,
+``add_generation_prompt=True``, the same ``chat_template_kwargs``). A cap at or above the context
+is therefore harmless, and no fixed conservative cap wastes the window.
+
+The margin absorbs small disagreements between this tokenizer and the server's (a different
+tokenizer revision, a template the server patches). It is a few tokens, not a fraction of the
+window; a disagreement larger than it shows up as budget drift in the generation report.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+from transformers import PreTrainedTokenizerBase
+
+from expansion_dag.tokenizer import count_prompt_tokens
+
+PROMPT_TOO_LONG = "prompt_too_long"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetConfig:
+    #: Cap on generated tokens. It may exceed the context: each prompt's budget is computed.
+    max_output_tokens: int = 8192
+    #: A prompt that leaves less room than this for the answer is set aside, never sent.
+    min_output_tokens: int = 256
+    margin: int = 16
+    #: Expected answer length used to balance shards and to start long requests first.
+    expected_output_tokens: int = 1024
+    expected_output_by_source: Mapping[str, int] = field(default_factory=dict)
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Prompts rendered and tokenized per batch: bounds memory at 650K-prompt scale.
+    batch_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be positive, got {self.max_output_tokens}")
+        if self.min_output_tokens < 1:
+            raise ValueError(f"min_output_tokens must be positive, got {self.min_output_tokens}")
+        if self.min_output_tokens > self.max_output_tokens:
+            raise ValueError(
+                f"min_output_tokens ({self.min_output_tokens}) exceeds max_output_tokens ({self.max_output_tokens})"
+            )
+        if self.margin < 0:
+            raise ValueError(f"margin must not be negative, got {self.margin}")
+
+
+@dataclass(frozen=True)
+class BudgetResult:
+    prompts: pl.DataFrame
+    set_aside: pl.DataFrame
+    context_length: int
+    shard_keys: list[str]
+
+    def shard_stats(self) -> pl.DataFrame:
+        """Prompts and expected tokens per shard, every shard listed even when empty."""
+        counted = self.prompts.group_by("shard").agg(
+            pl.len().alias("prompts"),
+            pl.col("prompt_tokens").sum().alias("prompt_tokens"),
+            pl.col("expected_tokens").sum().alias("expected_tokens"),
+        )
+        return (
+            pl.DataFrame({"shard": self.shard_keys})
+            .join(counted, on="shard", how="left")
+            .fill_null(0)
+            .sort("shard")
+        )
+
+    def balance(self) -> float:
+        """Largest shard's expected tokens over the mean: 1.0 is perfect."""
+        loads = self.shard_stats()["expected_tokens"]
+        mean = loads.mean()
+        return float(loads.max() / mean) if mean else 1.0
+
+
+def shard_keys(num_shards: int) -> list[str]:
+    return [f"shard-{i:02d}" for i in range(num_shards)]
+
+
+def count_all_prompt_tokens(
+    prompts: pl.DataFrame, tokenizer: PreTrainedTokenizerBase, config: BudgetConfig
+) -> pl.Series:
+    counts: list[int] = []
+    for start in range(0, prompts.height, config.batch_size):
+        batch = prompts["messages"].slice(start, config.batch_size).to_list()
+        counts.extend(count_prompt_tokens(tokenizer, batch, config.chat_template_kwargs))
+    return pl.Series("prompt_tokens", counts, dtype=pl.Int64)
+
+
+def budget_prompts(
+    prompts: pl.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    context_length: int,
+    num_shards: int,
+    config: BudgetConfig = BudgetConfig(),
+) -> BudgetResult:
+    """Count, budget, set aside what cannot fit, and assign the rest to balanced shards."""
+    if context_length <= config.margin + config.min_output_tokens:
+        raise ValueError(
+            f"context length {context_length} leaves no room for min_output_tokens "
+            f"{config.min_output_tokens} plus margin {config.margin}"
+        )
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    expected_by_source = pl.DataFrame(
+        {
+            "source": list(config.expected_output_by_source),
+            "_expected_out": list(config.expected_output_by_source.values()),
+        },
+        schema={"source": pl.String, "_expected_out": pl.Int64},
+    )
+    budgeted = (
+        prompts.with_columns(count_all_prompt_tokens(prompts, tokenizer, config))
+        .with_columns(
+            pl.min_horizontal(
+                pl.lit(config.max_output_tokens, pl.Int64),
+                pl.lit(context_length, pl.Int64) - pl.col("prompt_tokens") - config.margin,
+            ).alias("max_tokens")
+        )
+        .join(expected_by_source, on="source", how="left")
+        .with_columns(
+            (
+                pl.col("prompt_tokens")
+                + pl.min_horizontal(
+                    pl.col("max_tokens"), pl.col("_expected_out").fill_null(config.expected_output_tokens)
+                ).clip(lower_bound=0)
+            ).alias("expected_tokens")
+        )
+        .drop("_expected_out")
+    )
+    fits = pl.col("max_tokens") >= config.min_output_tokens
+    set_aside = (
+        budgeted.filter(~fits)
+        .with_columns(
+            pl.lit(PROMPT_TOO_LONG).alias("reason"),
+            pl.format(
+                "{} prompt tokens leave {} for the answer (< min_output_tokens {}) at context {}",
+                pl.col("prompt_tokens"),
+                pl.col("max_tokens"),
+                pl.lit(config.min_output_tokens),
+                pl.lit(context_length),
+            ).alias("detail"),
+        )
+        .sort("prompt_id")
+    )
+    kept = budgeted.filter(fits)
+    keys = shard_keys(num_shards)
+    kept = kept.with_columns(pl.Series("shard", assign_shards(kept, keys), dtype=pl.String)).sort("prompt_id")
+    return BudgetResult(prompts=kept, set_aside=set_aside, context_length=context_length, shard_keys=keys)
+
+
+def assign_shards(prompts: pl.DataFrame, keys: list[str]) -> list[str]:
+    """Greedy longest-first assignment to the least loaded shard: balanced on expected tokens.
+
+    Ties break on prompt id and shard index, so the same prompts give the same shards everywhere.
+    """
+    order = prompts.select(
+        pl.int_range(pl.len()).alias("row"), "expected_tokens", "prompt_id"
+    ).sort(["expected_tokens", "prompt_id"], descending=[True, False])
+    loads = [(0, index) for index in range(len(keys))]
+    assigned = [""] * prompts.height
+    for row, expected in zip(order["row"].to_list(), order["expected_tokens"].to_list()):
+        load, index = heapq.heappop(loads)
+        assigned[row] = keys[index]
+        heapq.heappush(loads, (load + expected, index))
+    return assigned
+

@@ -1,0 +1,93 @@
+"""The one place that wires the code location: assets, checks, jobs, schedules and resources.
+
+Deployment choices read from the environment when the code location loads:
+- ``EXPANSION_PROFILE``: ``local`` (default: a simulated fleet launched by the fleet resource) or
+  ``production`` (real SGLang servers, attached by URL or launched one per GPU). Both profiles
+  bind the same resource keys, so assets never know which one runs.
+- ``EXPANSION_CATALOG``: ``samples`` (default, bundled files), ``production`` (hub datasets), or
+  a path to a catalog YAML file.
+- ``EXPANSION_SHARDS``: shard (GPU server) count, see ``partitions.py``.
+- ``EXPANSION_STORAGE``: storage root, see ``resources/storage.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from expansion_dag.assets.budget import budgeted_prompts, shard_prompts
+from expansion_dag.assets.completions import completions
+from expansion_dag.assets.prompts import build_prompts_asset
+from expansion_dag.assets.raw_datasets import build_raw_dataset_assets
+from expansion_dag.assets.training_set import training_set
+from expansion_dag.catalog import load_catalog
+from expansion_dag.partitions import SHARD_KEYS, shard_partitions
+from expansion_dag.resources.fleet import SIMULATOR_LAUNCH_COMMAND, FleetResource
+from expansion_dag.resources.settings import GenerationSettings
+from expansion_dag.resources.storage import ParquetIOManager, StorageResource, default_storage_root
+
+PROFILES = ("local", "production")
+
+
+def fleet_for(profile: str, storage_root: str) -> FleetResource:
+    state_dir = os.path.join(storage_root, "fleet")
+    if profile == "local":
+        return FleetResource(
+            mode="launch",
+            launch_command=SIMULATOR_LAUNCH_COMMAND,
+            num_servers=len(SHARD_KEYS),
+            base_port=int(os.environ.get("EXPANSION_SIM_BASE_PORT", "30000")),
+            startup_timeout_s=120.0,
+            state_dir=state_dir,
+        )
+    urls = [u for u in os.environ.get("EXPANSION_FLEET_URLS", "").split(",") if u.strip()]
+    return FleetResource(
+        mode="attach" if urls else "launch",
+        urls=urls,
+        backend=os.environ.get("EXPANSION_BACKEND", "sglang"),
+        model_path=os.environ.get("EXPANSION_MODEL_PATH", "Qwen/Qwen3-8B"),
+        num_servers=len(SHARD_KEYS),
+        state_dir=state_dir,
+    )
+
+
+def resources_for(profile: str) -> dict[str, object]:
+    if profile not in PROFILES:
+        raise ValueError(f"EXPANSION_PROFILE must be one of {PROFILES}, got {profile!r}")
+    root = default_storage_root()
+    settings = GenerationSettings(tokenizer=os.environ.get("EXPANSION_TOKENIZER", GenerationSettings().tokenizer))
+    return {
+        "fleet": fleet_for(profile, root),
+        "settings": settings,
+        "storage": StorageResource(root=root),
+        "parquet_io": ParquetIOManager(root=root),
+    }
+
+
+catalog = load_catalog(os.environ.get("EXPANSION_CATALOG", "samples"))
+raw_datasets = build_raw_dataset_assets(catalog)
+prompts = build_prompts_asset(catalog)
+
+prepare_job = dg.define_asset_job(
+    "prepare_job",
+    selection=dg.AssetSelection.assets(*raw_datasets, prompts, budgeted_prompts),
+    description="Load the sources, extract prompts and budget them into shards.",
+)
+generate_job = dg.define_asset_job(
+    "generate_job",
+    selection=dg.AssetSelection.assets(shard_prompts, completions),
+    partitions_def=shard_partitions,
+    description="Generate one shard's completions on its GPU server (one run per shard).",
+)
+training_set_job = dg.define_asset_job(
+    "training_set_job",
+    selection=dg.AssetSelection.assets(training_set),
+    description="Merge every shard's completions into the tokenized training set.",
+)
+
+defs = dg.Definitions(
+    assets=[*raw_datasets, prompts, budgeted_prompts, shard_prompts, completions, training_set],
+    jobs=[prepare_job, generate_job, training_set_job],
+    resources=resources_for(os.environ.get("EXPANSION_PROFILE", "local")),
+)

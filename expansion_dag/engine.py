@@ -1,0 +1,536 @@
+"""The generation engine: one shard's prompts through its SGLang server(s), every slot kept busy.
+
+Dispatch: ``slots + headroom`` workers per server pull from one queue ordered longest expected
+request first, so a slot is refilled the moment it frees and the long tail starts early instead of
+setting the makespan. Each result is written to the completion store before the worker takes the
+next prompt.
+
+Faults: transient errors (connection, timeout, 408/429/5xx) are retried with exponential backoff
+and jitter (stamina), a bounded number of times. SGLang's context-length 400 is parsed and retried
+once with ``max_tokens`` recomputed from the server's own prompt count (budget drift). Other 4xx
+are recorded, not retried. A canary request per server runs before the rest, and a circuit
+breaker aborts the shard when most recent requests failed the same way, quoting the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import stamina
+
+from expansion_dag.errors import (
+    BadResponseError,
+    ContextLengthError,
+    RequestError,
+    ShardAborted,
+    TransientError,
+    error_from_exception,
+    error_from_response,
+)
+from expansion_dag.store import FAILED, OK, SegmentWriter, completion_key
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    """Everything sent with a request that shapes the answer; part of each completion's identity."""
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    #: JSON object text, e.g. ``{"enable_thinking": false}``: kept as text so the settings hash.
+    chat_template_kwargs_json: str = "{}"
+    #: The ``max_tokens`` cap: a higher cap changes which answers are cut, so it is identity too.
+    max_output_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+        if self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be positive, got {self.max_output_tokens}")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs_json must be a JSON object")
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        return json.loads(self.chat_template_kwargs_json)
+
+    def fingerprint(self, model: str) -> str:
+        """Hash of the model and settings: changing either gives new completion keys."""
+        canonical = json.dumps({"model": model, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def key(self, prompt_id: str, model: str) -> str:
+        return completion_key(prompt_id, self.fingerprint(model))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How hard the engine pushes and when it gives up; the defaults suit a GPU fleet."""
+
+    #: Extra requests queued at the server beyond its slots, so a freed slot never waits on a
+    #: round trip: ``max(min_headroom, slots * headroom_fraction)``.
+    headroom_fraction: float = 0.1
+    min_headroom: int = 2
+    connect_timeout_s: float = 10.0
+    #: A long generation on a loaded server takes minutes; this bounds a hung request.
+    request_timeout_s: float = 1800.0
+    max_attempts: int = 5
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    backoff_jitter_s: float = 1.0
+    #: Tokens kept free when ``max_tokens`` is recomputed after a context-length 400.
+    context_margin: int = 16
+    min_output_tokens: int = 16
+    canary: bool = True
+    breaker_window: int = 24
+    breaker_failure_fraction: float = 0.8
+    progress_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.breaker_window < 1:
+            raise ValueError(f"breaker_window must be at least 1, got {self.breaker_window}")
+        if not 0.0 < self.breaker_failure_fraction <= 1.0:
+            raise ValueError("breaker_failure_fraction must be within (0, 1]")
+
+    def workers_for(self, slots: int) -> int:
+        return slots + max(self.min_headroom, int(slots * self.headroom_fraction))
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    key: str
+    prompt_id: str
+    source: str
+    messages: Sequence[Mapping[str, Any]]
+    prompt_tokens: int
+    max_tokens: int
+    expected_tokens: int
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    slots: int
+
+
+@dataclass
+class ServerStats:
+    slots: int
+    requests: int = 0
+    output_tokens: int = 0
+    in_flight: int = 0
+    busy_slot_seconds: float = 0.0
+    _since: float = field(default_factory=time.monotonic)
+
+    def _account(self, now: float) -> None:
+        # Busy slots are what the server is running: requests beyond its slots wait in its queue.
+        self.busy_slot_seconds += min(self.in_flight, self.slots) * (now - self._since)
+        self._since = now
+
+    def started(self, now: float) -> None:
+        self._account(now)
+        self.in_flight += 1
+
+    def finished(self, now: float) -> None:
+        self._account(now)
+        self.in_flight -= 1
+
+
+@dataclass
+class ShardReport:
+    """What happened to a shard's requests; the asset turns it into metadata and checks."""
+
+    total: int = 0
+    ok: int = 0
+    failed: int = 0
+    failures_by_kind: collections.Counter = field(default_factory=collections.Counter)
+    finish_reasons: collections.Counter = field(default_factory=collections.Counter)
+    requests_by_source: collections.Counter = field(default_factory=collections.Counter)
+    truncated_by_source: collections.Counter = field(default_factory=collections.Counter)
+    output_tokens: int = 0
+    context_retries: int = 0
+    #: Server prompt tokens minus local count, per completion (0 when the counts agree).
+    prompt_token_drift: collections.Counter = field(default_factory=collections.Counter)
+    servers: dict[str, ServerStats] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    aborted: str | None = None
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.failed
+
+    @property
+    def failure_rate(self) -> float:
+        return self.failed / self.done if self.done else 0.0
+
+    @property
+    def drifted_completions(self) -> int:
+        return sum(n for d, n in self.prompt_token_drift.items() if d != 0)
+
+    def utilization(self) -> float:
+        """Busy slot-seconds over available slot-seconds, across the shard's servers."""
+        capacity = sum(s.slots for s in self.servers.values()) * self.elapsed_s
+        busy = sum(s.busy_slot_seconds for s in self.servers.values())
+        return busy / capacity if capacity > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    in_flight: dict[str, int]
+    eta_s: float | None
+
+    def __str__(self) -> str:
+        eta = "unknown" if self.eta_s is None else f"{self.eta_s:,.0f} s"
+        flight = ", ".join(f"{url}: {n}" for url, n in self.in_flight.items())
+        return (
+            f"{self.done:,}/{self.total:,} done, {self.output_tokens_per_s:,.0f} output tok/s, "
+            f"in flight [{flight}], ETA {eta}"
+        )
+
+
+class _Breaker:
+    """Opens when most of the last ``window`` outcomes are failures of one kind and status."""
+
+    def __init__(self, window: int, fraction: float):
+        self._outcomes: collections.deque[RequestError | None] = collections.deque(maxlen=window)
+        self._fraction = fraction
+
+    def record(self, error: RequestError | None) -> str | None:
+        self._outcomes.append(error)
+        if len(self._outcomes) < (self._outcomes.maxlen or 0):
+            return None
+        failures = [e for e in self._outcomes if e is not None]
+        if len(failures) < self._fraction * len(self._outcomes):
+            return None
+        signature, count = collections.Counter(e.signature for e in failures).most_common(1)[0]
+        if count < self._fraction * len(self._outcomes):
+            return None
+        example = next(e for e in reversed(failures) if e.signature == signature)
+        status = f" HTTP {example.status}" if example.status else ""
+        return (
+            f"circuit breaker: {count} of the last {len(self._outcomes)} requests failed with "
+            f"{example.kind}{status}: {example.message}"
+        )
+
+
+def make_client(
+    servers: Sequence[Server],
+    config: EngineConfig,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> httpx.AsyncClient:
+    """One pooled client sized to the workers, so no request waits for a connection."""
+    connections = sum(config.workers_for(s.slots) for s in servers)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s, pool=None),
+        headers=headers,
+        transport=transport,
+    )
+
+
+class ShardRun:
+    """One run of one shard: owns the queue, the workers, the breaker and the report."""
+
+    def __init__(
+        self,
+        items: Iterable[WorkItem],
+        servers: Sequence[Server],
+        *,
+        client: httpx.AsyncClient,
+        writer: SegmentWriter,
+        model: str,
+        sampling: SamplingSettings,
+        config: EngineConfig,
+        on_progress: Callable[[Progress], None] | None = None,
+    ):
+        if not servers:
+            raise ValueError("a shard needs at least one server")
+        self._queue = collections.deque(sorted(items, key=lambda i: (-i.expected_tokens, i.prompt_id)))
+        self._servers = list(servers)
+        self._client = client
+        self._writer = writer
+        self._model = model
+        self._sampling = sampling
+        self._template_kwargs = sampling.chat_template_kwargs
+        self._config = config
+        self._on_progress = on_progress
+        self._breaker = _Breaker(config.breaker_window, config.breaker_failure_fraction)
+        self.report = ShardReport(total=len(self._queue), servers={s.url: ServerStats(s.slots) for s in servers})
+        self._start = time.monotonic()
+        self._workers: list[asyncio.Task[None]] = []
+
+    async def run(self) -> ShardReport:
+        self._start = time.monotonic()
+        for stats in self.report.servers.values():
+            stats._since = self._start
+        progress = asyncio.create_task(self._progress_loop()) if self._on_progress else None
+        try:
+            if self._config.canary:
+                await self._canaries()
+            await self._run_workers()
+        finally:
+            if progress is not None:
+                progress.cancel()
+            self._close_books()
+        if self.report.aborted:
+            raise ShardAborted(self.report.aborted, report=self.report)
+        return self.report
+
+    def _close_books(self) -> None:
+        now = time.monotonic()
+        self.report.elapsed_s = now - self._start
+        for stats in self.report.servers.values():
+            stats._account(now)
+
+    async def _canaries(self) -> None:
+        # One request per server, alone, before the flood: a misconfigured fleet fails in seconds.
+        for server in self._servers:
+            if not self._queue:
+                return
+            item = self._queue.popleft()
+            error = await self._process(item, server)
+            if error is not None:
+                self.report.aborted = (
+                    f"canary request to {server.url} failed ({error.kind}"
+                    f"{f' HTTP {error.status}' if error.status else ''}): {error.message}"
+                )
+                return
+
+    async def _run_workers(self) -> None:
+        if self.report.aborted or not self._queue:
+            return
+        self._workers = [
+            asyncio.create_task(self._worker(server))
+            for server in self._servers
+            for _ in range(self._config.workers_for(server.slots))
+        ]
+        try:
+            await asyncio.gather(*self._workers)
+        except asyncio.CancelledError:
+            if not self.report.aborted:
+                raise  # cancelled from outside (run terminated), not by the breaker
+        finally:
+            for task in self._workers:
+                task.cancel()
+            await asyncio.gather(*self._workers, return_exceptions=True)
+
+    async def _worker(self, server: Server) -> None:
+        while self._queue and not self.report.aborted:
+            error = await self._process(self._queue.popleft(), server)
+            reason = self._breaker.record(error)
+            if reason and not self.report.aborted:
+                self.report.aborted = f"{server.url}: {reason}"
+                # Stop the other workers now: their requests would fail the same way.
+                for task in self._workers:
+                    if task is not asyncio.current_task():
+                        task.cancel()
+
+    async def _process(self, item: WorkItem, server: Server) -> RequestError | None:
+        """Send one prompt, write its completion or failure record; return the error if any."""
+        stats = self.report.servers[server.url]
+        started = time.monotonic()
+        attempts = 0
+        max_tokens = item.max_tokens
+
+        async def send(budget: int) -> dict[str, Any]:
+            nonlocal attempts
+            async for attempt in stamina.retry_context(
+                on=TransientError,
+                attempts=self._config.max_attempts,
+                timeout=None,
+                wait_initial=self._config.backoff_initial_s,
+                wait_max=self._config.backoff_max_s,
+                wait_jitter=self._config.backoff_jitter_s,
+            ):
+                with attempt:
+                    attempts += 1
+                    return await self._post(server, item, budget)
+            raise AssertionError("unreachable: stamina re-raises the last error")
+
+        stats.started(started)
+        try:
+            try:
+                body = await send(max_tokens)
+            except ContextLengthError as exc:
+                if exc.overflow is None:
+                    raise
+                # The server counted the prompt differently: trust its count, once.
+                self.report.context_retries += 1
+                budget = exc.overflow.context_length - exc.overflow.prompt_tokens - self._config.context_margin
+                if budget < self._config.min_output_tokens:
+                    raise
+                max_tokens = min(max_tokens, budget)
+                body = await send(max_tokens)
+        except RequestError as error:
+            self._record_failure(item, server, error, attempts, max_tokens)
+            return error
+        finally:
+            stats.finished(time.monotonic())
+        self._record_success(item, server, body, attempts, max_tokens, time.monotonic() - started)
+        return None
+
+    async def _post(self, server: Server, item: WorkItem, max_tokens: int) -> dict[str, Any]:
+        request: dict[str, Any] = {
+            "model": self._model,
+            "messages": item.messages,
+            "max_tokens": max_tokens,
+            "temperature": self._sampling.temperature,
+            "top_p": self._sampling.top_p,
+            "top_k": self._sampling.top_k,
+            "min_p": self._sampling.min_p,
+            "repetition_penalty": self._sampling.repetition_penalty,
+        }
+        if self._sampling.seed is not None:
+            request["seed"] = self._sampling.seed
+        if self._sampling.stop:
+            request["stop"] = list(self._sampling.stop)
+        if self._template_kwargs:
+            request["chat_template_kwargs"] = self._template_kwargs
+        try:
+            response = await self._client.post(f"{server.url}/v1/chat/completions", json=request)
+        except httpx.HTTPError as exc:
+            raise error_from_exception(exc) from exc
+        if response.status_code != 200:
+            raise error_from_response(response)
+        try:
+            body = response.json()
+            choice = body["choices"][0]
+            choice["message"]["content"]  # noqa: B018 - shape check
+            body["usage"]["completion_tokens"]  # noqa: B018
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise BadResponseError(f"not a chat completion: {response.text[:200]}", status=200) from exc
+        return body
+
+    def _record_success(
+        self, item: WorkItem, server: Server, body: dict[str, Any], attempts: int, max_tokens: int, latency: float
+    ) -> None:
+        choice = body["choices"][0]
+        usage = body["usage"]
+        finish = choice.get("finish_reason") or "unknown"
+        completion_tokens = int(usage.get("completion_tokens") or 0)
+        server_prompt_tokens = usage.get("prompt_tokens")
+        self._writer.append(
+            {
+                "key": item.key,
+                "status": OK,
+                "prompt_id": item.prompt_id,
+                "source": item.source,
+                "messages": list(item.messages),
+                "content": choice["message"].get("content") or "",
+                "reasoning_content": choice["message"].get("reasoning_content"),
+                "finish_reason": finish,
+                "prompt_tokens": server_prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "local_prompt_tokens": item.prompt_tokens,
+                "max_tokens": max_tokens,
+                "server": server.url,
+                "latency_s": round(latency, 4),
+                "attempts": attempts,
+            }
+        )
+        report = self.report
+        report.ok += 1
+        report.finish_reasons[finish] += 1
+        report.requests_by_source[item.source] += 1
+        if finish == "length":
+            report.truncated_by_source[item.source] += 1
+        report.output_tokens += completion_tokens
+        if server_prompt_tokens is not None:
+            report.prompt_token_drift[int(server_prompt_tokens) - item.prompt_tokens] += 1
+        stats = report.servers[server.url]
+        stats.requests += 1
+        stats.output_tokens += completion_tokens
+
+    def _record_failure(
+        self, item: WorkItem, server: Server, error: RequestError, attempts: int, max_tokens: int
+    ) -> None:
+        self._writer.append(
+            {
+                "key": item.key,
+                "status": FAILED,
+                "prompt_id": item.prompt_id,
+                "source": item.source,
+                "error": error.kind,
+                "http_status": error.status,
+                "message": error.message,
+                "attempts": attempts,
+                "server": server.url,
+                "max_tokens": max_tokens,
+            }
+        )
+        self.report.failed += 1
+        self.report.failures_by_kind[error.kind] += 1
+        self.report.servers[server.url].requests += 1
+
+    def progress(self) -> Progress:
+        elapsed = time.monotonic() - self._start
+        report = self.report
+        rate = report.done / elapsed if elapsed > 0 else 0.0
+        remaining = report.total - report.done
+        return Progress(
+            done=report.done,
+            total=report.total,
+            elapsed_s=elapsed,
+            output_tokens_per_s=report.output_tokens / elapsed if elapsed > 0 else 0.0,
+            in_flight={url: s.in_flight for url, s in report.servers.items()},
+            eta_s=remaining / rate if rate > 0 else None,
+        )
+
+    async def _progress_loop(self) -> None:
+        assert self._on_progress is not None
+        while True:
+            await asyncio.sleep(self._config.progress_interval_s)
+            self._on_progress(self.progress())
+
+
+def generate_shard(
+    items: Iterable[WorkItem],
+    servers: Sequence[Server],
+    *,
+    writer: SegmentWriter,
+    model: str,
+    sampling: SamplingSettings,
+    config: EngineConfig = EngineConfig(),
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> ShardReport:
+    """Run a shard to the end (or to its abort) on a fresh event loop; the synchronous entry point."""
+
+    async def main() -> ShardReport:
+        async with make_client(servers, config, api_key, transport) as client:
+            run = ShardRun(
+                items,
+                servers,
+                client=client,
+                writer=writer,
+                model=model,
+                sampling=sampling,
+                config=config,
+                on_progress=on_progress,
+            )
+            return await run.run()
+
+    return asyncio.run(main())

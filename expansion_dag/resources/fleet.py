@@ -1,0 +1,129 @@
+"""The fleet resource: provisions (launch mode) or attaches to SGLang servers, then probes them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+import dagster as dg
+from pydantic import Field
+
+from expansion_dag.errors import FleetError
+from expansion_dag.fleet import FleetInfo, Launcher, LaunchSpec, is_healthy, probe_fleet
+
+#: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
+#: so the whole command is configuration, not code.
+SGLANG_LAUNCH_COMMAND = (
+    "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port} "
+    "--context-length {context_length}"
+)
+#: The simulator takes the same flags, plus its own time model, so launch mode is exercised as is.
+SIMULATOR_LAUNCH_COMMAND = (
+    "{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
+    "--context-length {context_length} --max-running-requests 16 --token-latency-ms 1 "
+    "--output-median-tokens 160 --warmup-s 0.5"
+)
+
+
+class FleetResource(dg.ConfigurableResource):
+    """SGLang servers, one per GPU: launched (``launch``) or already running (``attach``)."""
+
+    mode: str = Field(default="launch", description="'launch' starts one server per GPU; 'attach' uses `urls`.")
+    urls: list[str] = Field(default=[], description="Attach mode: base URLs, one per shard, in shard order.")
+    backend: str = Field(default="sglang", description="'sglang' or 'vllm' (OpenAI-compatible server).")
+    launch_command: str = Field(
+        default=SGLANG_LAUNCH_COMMAND,
+        description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
+        "{context_length} {python} {api_key}.",
+    )
+    model_path: str = "Qwen/Qwen3-8B"
+    context_length: int = Field(
+        default=8192, description="Launch parameter only; budgets always use the probed context length."
+    )
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    gpus: list[int] = Field(default=[], description="Launch mode: one server per GPU; default 0..shards-1.")
+    num_servers: int = Field(default=2, description="Launch mode, when `gpus` is empty.")
+    api_key_env: str = Field(
+        default="SGLANG_API_KEY", description="Name of the environment variable holding the API key, if any."
+    )
+    startup_timeout_s: float = 900.0
+    slots_override: Optional[int] = None
+    fallback_to_healthy: bool = Field(
+        default=True, description="Run a shard on a healthy server when its own server is down."
+    )
+    state_dir: str = Field(default="", description="Logs and pid files of launched servers.")
+
+    def api_key(self) -> Optional[str]:
+        return os.environ.get(self.api_key_env) or None
+
+    def launcher(self) -> Launcher:
+        gpus = self.gpus or list(range(self.num_servers))
+        return Launcher(
+            state_dir=self.state_dir or os.path.join(os.getcwd(), "storage", "fleet"),
+            command=self.launch_command,
+            host=self.host,
+            specs=[LaunchSpec(gpu=g, port=self.base_port + i) for i, g in enumerate(gpus)],
+            values={"model_path": self.model_path, "context_length": self.context_length, "python": sys.executable},
+            api_key=self.api_key(),
+        )
+
+    def server_urls(self) -> list[str]:
+        if self.mode == "attach":
+            if not self.urls:
+                raise FleetError("attach mode needs `urls`")
+            return [u.rstrip("/") for u in self.urls]
+        if self.mode == "launch":
+            return self.launcher().urls
+        raise FleetError(f"fleet mode must be 'launch' or 'attach', got {self.mode!r}")
+
+    def provision(self, log: Any = None) -> FleetInfo:
+        """Ensure every server runs and is ready, then probe them all."""
+        if self.mode == "launch":
+            started = self.launcher().ensure_running(timeout_s=self.startup_timeout_s)
+            if started and log is not None:
+                log.info(f"launched {len(started)} server(s): {', '.join(started)}")
+        return self.probe()
+
+    def probe(self) -> FleetInfo:
+        return probe_fleet(
+            self.server_urls(),
+            backend=self.backend,  # type: ignore[arg-type]
+            api_key=self.api_key(),
+            slots_override=self.slots_override,
+        )
+
+    def server_for_shard(self, shard_index: int) -> tuple[str, bool]:
+        """The shard's own server, or a healthy one when it is down and fallback is allowed.
+
+        Returns the URL and whether it is a fallback.
+        """
+        urls = self.server_urls()
+        if shard_index >= len(urls):
+            raise FleetError(f"shard {shard_index} has no server: the fleet has {len(urls)}")
+        own = urls[shard_index]
+        if is_healthy(own) or not self.fallback_to_healthy:
+            return own, False
+        for offset in range(1, len(urls)):
+            candidate = urls[(shard_index + offset) % len(urls)]
+            if is_healthy(candidate):
+                return candidate, True
+        raise FleetError(f"no healthy server: {own} (the shard's own) and every other server are down")
+
+    def stop(self) -> list[int]:
+        return self.launcher().stop() if self.mode == "launch" else []
+
+    def effective_config(self, fleet: FleetInfo, url: str) -> dict[str, Any]:
+        """What this shard ran with, as compared between materializations (no secrets)."""
+        info = fleet.server(url)
+        return {
+            "backend": info.backend,
+            "model": info.model,
+            "model_path": info.model_path,
+            "server_version": info.version,
+            "context_length": info.context_length,
+            "slots": info.slots,
+            "simulator": info.simulator,
+            "launch_command": self.launch_command if self.mode == "launch" else None,
+        }

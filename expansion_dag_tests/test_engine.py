@@ -1,0 +1,293 @@
+"""The generation engine against httpx.MockTransport: dispatch, retries, breaker, records."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
+from expansion_dag.errors import ShardAborted
+from expansion_dag.store import CompletionStore
+
+URL = "http://gpu-0:30000"
+FAST = dict(backoff_initial_s=0.001, backoff_max_s=0.002, backoff_jitter_s=0.0, progress_interval_s=3600)
+OVERFLOW = (
+    "Requested token count exceeds the model's maximum context length of {c} tokens. You requested a total "
+    "of {m} tokens: {x} tokens from the input messages and {y} tokens for the completion. Please reduce the "
+    "number of tokens in the input messages or the completion to fit within the limit."
+)
+
+
+def items(n, *, max_tokens=100):
+    return [
+        WorkItem(
+            key=f"k{i:03d}",
+            prompt_id=f"p{i:03d}",
+            source="src-a" if i % 2 else "src-b",
+            messages=[{"role": "user", "content": f"question {i}"}],
+            prompt_tokens=10 + i,
+            max_tokens=max_tokens,
+            expected_tokens=10 + i,
+        )
+        for i in range(n)
+    ]
+
+
+def completion(content="fine", finish="stop", prompt_tokens=None, completion_tokens=5, reasoning=None):
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+                "finish_reason": finish,
+            }
+        ],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+    }
+
+
+def prompt_number(request):
+    return int(json.loads(request.content)["messages"][0]["content"].split()[-1])
+
+
+def run(tmp_path, work, handler, *, slots=4, config=None, **kw):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as writer:
+        report = generate_shard(
+            work,
+            [Server(URL, slots)],
+            writer=writer,
+            model="m",
+            sampling=kw.pop("sampling", SamplingSettings()),
+            config=config or EngineConfig(**FAST),
+            transport=httpx.MockTransport(handler),
+            **kw,
+        )
+    return report, store
+
+
+def test_every_prompt_ends_as_one_completion_with_what_a_user_needs(tmp_path):
+    def handler(request):
+        n = prompt_number(request)
+        return httpx.Response(200, json=completion(f"answer {n}", prompt_tokens=10 + n, reasoning="hmm"))
+
+    report, store = run(tmp_path, items(20), handler)
+    records = list(store.records("shard-00"))
+    assert sorted(r["prompt_id"] for r in records) == [f"p{i:03d}" for i in range(20)]
+    record = next(r for r in records if r["prompt_id"] == "p003")
+    assert record["content"] == "answer 3"
+    assert record["reasoning_content"] == "hmm"
+    assert record["finish_reason"] == "stop"
+    assert record["prompt_tokens"] == record["local_prompt_tokens"] == 13
+    assert record["completion_tokens"] == 5
+    assert record["max_tokens"] == 100
+    assert record["server"] == URL
+    assert record["attempts"] == 1
+    assert record["latency_s"] >= 0
+    assert report.ok == 20 and report.failed == 0
+    assert report.drifted_completions == 0
+
+
+def test_in_flight_requests_fill_the_slots_plus_headroom_and_never_more(tmp_path):
+    in_flight = 0
+    peak = 0
+
+    async def handler(request):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**FAST, min_headroom=2)
+    report, _ = run(tmp_path, items(60), handler, slots=8, config=config)
+    assert peak == 8 + 2
+    assert report.utilization() > 0.5
+
+
+def test_longest_expected_requests_start_first(tmp_path):
+    started = []
+
+    def handler(request):
+        started.append(prompt_number(request))
+        return httpx.Response(200, json=completion())
+
+    run(tmp_path, items(12), handler, slots=1, config=EngineConfig(**FAST, min_headroom=0, headroom_fraction=0))
+    assert started == sorted(started, reverse=True)
+
+
+def test_transient_errors_are_retried_and_attempts_recorded(tmp_path):
+    calls = {}
+
+    def handler(request):
+        n = prompt_number(request)
+        calls[n] = calls.get(n, 0) + 1
+        if calls[n] < 3:
+            return httpx.Response(503, json={"object": "error", "message": "The request queue is full.", "code": 503})
+        return httpx.Response(200, json=completion())
+
+    report, store = run(tmp_path, items(3), handler)
+    assert report.ok == 3
+    assert {r["attempts"] for r in store.records("shard-00")} == {3}
+
+
+def test_retries_are_bounded_and_the_failure_is_a_record(tmp_path):
+    calls = 0
+
+    def handler(request):
+        nonlocal calls
+        calls += 1
+        return httpx.Response(502, text="bad gateway")
+
+    config = EngineConfig(**FAST, max_attempts=3, canary=False, breaker_window=100)
+    report, store = run(tmp_path, items(2), handler, config=config)
+    assert calls == 6
+    failures = list(store.records("shard-00", status="failed"))
+    assert len(failures) == 2
+    assert failures[0]["attempts"] == 3
+    assert failures[0]["http_status"] == 502
+    assert failures[0]["message"] == "bad gateway"
+    assert failures[0]["error"] == "transient"
+    assert report.failures_by_kind == {"transient": 2}
+
+
+def test_other_client_errors_are_not_retried(tmp_path):
+    calls = 0
+
+    def handler(request):
+        nonlocal calls
+        calls += 1
+        if prompt_number(request) == 4:
+            return httpx.Response(422, json={"object": "error", "message": "bad stop sequence", "code": 422})
+        return httpx.Response(200, json=completion())
+
+    report, store = run(tmp_path, items(6), handler)
+    assert calls == 6
+    [failure] = store.records("shard-00", status="failed")
+    assert (failure["prompt_id"], failure["http_status"], failure["message"]) == ("p004", 422, "bad stop sequence")
+    assert failure["attempts"] == 1
+
+
+def test_context_length_400_is_retried_once_with_the_servers_own_count(tmp_path):
+    sent = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        sent.append(body["max_tokens"])
+        # The server counts 40 more prompt tokens than the client did.
+        server_prompt = 10 + prompt_number(request) + 40
+        if server_prompt + body["max_tokens"] > 200:
+            message = OVERFLOW.format(c=200, m=server_prompt + body["max_tokens"], x=server_prompt, y=body["max_tokens"])
+            return httpx.Response(400, json={"object": "error", "message": message, "type": "BadRequestError", "code": 400})
+        return httpx.Response(200, json=completion(prompt_tokens=server_prompt))
+
+    work = [items(1, max_tokens=200 - 10 - 16)[0]]
+    report, store = run(tmp_path, work, handler, config=EngineConfig(**FAST, context_margin=16))
+    assert sent == [174, 200 - 50 - 16]
+    [record] = store.records("shard-00")
+    assert record["max_tokens"] == 134
+    assert report.context_retries == 1
+    assert report.prompt_token_drift == {40: 1}
+
+
+def test_the_8192_incident_ends_after_one_canary_request_with_the_servers_words(tmp_path):
+    calls = 0
+
+    def handler(request):
+        nonlocal calls
+        calls += 1
+        message = "max_completion_tokens is too large: 8192.This model supports at most 8191 completion tokens."
+        return httpx.Response(400, json={"object": "error", "message": message, "type": "BadRequestError", "code": 400})
+
+    with pytest.raises(ShardAborted, match="canary request to http://gpu-0:30000 failed .*too large: 8192") as info:
+        run(tmp_path, items(500), handler, slots=72)
+    assert calls == 1
+    assert info.value.report.failed == 1
+
+
+def test_the_breaker_stops_a_shard_whose_requests_start_failing_the_same_way(tmp_path):
+    calls = 0
+
+    def handler(request):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return httpx.Response(200, json=completion())
+        return httpx.Response(401, json={"error": "Unauthorized"})
+
+    config = EngineConfig(**FAST, breaker_window=10)
+    with pytest.raises(ShardAborted, match="circuit breaker: .* rejected HTTP 401: Unauthorized"):
+        run(tmp_path, items(1000), handler, slots=4, config=config)
+    assert calls < 30
+
+
+def test_a_few_failures_among_many_successes_do_not_trip_the_breaker(tmp_path):
+    def handler(request):
+        if prompt_number(request) % 25 == 0:
+            return httpx.Response(400, json={"object": "error", "message": "invalid", "code": 400})
+        return httpx.Response(200, json=completion())
+
+    report, _ = run(tmp_path, items(200), handler, config=EngineConfig(**FAST, breaker_window=10))
+    assert report.failed == 8 and report.ok == 192
+
+
+def test_a_malformed_200_is_a_failure_record_not_a_crash(tmp_path):
+    report, store = run(tmp_path, items(1), lambda r: httpx.Response(200, json={"oops": True}), config=EngineConfig(**FAST, canary=False))
+    [failure] = store.records("shard-00", status="failed")
+    assert failure["error"] == "bad_response"
+
+
+def test_requests_carry_the_sampling_settings_and_the_api_key(tmp_path):
+    seen = []
+
+    def handler(request):
+        seen.append((json.loads(request.content), request.headers.get("authorization")))
+        return httpx.Response(200, json=completion())
+
+    sampling = SamplingSettings(temperature=0.3, seed=7, chat_template_kwargs_json='{"enable_thinking": false}')
+    run(tmp_path, items(1), handler, sampling=sampling, api_key="secret")
+    body, auth = seen[0]
+    assert auth == "Bearer secret"
+    assert body["temperature"] == 0.3 and body["seed"] == 7
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["model"] == "m"
+
+
+def test_progress_reports_done_rate_in_flight_and_eta(tmp_path):
+    seen = []
+
+    async def handler(request):
+        await asyncio.sleep(0.02)
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**{**FAST, "progress_interval_s": 0.01})
+    run(tmp_path, items(30), handler, slots=2, config=config, on_progress=seen.append)
+    assert seen, "no progress line"
+    line = str(seen[-1])
+    assert "/30 done" in line and "output tok/s" in line and URL in line and "ETA" in line
+
+
+def test_completion_identity_follows_model_and_sampling():
+    base = SamplingSettings()
+    assert base.key("p1", "model-a") == SamplingSettings().key("p1", "model-a")
+    assert base.key("p1", "model-a") != base.key("p1", "model-b")
+    assert base.key("p1", "model-a") != SamplingSettings(temperature=0.1).key("p1", "model-a")
+    assert base.key("p1", "model-a") != SamplingSettings(chat_template_kwargs_json='{"enable_thinking": false}').key("p1", "model-a")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": 3.0}, "temperature must be within"),
+        ({"top_p": 0.0}, "top_p must be within"),
+        ({"max_output_tokens": 0}, "max_output_tokens must be positive"),
+        ({"chat_template_kwargs_json": "[1]"}, "must be a JSON object"),
+    ],
+)
+def test_invalid_sampling_settings_say_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingSettings(**kwargs)
