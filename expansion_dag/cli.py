@@ -36,7 +36,7 @@ def _execute(job_name: str, partition_key: str | None = None) -> tuple[str, bool
 
     from expansion_dag.definitions import defs
 
-    job = defs.get_job_def(job_name)
+    job = defs.resolve_job_def(job_name)
     with dg.DagsterInstance.get() as instance:
         result = job.execute_in_process(
             instance=instance,
@@ -82,14 +82,55 @@ def run(args: argparse.Namespace) -> int:
         run_id, ok, why = _execute("training_set_job")
         print(f"training_set_job run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
         if ok:
-            storage = defs.resources["storage"]
-            print(f"training set: {storage.path('training_set')}", flush=True)
+            _print_summary(defs.resources["storage"].path("training_set"))
         failed = [] if ok else ["training_set"]
     if not args.keep_fleet:
         stopped = defs.resources["fleet"].stop()
         if stopped:
             print(f"stopped {len(stopped)} launched server(s)", flush=True)
     return 1 if failed else 0
+
+
+def _print_summary(out_dir: Path) -> None:
+    from expansion_dag.training_set import Manifest
+
+    manifest = Manifest.read(out_dir)
+    print(
+        f"training set: {out_dir}\n  {manifest.samples:,} samples, {manifest.tokens:,} tokens "
+        f"({manifest.assistant_tokens:,} trained on), mean {manifest.tokens_per_sample['mean']:,.0f} "
+        f"tokens per sample; left out: {manifest.left_out}",
+        flush=True,
+    )
+    for source, figures in sorted(manifest.by_source.items()):
+        print(f"  {source}: {figures['samples']:,} samples, {figures['tokens']:,} tokens", flush=True)
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Prove a configuration on simulators that mirror a real fleet, before GPU hours are spent."""
+    from expansion_dag.fleet import probe_fleet
+
+    urls = [u.strip() for u in args.mirror.split(",") if u.strip()]
+    api_key = os.environ.get(args.api_key_env) or None
+    real = probe_fleet(urls, backend=args.backend, api_key=api_key)
+    slots = {s.slots for s in real.servers}
+    print(
+        f"mirroring {len(urls)} server(s): model {real.model_path}, context {real.context_length}, "
+        f"slots {sorted(slots)}; generating on SIMULATED servers with those settings",
+        flush=True,
+    )
+    home = prepare_dagster_home()
+    os.environ.update(
+        {
+            "EXPANSION_PROFILE": "local",
+            # Its own storage: simulated answers must never sit beside real ones.
+            "EXPANSION_STORAGE": os.environ.get("EXPANSION_DRY_RUN_STORAGE", str(home / "dry-run-storage")),
+            "EXPANSION_SHARDS": str(len(urls)),
+            "EXPANSION_SIM_MODEL_PATH": real.model_path,
+            "EXPANSION_SIM_CONTEXT_LENGTH": str(real.context_length),
+            "EXPANSION_SIM_SLOTS": str(max(slots)),
+        }
+    )
+    return run(args)
 
 
 def fleet(args: argparse.Namespace) -> int:
@@ -119,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = sub.add_parser("run", help="materialize every asset and every shard")
     run_parser.add_argument("--keep-fleet", action="store_true", help="leave launched servers running")
     run_parser.set_defaults(func=run)
+    dry_parser = sub.add_parser("dry-run", help="run everything on simulators mirroring a real fleet")
+    dry_parser.add_argument("--mirror", required=True, help="comma-separated URLs of the real servers to mirror")
+    dry_parser.add_argument("--backend", default="sglang", choices=["sglang", "vllm"])
+    dry_parser.add_argument("--api-key-env", default="SGLANG_API_KEY")
+    dry_parser.add_argument("--keep-fleet", action="store_true", help="leave launched simulators running")
+    dry_parser.set_defaults(func=dry_run)
     fleet_parser = sub.add_parser("fleet", help="start, probe or stop the configured fleet")
     fleet_parser.add_argument("action", choices=["start", "status", "stop"])
     fleet_parser.set_defaults(func=fleet)

@@ -33,9 +33,13 @@ PROFILES = ("local", "production")
 def fleet_for(profile: str, storage_root: str) -> FleetResource:
     state_dir = os.path.join(storage_root, "fleet")
     if profile == "local":
+        # A dry run (``expansion-dag dry-run --mirror ...``) sets these to a real fleet's probe.
         return FleetResource(
             mode="launch",
             launch_command=SIMULATOR_LAUNCH_COMMAND,
+            model_path=os.environ.get("EXPANSION_SIM_MODEL_PATH", "Qwen/Qwen3-8B"),
+            context_length=int(os.environ.get("EXPANSION_SIM_CONTEXT_LENGTH", "8192")),
+            max_running_requests=int(os.environ.get("EXPANSION_SIM_SLOTS", "16")),
             num_servers=len(SHARD_KEYS),
             base_port=int(os.environ.get("EXPANSION_SIM_BASE_PORT", "30000")),
             startup_timeout_s=120.0,

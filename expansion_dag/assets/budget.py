@@ -1,6 +1,5 @@
 """Stage 3: token-budgeted prompts, then one partition of them per shard."""
 
-from __future__ import annotations
 
 import dagster as dg
 import polars as pl

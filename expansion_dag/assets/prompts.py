@@ -1,6 +1,5 @@
 """Stage 2: prompts extracted from every source, cleaned, deduplicated and sampled."""
 
-from __future__ import annotations
 
 import dagster as dg
 import polars as pl
@@ -21,24 +20,38 @@ def build_prompts_asset(catalog: Catalog) -> dg.AssetsDefinition:
     def prompts(context: dg.AssetExecutionContext, storage: StorageResource, **raw: pl.DataFrame) -> pl.DataFrame:
         """One chat prompt per row, ending at a user turn, with a stable content-hash id."""
         results = [
-            extract_prompts(raw[f"raw_{s.name}"], source=s.name, extractor=s.extractor) for s in catalog.sources
+            extract_prompts(
+                raw[f"raw_{s.name}"],
+                source=s.name,
+                extractor=s.extractor,
+                turn=s.turn,
+                max_chars=s.max_chars,
+                filters=dict(s.filters),
+            )
+            for s in catalog.sources
         ]
-        selection = select_prompts(results, catalog)
+        selection = select_prompts(results, catalog=catalog)
         quarantine_path = storage.path("quarantine", "prompts.parquet")
         selection.quarantine.write_parquet(quarantine_path)
-        stats = selection.stats
+        accounting = pl.DataFrame([s.as_dict() for s in selection.stats.values()])
+        by_reason = (
+            dict(selection.quarantine.group_by("reason").len().sort("reason").iter_rows())
+            if selection.quarantine.height
+            else {}
+        )
         context.add_output_metadata(
             {
                 "prompts": selection.prompts.height,
+                "prompts_by_source": dg.MetadataValue.json(
+                    {s.source: s.prompts_out for s in selection.stats.values()}
+                ),
+                "duplicates": sum(s.duplicates for s in selection.stats.values()),
                 "quarantined": selection.quarantine.height,
+                "quarantined_by_reason": dg.MetadataValue.json(by_reason),
                 "quarantine_file": dg.MetadataValue.path(str(quarantine_path)),
-                "accounting": dg.MetadataValue.md(markdown_table(stats_frame(stats))),
+                "accounting": dg.MetadataValue.md(markdown_table(accounting)),
             }
         )
         return selection.prompts
 
     return prompts
-
-
-def stats_frame(stats) -> pl.DataFrame:
-    return pl.DataFrame(stats)

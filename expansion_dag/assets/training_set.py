@@ -1,11 +1,9 @@
 """Stage 5: the tokenized training set, merged from every shard's completions."""
 
-from __future__ import annotations
 
 import dagster as dg
 import polars as pl
 
-from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.training_set import (
     build_training_set,
     check_round_trip,
@@ -83,12 +81,7 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
             "assistant_tokens": manifest.assistant_tokens,
             "mean_tokens_per_sample": round(manifest.tokens_per_sample.get("mean", 0.0), 1),
             "left_out": dg.MetadataValue.json(manifest.left_out),
-            "by_source": dg.MetadataValue.md(
-                markdown_table(
-                    columns=["source", "samples", "tokens"],
-                    rows=[(s, v["samples"], v["tokens"]) for s, v in sorted(manifest.by_source.items())],
-                )
-            ),
+            "tokenizer": settings.tokenizer,
             "summary": dg.MetadataValue.md(manifest_markdown(manifest)),
             "path": dg.MetadataValue.path(str(out_dir)),
             "files": dg.MetadataValue.json(data_files(out_dir)),

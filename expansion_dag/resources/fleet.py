@@ -21,7 +21,7 @@ SGLANG_LAUNCH_COMMAND = (
 #: The simulator takes the same flags, plus its own time model, so launch mode is exercised as is.
 SIMULATOR_LAUNCH_COMMAND = (
     "{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
-    "--context-length {context_length} --max-running-requests 16 --token-latency-ms 1 "
+    "--context-length {context_length} --max-running-requests {max_running_requests} --token-latency-ms 1 "
     "--output-median-tokens 160 --warmup-s 0.5"
 )
 
@@ -35,11 +35,14 @@ class FleetResource(dg.ConfigurableResource):
     launch_command: str = Field(
         default=SGLANG_LAUNCH_COMMAND,
         description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
-        "{context_length} {python} {api_key}.",
+        "{context_length} {max_running_requests} {python} {api_key}.",
     )
     model_path: str = "Qwen/Qwen3-8B"
     context_length: int = Field(
         default=8192, description="Launch parameter only; budgets always use the probed context length."
+    )
+    max_running_requests: int = Field(
+        default=16, description="Launch parameter {max_running_requests}; requests in flight follow the probed slots."
     )
     host: str = "127.0.0.1"
     base_port: int = 30000
@@ -65,7 +68,12 @@ class FleetResource(dg.ConfigurableResource):
             command=self.launch_command,
             host=self.host,
             specs=[LaunchSpec(gpu=g, port=self.base_port + i) for i, g in enumerate(gpus)],
-            values={"model_path": self.model_path, "context_length": self.context_length, "python": sys.executable},
+            values={
+                "model_path": self.model_path,
+                "context_length": self.context_length,
+                "max_running_requests": self.max_running_requests,
+                "python": sys.executable,
+            },
             api_key=self.api_key(),
         )
 

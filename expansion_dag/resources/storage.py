@@ -7,6 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pyarrow.parquet as pq
 from pydantic import Field
 
 from expansion_dag.store import CompletionStore
@@ -60,4 +61,6 @@ class ParquetIOManager(dg.ConfigurableIOManager):
         path = self._path(context)
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: materialize {context.asset_key.to_user_string()} first")
-        return pl.read_parquet(path)
+        # Through pyarrow: raw rows may hold invalid UTF-8 on purpose (extraction quarantines
+        # them), which polars' own reader refuses outright.
+        return pl.from_arrow(pq.read_table(path))

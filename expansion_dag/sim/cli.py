@@ -1,0 +1,192 @@
+"""``expansion-sim``: run simulated SGLang servers, one per port, in one process.
+
+Flag names mirror ``python -m sglang.launch_server`` where SGLang has one, so a real fleet's launch
+command can be pointed at the simulator for a dry run; SGLang flags the simulator does not model
+(``--mem-fraction-static 0.9``, ``--attention-backend fa3``, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+from expansion_dag.sim.config import BACKENDS, REASONING_PARSERS, SimServerConfig
+from expansion_dag.sim.server import SimServer
+
+logger = logging.getLogger("expansion_dag.sim")
+
+API_KEY_ENV = "SGLANG_API_KEY"
+_DEFAULTS = SimServerConfig()
+
+
+def _port_range(text: str) -> list[int]:
+    first, _, last = text.partition("-")
+    try:
+        low, high = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PORT or FIRST-LAST, got {text!r}") from None
+    if low > high:
+        raise argparse.ArgumentTypeError(f"empty port range {text!r}")
+    return list(range(low, high + 1))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="expansion-sim",
+        description=(
+            "SGLang-compatible fleet SIMULATOR: no model runs, answers are synthetic. Starts one "
+            "simulated server per port in this process, each with its own slots, queue and stats. "
+            "Unknown sglang.launch_server flags are accepted and ignored."
+        ),
+        allow_abbrev=False,  # an unknown sglang flag must never be taken for a prefix of ours
+    )
+    sg = p.add_argument_group("flags shared with sglang.launch_server")
+    sg.add_argument("--model-path", default=_DEFAULTS.model_path)
+    sg.add_argument("--served-model-name", default=None)
+    sg.add_argument(
+        "--tokenizer-path",
+        default=_DEFAULTS.tokenizer,
+        help="tokenizer folder or hub id (default: the bundled Qwen3 tokenizer)",
+    )
+    sg.add_argument("--host", default=_DEFAULTS.host)
+    sg.add_argument(
+        "--port", type=int, action="append", default=[], help="repeatable: one simulated server per port"
+    )
+    sg.add_argument("--context-length", type=int, default=_DEFAULTS.context_length)
+    sg.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)
+    sg.add_argument("--max-queued-requests", type=int, default=None)
+    sg.add_argument(
+        "--api-key",
+        default=None,
+        help=f"default: ${API_KEY_ENV}, which keeps the key out of process listings",
+    )
+    sg.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None)
+    sg.add_argument("--random-seed", "--seed", dest="seed", type=int, default=_DEFAULTS.seed)
+    sg.add_argument("--log-level", default="info")
+
+    sim = p.add_argument_group("simulator-only flags")
+    sim.add_argument(
+        "--ports",
+        type=_port_range,
+        action="append",
+        default=[],
+        help="a port range FIRST-LAST, e.g. 30000-30007",
+    )
+    sim.add_argument(
+        "--backend", choices=BACKENDS, default=_DEFAULTS.backend, help="whose HTTP behaviour to simulate"
+    )
+    sim.add_argument("--ttft-ms", type=float, default=_DEFAULTS.ttft_s * 1000)
+    sim.add_argument(
+        "--token-latency-ms", type=float, default=_DEFAULTS.token_latency_s * 1000, help="per output token"
+    )
+    sim.add_argument("--output-median-tokens", type=int, default=_DEFAULTS.output_median_tokens)
+    sim.add_argument(
+        "--output-sigma", type=float, default=_DEFAULTS.output_sigma, help="lognormal sigma of output lengths"
+    )
+    sim.add_argument(
+        "--reasoning-share",
+        type=float,
+        default=_DEFAULTS.reasoning_share,
+        help="share of a thinking answer spent thinking",
+    )
+    sim.add_argument(
+        "--startup-delay-s",
+        type=float,
+        default=_DEFAULTS.startup_delay_s,
+        help="connections refused this long",
+    )
+    sim.add_argument(
+        "--warmup-s", type=float, default=_DEFAULTS.warmup_s, help="/health answers 503 this long"
+    )
+    sim.add_argument("--fail-rate", type=float, default=_DEFAULTS.fail_rate)
+    sim.add_argument("--fail-status", type=int, default=_DEFAULTS.fail_status)
+    sim.add_argument("--die-after-requests", type=int, default=None)
+    sim.add_argument("--hang-rate", type=float, default=_DEFAULTS.hang_rate)
+    sim.add_argument("--prompt-token-skew", type=int, default=_DEFAULTS.prompt_token_skew)
+    return p
+
+
+def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
+    ports = list(dict.fromkeys([*args.port, *(port for r in args.ports for port in r)])) or [_DEFAULTS.port]
+    base = SimServerConfig(
+        host=args.host,
+        port=ports[0],
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        tokenizer=args.tokenizer_path,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        reasoning_parser=args.reasoning_parser,
+        backend=args.backend,
+        startup_delay_s=args.startup_delay_s,
+        warmup_s=args.warmup_s,
+        ttft_s=args.ttft_ms / 1000,
+        token_latency_s=args.token_latency_ms / 1000,
+        output_median_tokens=args.output_median_tokens,
+        output_sigma=args.output_sigma,
+        reasoning_share=args.reasoning_share,
+        seed=args.seed,
+        fail_rate=args.fail_rate,
+        fail_status=args.fail_status,
+        die_after_requests=args.die_after_requests,
+        hang_rate=args.hang_rate,
+        prompt_token_skew=args.prompt_token_skew,
+    )
+    return [dataclasses.replace(base, port=port) for port in ports]
+
+
+async def _serve(configs: list[SimServerConfig]) -> int:
+    servers = [SimServer(config) for config in configs]
+    for server in servers:
+        server.start()
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signalled.set)
+    all_stopped = asyncio.gather(*(s.wait_stopped() for s in servers))
+    signal_wait = asyncio.ensure_future(signalled.wait())
+    await asyncio.wait([all_stopped, signal_wait], return_when=asyncio.FIRST_COMPLETED)
+    if signalled.is_set():
+        for server in servers:
+            server.stop("shut down by signal")
+        await all_stopped
+        return 0
+    signal_wait.cancel()
+    # Every server died (die_after_requests): exit like the crashed process it simulates.
+    logger.error("every simulated server has stopped; exiting")
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, ignored = parser.parse_known_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stdout,
+        format="[%(asctime)s] %(message)s",
+    )
+    try:
+        configs = _configs(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if ignored:
+        logger.info("simulator ignores flags it does not model: %s", " ".join(ignored))
+    logger.info(
+        "SGLang fleet SIMULATOR (no model runs): %d %s server(s) on %s, %d slots each",
+        len(configs),
+        configs[0].backend,
+        ", ".join(f"{c.host}:{c.port}" for c in configs),
+        configs[0].max_running_requests,
+    )
+    try:
+        return asyncio.run(_serve(configs))
+    except OSError as exc:  # a port already taken, an address that cannot be bound
+        logger.error("simulator could not start: %s", exc)
+        return 1

@@ -1,0 +1,112 @@
+"""Configuration of one simulated server: frozen, validated, with named defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from expansion_dag.tokenizer import DEFAULT_TOKENIZER
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+DEFAULT_MODEL_PATH = "Qwen/Qwen3-8B"
+DEFAULT_CONTEXT_LENGTH = 8192
+DEFAULT_MAX_RUNNING_REQUESTS = 16
+DEFAULT_TTFT_S = 0.05
+DEFAULT_TOKEN_LATENCY_S = 0.01
+DEFAULT_OUTPUT_MEDIAN_TOKENS = 256
+DEFAULT_OUTPUT_SIGMA = 1.0
+DEFAULT_REASONING_SHARE = 0.5
+DEFAULT_FAIL_STATUS = 503
+DEFAULT_SEED = 0
+
+BACKENDS = ("sglang", "vllm")
+REASONING_PARSERS = ("qwen3",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimServerConfig:
+    """One simulated inference server. Times are in seconds, lengths in tokens.
+
+    A request holds a slot for ``ttft_s + completion_tokens * token_latency_s``. Output lengths are
+    lognormal around ``output_median_tokens`` with ``output_sigma``, drawn deterministically from
+    the rendered prompt, the request's ``seed`` and ``seed`` here. Fault injection is
+    deterministic by request counter: ``fail_rate`` answers that share of generation requests
+    with ``fail_status``, ``hang_rate`` leaves that share of the rest unanswered until the client
+    disconnects, ``die_after_requests`` kills the server after that many completions, and
+    ``prompt_token_skew`` is added to every prompt count the server reports.
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0 binds an ephemeral port (tests)
+    model_path: str = DEFAULT_MODEL_PATH
+    served_model_name: str | None = None
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    max_queued_requests: int | None = None
+    tokenizer: str = DEFAULT_TOKENIZER
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    reasoning_parser: str | None = None
+    backend: str = "sglang"
+    startup_delay_s: float = 0.0
+    warmup_s: float = 0.0
+    ttft_s: float = DEFAULT_TTFT_S
+    token_latency_s: float = DEFAULT_TOKEN_LATENCY_S
+    output_median_tokens: int = DEFAULT_OUTPUT_MEDIAN_TOKENS
+    output_sigma: float = DEFAULT_OUTPUT_SIGMA
+    reasoning_share: float = DEFAULT_REASONING_SHARE
+    seed: int = DEFAULT_SEED
+    fail_rate: float = 0.0
+    fail_status: int = DEFAULT_FAIL_STATUS
+    die_after_requests: int | None = None
+    hang_rate: float = 0.0
+    prompt_token_skew: int = 0
+
+    def __post_init__(self) -> None:
+        problems = list(_problems(self))
+        if problems:
+            raise ValueError("invalid simulator config: " + "; ".join(problems))
+
+    @property
+    def model_name(self) -> str:
+        """The name served in ``/v1/models`` and echoed by the server."""
+        return self.served_model_name or self.model_path
+
+
+def _problems(c: SimServerConfig):
+    if not c.host:
+        yield "host must not be empty"
+    if not 0 <= c.port <= 65535:
+        yield f"port must be in 0..65535, got {c.port}"
+    if not c.model_path:
+        yield "model_path must not be empty"
+    if c.served_model_name == "":
+        yield "served_model_name must be None or non-empty"
+    if c.context_length < 2:
+        yield f"context_length must be >= 2, got {c.context_length}"
+    if c.max_running_requests < 1:
+        yield f"max_running_requests must be >= 1, got {c.max_running_requests}"
+    if c.max_queued_requests is not None and c.max_queued_requests < 0:
+        yield f"max_queued_requests must be None or >= 0, got {c.max_queued_requests}"
+    if c.api_key == "":
+        yield "api_key must be None or non-empty"
+    if c.reasoning_parser is not None and c.reasoning_parser not in REASONING_PARSERS:
+        yield f"reasoning_parser must be None or one of {REASONING_PARSERS}, got {c.reasoning_parser!r}"
+    if c.backend not in BACKENDS:
+        yield f"backend must be one of {BACKENDS}, got {c.backend!r}"
+    for name in ("startup_delay_s", "warmup_s", "ttft_s", "token_latency_s", "output_sigma"):
+        value = getattr(c, name)
+        if not (math.isfinite(value) and value >= 0):
+            yield f"{name} must be a finite number >= 0, got {value}"
+    if c.output_median_tokens < 1:
+        yield f"output_median_tokens must be >= 1, got {c.output_median_tokens}"
+    if not 0 < c.reasoning_share < 1:
+        yield f"reasoning_share must be strictly between 0 and 1, got {c.reasoning_share}"
+    for name in ("fail_rate", "hang_rate"):
+        value = getattr(c, name)
+        if not 0 <= value <= 1:
+            yield f"{name} must be in [0, 1], got {value}"
+    if not 400 <= c.fail_status <= 599:
+        yield f"fail_status must be an HTTP error status (400..599), got {c.fail_status}"
+    if c.die_after_requests is not None and c.die_after_requests < 1:
+        yield f"die_after_requests must be None or >= 1, got {c.die_after_requests}"

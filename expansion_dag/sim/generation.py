@@ -1,0 +1,189 @@
+"""Deterministic simulated completions whose token counts are exact under the real tokenizer.
+
+The text is cut from one long fixed stream of common English words, each chosen because it is a
+single token both with and without a leading space. The byte-level pre-tokenizer splits text at
+word boundaries, so a run of ``k`` such words is exactly ``k`` tokens: ``completion_tokens`` is
+the real token count of the returned text, and building a completion is one string slice.
+
+A thinking model's raw output is ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}``: five tokens of
+structure around the words (``<think>``, ``\\n``, ``\\n``, ``</think>``, ``\\n\\n``).
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import functools
+import hashlib
+import math
+import random
+import statistics
+
+from transformers import PreTrainedTokenizerBase
+
+from expansion_dag.tokenizer import count_tokens, load_tokenizer
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+THINKING_OVERHEAD_TOKENS = 5
+
+# Starts of completions are spread over this many words of the stream.
+_STREAM_PERIOD_WORDS = 4096
+# Fixed so that the stream, and so every answer, is the same across runs and machines.
+_STREAM_SEED = 20240601
+_NORMAL = statistics.NormalDist()
+
+_CANDIDATE_WORDS = """
+the of and to in is that for it as was with be by on not he this are or his from at which but
+have an had they you were their one all we can her has there been if more when will would who so
+no out up into do time only its about than also may other first new some could these two what
+them any after most made over such where like well years many then between must through way back
+because people even still same here both under last being those while much another good make
+world great state each part since three long should before might own just used day work year life
+down right take place show government number come point small large order high find group give
+present old case end form fact open public follow during without again change system possible
+however among set hand local course problem little general member early far report keep power
+line person within bring level
+""".split()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Completion:
+    content: str
+    reasoning_content: str | None
+    completion_tokens: int
+    reasoning_tokens: int
+    finish_reason: str  # "stop" or "length"
+
+
+class WordStream:
+    """A fixed text of single-token words, sliced by word index."""
+
+    def __init__(self, words: list[str], n_words: int) -> None:
+        rng = random.Random(_STREAM_SEED)
+        chosen = [rng.choice(words) for _ in range(n_words)]
+        self._text = "".join(" " + w for w in chosen)
+        offsets = array.array("q", [0])
+        position = 0
+        for word in chosen:
+            position += len(word) + 1
+            offsets.append(position)
+        self._offsets = offsets
+        self.n_words = n_words
+
+    def words(self, start: int, count: int) -> str:
+        """``count`` words from word ``start``, single-spaced, no leading space."""
+        return self._text[self._offsets[start] + 1 : self._offsets[start + count]]
+
+
+@functools.lru_cache(maxsize=8)
+def word_stream(tokenizer_spec: str, n_words: int) -> WordStream:
+    tokenizer = load_tokenizer(tokenizer_spec)
+    spaced = count_tokens(tokenizer, [" " + w for w in _CANDIDATE_WORDS])
+    bare = count_tokens(tokenizer, _CANDIDATE_WORDS)
+    words = [w for w, a, b in zip(_CANDIDATE_WORDS, spaced, bare, strict=True) if a == 1 and b == 1]
+    if len(words) < 16:
+        raise ValueError(
+            f"tokenizer {tokenizer_spec!r} has too few single-token English words ({len(words)}) "
+            "to build simulated completions"
+        )
+    return WordStream(words, n_words)
+
+
+def supports_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """A model thinks when its vocabulary has ``<think>`` (Qwen3 does, Qwen2.5 does not)."""
+    token_id = tokenizer.convert_tokens_to_ids(THINK_OPEN)
+    return token_id is not None and token_id != tokenizer.unk_token_id
+
+
+class OutputModel:
+    """Draws an output length per request and renders the completion, both deterministic."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer_spec: str,
+        max_length: int,
+        median_tokens: int,
+        sigma: float,
+        reasoning_share: float,
+        seed: int,
+    ) -> None:
+        self._stream = word_stream(tokenizer_spec, _STREAM_PERIOD_WORDS + max_length)
+        self._max_length = max_length
+        self._log_median = math.log(median_tokens)
+        self._sigma = sigma
+        self._reasoning_share = reasoning_share
+        self._key = seed.to_bytes(16, "little", signed=True)
+
+    def generate(
+        self,
+        rendered_prompt: str,
+        *,
+        request_seed: int | None,
+        cap: int,
+        thinking: bool,
+        split_reasoning: bool,
+    ) -> Completion:
+        """The completion for a prompt, cut at ``cap`` tokens if it does not end before.
+
+        An answer of ``cap`` tokens or more finishes with ``length``: its end-of-sequence token
+        would be one more. ``split_reasoning`` is the reasoning parser at work: thinking goes to
+        ``reasoning_content`` and only the answer stays in ``content``.
+        """
+        digest = hashlib.blake2b(
+            f"{request_seed}\x00{rendered_prompt}".encode(), digest_size=16, key=self._key
+        ).digest()
+        uniform = (int.from_bytes(digest[:8], "little") + 0.5) / 2.0**64
+        start = int.from_bytes(digest[8:], "little") % _STREAM_PERIOD_WORDS
+        z = _NORMAL.inv_cdf(uniform)
+        length = min(self._max_length, max(1, round(math.exp(self._log_median + self._sigma * z))))
+        if not thinking:
+            n = min(length, cap)
+            return Completion(
+                content=self._stream.words(start, n),
+                reasoning_content=None,
+                completion_tokens=n,
+                reasoning_tokens=0,
+                finish_reason="length" if length >= cap else "stop",
+            )
+        return self._thinking(length, start, cap, split_reasoning)
+
+    def _thinking(self, length: int, start: int, cap: int, split_reasoning: bool) -> Completion:
+        words = max(2, length - THINKING_OVERHEAD_TOKENS)
+        n_reason = max(1, round(words * self._reasoning_share))
+        n_answer = max(1, words - n_reason)
+        full = n_reason + n_answer + THINKING_OVERHEAD_TOKENS
+        n = min(full, cap)
+        # Token positions: 0 <think>, 1 \n, 2.. reasoning words, then \n, </think>, \n\n, answer.
+        reason_words = min(n_reason, max(0, n - 2))
+        closed = n >= n_reason + 4
+        answer_words = max(0, n - n_reason - THINKING_OVERHEAD_TOKENS)
+        reasoning = self._stream.words(start, reason_words)
+        answer = self._stream.words(start + n_reason, answer_words)
+        if split_reasoning:
+            return Completion(
+                content=answer,
+                reasoning_content=reasoning,
+                completion_tokens=n,
+                reasoning_tokens=min(n, n_reason + 4),
+                finish_reason="length" if full >= cap else "stop",
+            )
+        raw = "".join(
+            (
+                THINK_OPEN if n >= 1 else "",
+                "\n" if n >= 2 else "",
+                reasoning,
+                "\n" if n >= n_reason + 3 else "",
+                THINK_CLOSE if closed else "",
+                "\n\n" if n >= n_reason + 5 else "",
+                answer,
+            )
+        )
+        return Completion(
+            content=raw,
+            reasoning_content=None,
+            completion_tokens=n,
+            reasoning_tokens=0,
+            finish_reason="length" if full >= cap else "stop",
+        )

@@ -1,0 +1,31 @@
+"""Helpers shared by tests: prompt frames and resources bound to a simulated fleet."""
+
+import polars as pl
+
+from expansion_dag.resources.fleet import FleetResource
+from expansion_dag.resources.settings import GenerationSettings
+from expansion_dag.resources.storage import ParquetIOManager, StorageResource
+
+MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
+
+
+def prompt_frame(texts: list[str], sources: list[str] | None = None) -> pl.DataFrame:
+    """Prompt records as extraction produces them, for tests that start at the budget stage."""
+    return pl.DataFrame(
+        {
+            "prompt_id": [f"p{i:05d}" for i in range(len(texts))],
+            "source": sources or ["sample"] * len(texts),
+            "messages": [[{"role": "user", "content": t}] for t in texts],
+        },
+        schema={"prompt_id": pl.String, "source": pl.String, "messages": MESSAGES},
+    )
+
+
+def resources(urls: list[str], root, **settings) -> dict:
+    fast_retries = {"backoff_initial_s": 0.01, "progress_interval_s": 1.0}
+    return {
+        "fleet": FleetResource(mode="attach", urls=urls, fallback_to_healthy=settings.pop("fallback", True)),
+        "settings": GenerationSettings(**{**fast_retries, **settings}),
+        "storage": StorageResource(root=str(root)),
+        "parquet_io": ParquetIOManager(root=str(root)),
+    }

@@ -1,0 +1,84 @@
+"""The synthetic completions: token counts exact under the real Qwen3 tokenizer, deterministic."""
+
+import statistics
+
+import pytest
+
+from expansion_dag.sim.generation import OutputModel
+from expansion_dag.tokenizer import DEFAULT_TOKENIZER, count_tokens
+
+
+def model(**changes):
+    params = dict(
+        tokenizer_spec=DEFAULT_TOKENIZER,
+        max_length=4096,
+        median_tokens=60,
+        sigma=0.0,
+        reasoning_share=0.5,
+        seed=0,
+    )
+    return OutputModel(**{**params, **changes})
+
+
+def test_plain_completions_have_exactly_the_reported_token_count(tokenizer):
+    m = model(sigma=1.0)
+    completions = [
+        m.generate(f"prompt {i}", request_seed=None, cap=4096, thinking=False, split_reasoning=False)
+        for i in range(40)
+    ]
+    counts = count_tokens(tokenizer, [c.content for c in completions])
+    assert counts == [c.completion_tokens for c in completions]
+    assert len({c.completion_tokens for c in completions}) > 10  # lengths really vary
+
+
+def test_a_thinking_answer_is_exact_at_every_cut(tokenizer):
+    m = model()
+    full = m.generate("p", request_seed=None, cap=4096, thinking=True, split_reasoning=False)
+    assert full.content.startswith("<think>\n") and "\n</think>\n\n" in full.content
+    cuts = [
+        m.generate("p", request_seed=None, cap=k, thinking=True, split_reasoning=False)
+        for k in range(full.completion_tokens + 2)
+    ]
+    assert [c.completion_tokens for c in cuts] == [*range(full.completion_tokens + 1), full.completion_tokens]
+    assert count_tokens(tokenizer, [c.content for c in cuts]) == [c.completion_tokens for c in cuts]
+    # an answer that fills max_tokens exactly has no room left for its end-of-sequence token
+    assert [c.finish_reason for c in cuts][-3:] == ["length", "length", "stop"]
+
+
+def test_the_reasoning_parser_split_is_the_raw_text_without_tags():
+    m = model()
+    raw = m.generate("p", request_seed=None, cap=4096, thinking=True, split_reasoning=False)
+    split = m.generate("p", request_seed=None, cap=4096, thinking=True, split_reasoning=True)
+    assert raw.content == f"<think>\n{split.reasoning_content}\n</think>\n\n{split.content}"
+    assert split.reasoning_tokens == len(split.reasoning_content.split()) + 4  # <think> \n ... \n </think>
+    inside = m.generate("p", request_seed=None, cap=10, thinking=True, split_reasoning=True)
+    assert (inside.content, inside.finish_reason, len(inside.reasoning_content.split())) == ("", "length", 8)
+
+
+def test_same_prompt_same_answer_and_seeds_change_it():
+    m = model(sigma=1.0)
+    first = m.generate("same", request_seed=None, cap=4096, thinking=False, split_reasoning=False)
+    assert m.generate("same", request_seed=None, cap=4096, thinking=False, split_reasoning=False) == first
+    assert (
+        model(sigma=1.0).generate("same", request_seed=None, cap=4096, thinking=False, split_reasoning=False)
+        == first
+    )
+    assert m.generate("same", request_seed=7, cap=4096, thinking=False, split_reasoning=False) != first
+    assert (
+        model(sigma=1.0, seed=1).generate(
+            "same", request_seed=None, cap=4096, thinking=False, split_reasoning=False
+        )
+        != first
+    )
+
+
+def test_lengths_are_lognormal_around_the_median():
+    m = model(median_tokens=200, sigma=1.0, max_length=100_000)
+    lengths = [
+        m.generate(
+            f"p{i}", request_seed=None, cap=100_000, thinking=False, split_reasoning=False
+        ).completion_tokens
+        for i in range(2000)
+    ]
+    assert statistics.median(lengths) == pytest.approx(200, rel=0.1)
+    assert max(lengths) > 10 * 200  # the long tail is there

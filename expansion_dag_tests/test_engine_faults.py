@@ -1,0 +1,93 @@
+"""Fault injection through the simulator: whatever happens, every prompt ends as exactly one
+completion or one failure record, nothing duplicated and nothing lost."""
+
+import pytest
+
+from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
+from expansion_dag.errors import ShardAborted
+from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.store import CompletionStore
+
+SHARD = "shard-00"
+FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
+SIM = dict(port=0, max_running_requests=8, ttft_s=0.001, token_latency_s=0.0002, output_median_tokens=60)
+
+
+def work(n):
+    return [
+        WorkItem(
+            key=f"k{i:04d}", prompt_id=f"p{i:04d}", source="s",
+            messages=[{"role": "user", "content": f"Tell me fact number {i}."}],
+            prompt_tokens=16, max_tokens=400, expected_tokens=100,
+        )
+        for i in range(n)
+    ]
+
+
+def run_until_settled(store, items, url, *, config, runs=5):
+    """Re-run the shard as a user would after a failure: only what has no completion is sent."""
+    reports = []
+    for _ in range(runs):
+        done = store.scan(SHARD).done
+        todo = [i for i in items if i.key not in done]
+        if not todo:
+            break
+        with store.writer(SHARD) as writer:
+            try:
+                reports.append(generate_shard(todo, [Server(url, 8)], writer=writer, model="m",
+                                              sampling=SamplingSettings(), config=config))
+            except ShardAborted as exc:
+                reports.append(exc)
+    return reports
+
+
+def assert_each_prompt_once(store, items):
+    scan = store.scan(SHARD)
+    keys = {i.key for i in items}
+    assert scan.duplicates == 0
+    assert scan.torn_lines == 0
+    assert scan.done | scan.failed == keys
+    assert not scan.done & scan.failed
+    assert len(list(store.records(SHARD))) == len(scan.done)
+
+
+def test_a_server_that_dies_mid_shard_stops_the_shard_and_a_rerun_finishes_it(tmp_path):
+    store = CompletionStore(tmp_path)
+    items = work(120)
+    config = EngineConfig(**FAST, max_attempts=3, breaker_window=8)
+    with SimulatedFleet([SimServerConfig(**SIM, die_after_requests=40)]) as fleet:
+        url = fleet.urls[0]
+        with store.writer(SHARD) as writer, pytest.raises(ShardAborted, match="circuit breaker: .* connect"):
+            generate_shard(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(), config=config)
+        done_before = store.scan(SHARD).done
+        assert 30 <= len(done_before) <= 48
+        fleet.restart(0, config=SimServerConfig(**SIM))
+        run_until_settled(store, items, url, config=config)
+    assert_each_prompt_once(store, items)
+    assert store.scan(SHARD).done == {i.key for i in items}
+
+
+def test_a_server_answering_503_to_a_third_of_requests_still_gets_everything_done(tmp_path):
+    store = CompletionStore(tmp_path)
+    items = work(90)
+    with SimulatedFleet([SimServerConfig(**SIM, fail_rate=1 / 3)]) as fleet:
+        run_until_settled(store, items, fleet.urls[0], config=EngineConfig(**FAST, max_attempts=6))
+        stats = fleet.stats(0)
+    assert_each_prompt_once(store, items)
+    assert store.scan(SHARD).done == {i.key for i in items}
+    assert stats["chat_requests_by_status"]["503"] >= 30
+    assert max(r["attempts"] for r in store.records(SHARD)) >= 2
+
+
+def test_a_server_that_hangs_past_the_timeout_is_retried_and_nothing_is_lost(tmp_path):
+    store = CompletionStore(tmp_path)
+    items = work(40)
+    config = EngineConfig(**FAST, request_timeout_s=0.5, max_attempts=4, canary=False, breaker_window=40)
+    with SimulatedFleet([SimServerConfig(**SIM, hang_rate=0.2)]) as fleet:
+        run_until_settled(store, items, fleet.urls[0], config=config, runs=2)
+        stats = fleet.stats(0)
+    assert stats["hung"] >= 5
+    assert_each_prompt_once(store, items)
+    timed_out = [r for r in store.records(SHARD) if r["attempts"] > 1]
+    assert timed_out, "no request needed a retry after a hang"

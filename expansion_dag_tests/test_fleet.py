@@ -1,0 +1,133 @@
+"""Provisioning and probing, against the simulator over real sockets and real processes."""
+
+import socket
+import sys
+
+import httpx
+import pytest
+
+from expansion_dag.errors import FleetError, FleetMismatchError, ServerStartError
+from expansion_dag.fleet import Launcher, LaunchSpec, probe_fleet, probe_server, wait_ready
+from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.fleet import SimulatedFleet
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_probe_reads_context_slots_model_and_version_from_the_server():
+    config = SimServerConfig(port=0, context_length=4096, max_running_requests=24, model_path="org/model-x")
+    with SimulatedFleet([config]) as fleet:
+        info = probe_server(fleet.urls[0])
+    assert info.context_length == 4096
+    assert info.slots == 24
+    assert info.model_path == "org/model-x"
+    assert info.version
+    assert info.simulator is True
+
+
+def test_a_fleet_whose_servers_disagree_on_context_length_is_refused_naming_them():
+    configs = [SimServerConfig(port=0, context_length=8192), SimServerConfig(port=0, context_length=32768)]
+    with SimulatedFleet(configs) as fleet:
+        with pytest.raises(FleetMismatchError) as info:
+            probe_fleet(fleet.urls)
+    message = str(info.value)
+    assert "context_length" in message
+    assert fleet.urls[0] in message and fleet.urls[1] in message
+
+
+def test_a_fleet_whose_servers_serve_different_models_is_refused():
+    configs = [SimServerConfig(port=0, model_path="org/a"), SimServerConfig(port=0, model_path="org/b")]
+    with SimulatedFleet(configs) as fleet:
+        with pytest.raises(FleetMismatchError, match="disagree on model: 'org/a' on .*; 'org/b' on"):
+            probe_fleet(fleet.urls)
+
+
+def test_probing_a_keyed_server_without_the_key_says_so_and_with_it_works():
+    with SimulatedFleet([SimServerConfig(port=0, api_key="k-123")]) as fleet:
+        with pytest.raises(FleetError, match="401 Unauthorized"):
+            probe_server(fleet.urls[0])
+        assert probe_server(fleet.urls[0], api_key="k-123").context_length == 8192
+
+
+def test_vllm_backend_probe_uses_models_and_the_slot_override():
+    with SimulatedFleet([SimServerConfig(port=0, backend="vllm", context_length=2048)]) as fleet:
+        info = probe_server(fleet.urls[0], backend="vllm", slots_override=64)
+    assert (info.context_length, info.slots, info.backend) == (2048, 64, "vllm")
+
+
+def test_wait_ready_rides_out_loading_and_warmup():
+    config = SimServerConfig(port=free_ports(1)[0], startup_delay_s=0.5, warmup_s=0.5)
+    with SimulatedFleet([config], wait_ready=False) as fleet:
+        url = f"http://127.0.0.1:{config.port}"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+        wait_ready(url, timeout_s=20, poll_s=0.1)
+        assert httpx.get(url + "/health").status_code == 200
+        assert fleet.state(0) == "ready"
+
+
+def test_wait_ready_times_out_quoting_the_servers_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("loading weights\nCUDA out of memory while allocating KV cache\n")
+    [port] = free_ports(1)
+    with pytest.raises(ServerStartError) as info:
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=0.6, poll_s=0.2, log_path=log)
+    assert "not ready after" in str(info.value)
+    assert "CUDA out of memory" in str(info.value)
+
+
+def simulator_launcher(tmp_path, ports, extra=""):
+    return Launcher(
+        state_dir=tmp_path / "fleet",
+        command="{python} -m expansion_dag.sim --host {host} --port {port} --context-length {context_length} "
+        "--mem-fraction-static 0.85 --warmup-s 0.3 " + extra,
+        host="127.0.0.1",
+        specs=[LaunchSpec(gpu=i, port=p) for i, p in enumerate(ports)],
+        values={"python": sys.executable, "context_length": 8192},
+        api_key="launch-secret",
+    )
+
+
+def test_launch_mode_starts_each_server_once_and_stops_them(tmp_path):
+    ports = free_ports(2)
+    launcher = simulator_launcher(tmp_path, ports)
+    try:
+        started = launcher.ensure_running(timeout_s=60)
+        assert started == launcher.urls
+        # A second step setting the resource up finds them running and starts nothing.
+        assert launcher.ensure_running(timeout_s=60) == []
+        info = probe_fleet(launcher.urls, api_key="launch-secret")
+        assert [s.context_length for s in info.servers] == [8192, 8192]
+        log = (tmp_path / "fleet" / f"server-{ports[0]}.log").read_text()
+        assert "The server is fired up and ready to roll!" in log
+        assert "launch-secret" not in log
+    finally:
+        stopped = launcher.stop()
+    assert len(stopped) == 2
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(launcher.urls[0] + "/health")
+
+
+def test_a_server_that_exits_at_startup_fails_fast_with_its_log(tmp_path):
+    [port] = free_ports(1)
+    launcher = simulator_launcher(tmp_path, [port], extra="--context-length -5")
+    with pytest.raises(ServerStartError, match="exited before it was ready") as info:
+        launcher.ensure_running(timeout_s=60)
+    assert "context_length" in str(info.value) or "context-length" in str(info.value)
+
+
+def test_an_unknown_placeholder_in_the_launch_command_is_named(tmp_path):
+    launcher = Launcher(
+        state_dir=tmp_path, command="serve --gpu-count {gpus}", host="127.0.0.1",
+        specs=[LaunchSpec(gpu=0, port=free_ports(1)[0])], values={},
+    )
+    with pytest.raises(FleetError, match="unknown placeholder 'gpus'"):
+        launcher.ensure_running(timeout_s=5)
