@@ -22,7 +22,7 @@ from expansion_dag.assets.prompts import build_prompts_asset
 from expansion_dag.assets.raw_datasets import build_raw_dataset_assets
 from expansion_dag.assets.training_set import training_set
 from expansion_dag.catalog import load_catalog
-from expansion_dag.partitions import SHARD_KEYS, shard_partitions
+from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.resources.fleet import SIMULATOR_LAUNCH_COMMAND, FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import ParquetIOManager, StorageResource, default_storage_root
@@ -81,7 +81,6 @@ prepare_job = dg.define_asset_job(
 generate_job = dg.define_asset_job(
     "generate_job",
     selection=dg.AssetSelection.assets(shard_prompts, completions),
-    partitions_def=shard_partitions,
     description="Generate one shard's completions on its GPU server (one run per shard).",
 )
 training_set_job = dg.define_asset_job(
