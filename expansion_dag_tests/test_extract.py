@@ -113,7 +113,7 @@ def test_infinity_instruct_takes_the_first_human_turn_of_english_rows(raw, resul
     ]
 
 
-def test_hermes_prompts_keep_the_tool_definitions(raw, results):
+def test_hermes_prompts_keep_the_tool_definitions(results):
     result = results["hermes_fc"]
     for prompt in result.prompts["messages"].to_list():
         assert [m["role"] for m in prompt] == ["system", "user"]

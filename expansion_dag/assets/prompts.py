@@ -26,7 +26,7 @@ def build_prompts_asset(catalog: Catalog) -> dg.AssetsDefinition:
                 extractor=s.extractor,
                 turn=s.turn,
                 max_chars=s.max_chars,
-                filters=dict(s.filters),
+                filters=s.filter_map(),
             )
             for s in catalog.sources
         ]

@@ -79,11 +79,6 @@ class SimulatedFleet:
     def urls(self) -> list[str]:
         return [server.url for server in self._servers]
 
-    @property
-    def configs(self) -> list[SimServerConfig]:
-        """Each server's config, with the port it actually bound."""
-        return [dataclasses.replace(s.config, port=s.port) for s in self._servers]
-
     def state(self, index: int) -> str:
         return self._servers[index].state
 

@@ -155,9 +155,9 @@ class OutputModel:
         n_answer = max(1, words - n_reason)
         full = n_reason + n_answer + THINKING_OVERHEAD_TOKENS
         n = min(full, cap)
+        finish_reason = "length" if full >= cap else "stop"
         # Token positions: 0 <think>, 1 \n, 2.. reasoning words, then \n, </think>, \n\n, answer.
         reason_words = min(n_reason, max(0, n - 2))
-        closed = n >= n_reason + 4
         answer_words = max(0, n - n_reason - THINKING_OVERHEAD_TOKENS)
         reasoning = self._stream.words(start, reason_words)
         answer = self._stream.words(start + n_reason, answer_words)
@@ -167,7 +167,7 @@ class OutputModel:
                 reasoning_content=reasoning,
                 completion_tokens=n,
                 reasoning_tokens=min(n, n_reason + 4),
-                finish_reason="length" if full >= cap else "stop",
+                finish_reason=finish_reason,
             )
         raw = "".join(
             (
@@ -175,7 +175,7 @@ class OutputModel:
                 "\n" if n >= 2 else "",
                 reasoning,
                 "\n" if n >= n_reason + 3 else "",
-                THINK_CLOSE if closed else "",
+                THINK_CLOSE if n >= n_reason + 4 else "",
                 "\n\n" if n >= n_reason + 5 else "",
                 answer,
             )
@@ -185,5 +185,5 @@ class OutputModel:
             reasoning_content=None,
             completion_tokens=n,
             reasoning_tokens=0,
-            finish_reason="length" if full >= cap else "stop",
+            finish_reason=finish_reason,
         )

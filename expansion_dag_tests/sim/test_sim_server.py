@@ -497,13 +497,28 @@ def test_a_server_dies_after_n_requests_and_comes_back_on_restart(start_fleet, f
     with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):  # the server vanished mid-answer
         in_flight.result(timeout=5)
     with pytest.raises(httpx.ConnectError):
-        chat(url, max_tokens=1)
+        httpx.get(f"{url}/health")  # a new connection: the port is closed
     assert fleet.state(0) == "stopped"
 
     fleet.restart(0, config=dataclasses.replace(config, die_after_requests=None))
     assert fleet.urls[0] == url
     assert chat(url, max_tokens=1).status_code == 200
     assert fleet.stats(0)["completed"] == 1  # a fresh server
+
+
+def test_kill_and_restart_one_server_through_the_fleet_api(start_fleet, fast, client, chat):
+    fleet = start_fleet(fast(), fast())
+    first, second = fleet.urls
+    chat(first)
+    fleet.kill(0)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{first}/health")
+    assert client.get(f"{second}/health").status_code == 200  # the others keep serving
+    assert (fleet.state(0), fleet.state(1)) == ("stopped", "ready")
+    fleet.restart(0)
+    assert fleet.urls == [first, second]
+    assert chat(first).status_code == 200
+    assert fleet.stats(0)["completed"] == 1  # a fresh server: the earlier request is forgotten
 
 
 def test_hung_requests_never_answer_until_the_client_gives_up(start_fleet, fast):

@@ -1,0 +1,86 @@
+"""SIGKILL the run of a shard at random points, re-materialize it: every prompt ends once."""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+
+from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.store import CompletionStore
+
+ROOT = Path(__file__).resolve().parents[2]
+DAGSTER = str(Path(sys.executable).parent / "dagster")
+SHARD = "shard-00"
+
+
+def dagster(args, env, **kw):
+    # One process per run: the kill hits the run itself, and no step subprocess start-up is paid.
+    in_process = Path(env["DAGSTER_HOME"]) / "in_process.yaml"
+    in_process.write_text("execution:\n  config:\n    in_process: {}\n")
+    return subprocess.Popen(
+        [DAGSTER, *args, "-m", "expansion_dag.definitions", "-c", str(in_process)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # the run's step processes are in its group: kill them all
+        **kw,
+    )
+
+
+def lines_in(store_dir: Path) -> int:
+    return sum(p.read_bytes().count(b"\n") for p in store_dir.glob("seg-*.jsonl"))
+
+
+def test_sigkill_at_random_points_then_resume_gives_every_prompt_once(tmp_path):
+    seed = int(os.environ.get("KILL_SEED", random.randrange(1_000_000)))
+    rng = random.Random(seed)
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+    config = SimServerConfig(port=0, max_running_requests=8, ttft_s=0.01, token_latency_s=0.004,
+                             output_median_tokens=150, output_sigma=0.6)
+    with SimulatedFleet([config, config]) as fleet:
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))},
+            "DAGSTER_HOME": str(home),
+            "EXPANSION_PROFILE": "production",
+            "EXPANSION_FLEET_URLS": ",".join(fleet.urls),
+            "EXPANSION_STORAGE": str(tmp_path / "storage"),
+        }
+        prepare = dagster(["job", "execute", "-j", "prepare_job"], env)
+        assert prepare.wait(timeout=240) == 0, prepare.stdout.read()[-3000:]
+        shard = pl.read_parquet(tmp_path / "storage" / "assets" / "budgeted_prompts.parquet").filter(
+            pl.col("shard") == SHARD
+        )
+        store_dir = tmp_path / "storage" / "completions" / SHARD
+
+        kills = 0
+        for _ in range(3):
+            run = dagster(["asset", "materialize", "--select", "shard_prompts,completions", "--partition", SHARD], env)
+            start_lines = lines_in(store_dir)
+            # Wait for this run to write something, then kill it a random moment later.
+            deadline = time.monotonic() + 120
+            while lines_in(store_dir) == start_lines and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 1.5))
+            if run.poll() is not None:
+                break
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+            kills += 1
+
+        final = dagster(["asset", "materialize", "--select", "shard_prompts,completions", "--partition", SHARD], env)
+        output = final.communicate(timeout=300)[0]
+        assert final.returncode == 0, f"seed {seed}: " + output[-3000:]
+
+    scan = CompletionStore(tmp_path / "storage" / "completions").scan(SHARD)
+    records = list(CompletionStore(tmp_path / "storage" / "completions").records(SHARD))
+    assert kills >= 1, f"seed {seed}: the shard finished before any kill"
+    assert scan.duplicates == 0, f"seed {seed}"
+    assert scan.failed == set()
+    assert sorted(r["prompt_id"] for r in records) == sorted(shard["prompt_id"].to_list()), f"seed {seed}"
