@@ -13,7 +13,7 @@ window; a disagreement larger than it shows up as budget drift in the generation
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,8 +101,13 @@ def budget_prompts(
     context_length: int,
     num_shards: int,
     config: BudgetConfig = BudgetConfig(),
+    select: Callable[[pl.DataFrame], pl.DataFrame] | None = None,
 ) -> BudgetResult:
-    """Count, budget, set aside what cannot fit, and assign the rest to balanced shards."""
+    """Count, budget, set aside what cannot fit, and assign the rest to balanced shards.
+
+    ``select`` picks, among the prompts that fit, the ones to shard (a night's quota); it sees
+    them with their budgets, so a prompt that can never be sent never takes a place in a quota.
+    """
     if context_length <= config.margin + config.min_output_tokens:
         raise ValueError(
             f"context length {context_length} leaves no room for min_output_tokens "
@@ -152,6 +157,8 @@ def budget_prompts(
         .sort("prompt_id")
     )
     kept = budgeted.filter(fits)
+    if select is not None:
+        kept = select(kept)
     keys = shard_keys(num_shards)
     kept = kept.with_columns(pl.Series("shard", assign_shards(kept, keys), dtype=pl.String)).sort("prompt_id")
     return BudgetResult(prompts=kept, set_aside=set_aside, context_length=context_length, shard_keys=keys)

@@ -8,6 +8,8 @@ Deployment choices read from the environment when the code location loads:
   a path to a catalog YAML file.
 - ``EXPANSION_SHARDS``: shard (GPU server) count, see ``partitions.py``.
 - ``EXPANSION_STORAGE``: storage root, see ``resources/storage.py``.
+- ``EXPANSION_NIGHTLY_CRON`` / ``EXPANSION_NIGHTLY_TIMEZONE`` / ``EXPANSION_NIGHTLY_QUOTA``: when the
+  nightly expansion runs (default 02:00 UTC) and how many new prompts a night takes (1000).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.resources.fleet import SIMULATOR_LAUNCH_COMMAND, FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import ParquetIOManager, StorageResource, default_storage_root
+from expansion_dag.schedules import build_nightly_schedule, build_nightly_sensors
 
 PROFILES = ("local", "production")
 
@@ -52,6 +55,8 @@ def fleet_for(profile: str, storage_root: str) -> FleetResource:
         backend=os.environ.get("EXPANSION_BACKEND", "sglang"),
         model_path=os.environ.get("EXPANSION_MODEL_PATH", "Qwen/Qwen3-8B"),
         num_servers=len(SHARD_KEYS),
+        # "0" makes a shard whose server is down fail instead of running on another server.
+        fallback_to_healthy=os.environ.get("EXPANSION_FLEET_FALLBACK", "1") != "0",
         state_dir=state_dir,
     )
 
@@ -89,8 +94,18 @@ training_set_job = dg.define_asset_job(
     description="Merge every shard's completions into the tokenized training set.",
 )
 
+nightly_expansion = build_nightly_schedule(
+    prepare_job=prepare_job,
+    raw_assets=raw_datasets,
+    cron=os.environ.get("EXPANSION_NIGHTLY_CRON", "0 2 * * *"),
+    timezone=os.environ.get("EXPANSION_NIGHTLY_TIMEZONE", "UTC"),
+    quota=int(os.environ.get("EXPANSION_NIGHTLY_QUOTA", "1000")),
+)
+
 defs = dg.Definitions(
     assets=[*raw_datasets, prompts, budgeted_prompts, shard_prompts, completions, training_set],
     jobs=[prepare_job, generate_job, training_set_job],
+    schedules=[nightly_expansion],
+    sensors=build_nightly_sensors(prepare_job=prepare_job, generate_job=generate_job, training_set_job=training_set_job),
     resources=resources_for(os.environ.get("EXPANSION_PROFILE", "local")),
 )

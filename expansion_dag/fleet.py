@@ -70,6 +70,11 @@ class FleetInfo:
     def simulated(self) -> bool:
         return any(s.simulator for s in self.servers)
 
+    @property
+    def identity(self) -> str:
+        """The model as part of a completion's identity; a simulated answer never passes for a real one."""
+        return self.model_path + (" (simulator)" if self.simulated else "")
+
     def server(self, url: str) -> ServerInfo:
         for info in self.servers:
             if info.url == url:

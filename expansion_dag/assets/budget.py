@@ -1,11 +1,12 @@
 """Stage 3: token-budgeted prompts, then one partition of them per shard."""
 
-
 import dagster as dg
 import polars as pl
+from pydantic import Field
 
 from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.budget import budget_prompts
+from expansion_dag.ledger import take_night
 from expansion_dag.partitions import SHARD_KEYS, shard_partitions
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
@@ -14,26 +15,54 @@ from expansion_dag.resources.storage import StorageResource
 GROUP = "budget"
 
 
+class NightConfig(dg.Config):
+    """Set by the nightly schedule; a run without it budgets every prompt."""
+
+    night: str = Field(default="", description="The night (YYYY-MM-DD) whose quota this run takes.")
+    quota: int = Field(default=0, description="Prompts a night takes that nothing has generated yet.")
+
+
 @dg.asset(group_name=GROUP, io_manager_key="parquet_io")
 def budgeted_prompts(
     context: dg.AssetExecutionContext,
+    config: NightConfig,
     prompts: pl.DataFrame,
     fleet: FleetResource,
     settings: GenerationSettings,
     storage: StorageResource,
 ) -> pl.DataFrame:
-    """Every prompt with its exact token count, its own max_tokens and its shard."""
+    """Every prompt (or the night's quota) with its exact token count, its own max_tokens and its shard."""
     fleet_info = fleet.provision(context.log)
     context.log.info(
         f"probed context length {fleet_info.context_length} and model {fleet_info.model_path} "
         f"from {len(fleet_info.servers)} {'simulated ' if fleet_info.simulated else ''}server(s)"
     )
+    night_metadata: dict = {}
+    take = None
+    if config.night:
+        sampling = settings.sampling()
+
+        def take(fitting: pl.DataFrame) -> pl.DataFrame:
+            keys = pl.Series([sampling.key(p, fleet_info.identity) for p in fitting["prompt_id"].to_list()], dtype=pl.String)
+            taken = take_night(
+                fitting,
+                keys,
+                storage.completion_store().done_keys(),
+                nights_dir=storage.folder("nights"),
+                night=config.night,
+                quota=config.quota,
+            )
+            night_metadata.update(night=config.night, night_quota=config.quota, prompts_taken=taken.height)
+            context.log.info(f"night {config.night}: took {taken.height} prompts (quota {config.quota})")
+            return taken
+
     result = budget_prompts(
         prompts,
         settings.load_tokenizer(),
         context_length=fleet_info.context_length,
         num_shards=len(SHARD_KEYS),
         config=settings.budget_config(),
+        select=take,
     )
     set_aside_path = storage.path("set_aside", "budgeted_prompts.parquet")
     result.set_aside.drop("messages").write_parquet(set_aside_path)
@@ -54,6 +83,7 @@ def budgeted_prompts(
             "expected_tokens": int(result.prompts["expected_tokens"].sum() or 0),
             "shard_balance_largest_over_mean": round(result.balance(), 4),
             "shards": dg.MetadataValue.md(markdown_table(shards)),
+            **night_metadata,
         }
     )
     return result.prompts.with_columns(pl.lit(result.context_length, pl.Int64).alias("context_length"))

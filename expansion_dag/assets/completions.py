@@ -6,7 +6,6 @@ failures exceed ``max_failure_rate`` fails its materialization (so "backfill fai
 picks it up) after every success has been written; the next run sends only what is missing.
 """
 
-
 import json
 from typing import Any
 
@@ -59,9 +58,7 @@ def completions(
         context.log.warning(f"{shard}: its own server is down; running on healthy server {url}")
     server = fleet_info.server(url)
     sampling = settings.sampling()
-    # A simulated answer is never taken for a real one: the simulator is part of the identity.
-    model_identity = fleet_info.model_path + (" (simulator)" if server.simulator else "")
-    keys = [sampling.key(pid, model_identity) for pid in shard_prompts["prompt_id"].to_list()]
+    keys = [sampling.key(pid, fleet_info.identity) for pid in shard_prompts["prompt_id"].to_list()]
     prompts = shard_prompts.with_columns(pl.Series("key", keys, dtype=pl.String))
 
     store = storage.completion_store()

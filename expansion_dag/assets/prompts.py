@@ -1,6 +1,5 @@
 """Stage 2: prompts extracted from every source, cleaned, deduplicated and sampled."""
 
-
 import dagster as dg
 import polars as pl
 

@@ -1,6 +1,5 @@
 """Stage 1: one raw dataset asset per catalog source, loaded with the `datasets` library."""
 
-
 import dagster as dg
 import polars as pl
 

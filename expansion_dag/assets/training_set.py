@@ -1,9 +1,10 @@
 """Stage 5: the tokenized training set, merged from every shard's completions."""
 
-
 import dagster as dg
 import polars as pl
 
+from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.ledger import nights
 from expansion_dag.training_set import (
     build_training_set,
     check_round_trip,
@@ -86,8 +87,34 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
             "path": dg.MetadataValue.path(str(out_dir)),
             "files": dg.MetadataValue.json(data_files(out_dir)),
             "conversations_jsonl": dg.MetadataValue.path(str(jsonl)),
+            **_nights_metadata(storage),
         }
     )
+
+
+def _nights_metadata(storage: StorageResource) -> dict:
+    """Each nightly expansion's figures, so every night stays visible in the UI."""
+    taken = nights(storage.folder("nights"))
+    if not taken:
+        return {}
+    store = storage.completion_store()
+    tokens = {r["prompt_id"]: r.get("completion_tokens") or 0 for r in store.iter_completions_sorted()}
+    failed = {r["prompt_id"] for shard in store.shards() for r in store.latest_failures(shard)}
+    rows = [
+        (
+            night,
+            len(ids),
+            sum(1 for i in ids if i in tokens),
+            sum(1 for i in ids if i in failed and i not in tokens),
+            sum(tokens.get(i, 0) for i in ids),
+        )
+        for night, ids in taken.items()
+    ]
+    return {
+        "nights": dg.MetadataValue.md(
+            markdown_table(columns=["night", "prompts taken", "completions", "failures", "output tokens"], rows=rows)
+        )
+    }
 
 
 def _rows_without_loss(out_dir) -> int:

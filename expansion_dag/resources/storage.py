@@ -32,6 +32,11 @@ class StorageResource(dg.ConfigurableResource):
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
+    def folder(self, *parts: str) -> Path:
+        path = Path(self.root, *parts)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def completion_store(self) -> CompletionStore:
         return CompletionStore(Path(self.root) / "completions")
 
