@@ -33,6 +33,10 @@ class FleetMismatchError(FleetError):
     """Servers of one fleet disagree on something every request depends on."""
 
 
+class ServerUnreachableError(FleetError):
+    """A server did not answer at all (refused, reset, timed out)."""
+
+
 class ServerStartError(FleetError):
     """A server did not become ready in time; the message quotes its last log lines."""
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import httpx
 
-from expansion_dag.errors import FleetError, FleetMismatchError, ServerStartError
+from expansion_dag.errors import FleetError, FleetMismatchError, ServerStartError, ServerUnreachableError
 
 Backend = Literal["sglang", "vllm"]
 
@@ -53,6 +53,8 @@ class ServerInfo:
 @dataclass(frozen=True)
 class FleetInfo:
     servers: tuple[ServerInfo, ...]
+    #: Servers that did not answer the probe, when the caller tolerates some being down.
+    unreachable: tuple[str, ...] = ()
 
     @property
     def context_length(self) -> int:
@@ -90,7 +92,7 @@ def _get_json(client: httpx.Client, url: str, path: str) -> Any:
     try:
         response = client.get(url + path)
     except httpx.HTTPError as exc:
-        raise FleetError(f"{url}{path}: cannot reach the server ({type(exc).__name__}: {exc})") from exc
+        raise ServerUnreachableError(f"{url}{path}: cannot reach the server ({type(exc).__name__}: {exc})") from exc
     if response.status_code == 401:
         raise FleetError(f"{url}{path}: 401 Unauthorized: set the API key environment variable the fleet names")
     if response.status_code != 200:
@@ -175,13 +177,25 @@ def probe_fleet(
     api_key: str | None = None,
     slots_override: int | None = None,
     timeout_s: float = 30.0,
+    allow_unreachable: bool = False,
 ) -> FleetInfo:
+    """Probe every server; with ``allow_unreachable`` a dead one is listed, not fatal, while one answers."""
     if not urls:
         raise FleetError("the fleet has no servers")
-    servers = tuple(
-        probe_server(u, backend=backend, api_key=api_key, slots_override=slots_override, timeout_s=timeout_s)
-        for u in urls
-    )
+    probed: list[ServerInfo] = []
+    unreachable: list[str] = []
+    for url in urls:
+        try:
+            probed.append(
+                probe_server(url, backend=backend, api_key=api_key, slots_override=slots_override, timeout_s=timeout_s)
+            )
+        except ServerUnreachableError:
+            if not allow_unreachable:
+                raise
+            unreachable.append(url.rstrip("/"))
+    if not probed:
+        raise ServerUnreachableError(f"no server of the fleet answers: {', '.join(unreachable)}")
+    servers = tuple(probed)
     for field_name in ("model", "context_length"):
         values: dict[Any, list[str]] = {}
         for s in servers:
@@ -189,7 +203,7 @@ def probe_fleet(
         if len(values) > 1:
             described = "; ".join(f"{value!r} on {', '.join(where)}" for value, where in values.items())
             raise FleetMismatchError(f"servers disagree on {field_name}: {described}")
-    return FleetInfo(servers)
+    return FleetInfo(servers, tuple(unreachable))
 
 
 def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:

@@ -21,10 +21,11 @@ def prompt_frame(texts: list[str], sources: list[str] | None = None) -> pl.DataF
     )
 
 
-def resources(urls: list[str], root, **settings) -> dict:
+def resources(urls: list[str], root, *, fleet: dict | None = None, **settings) -> dict:
+    """Resources attached to running (simulated) servers; ``fleet`` and ``settings`` override fields."""
     fast_retries = {"backoff_initial_s": 0.01, "progress_interval_s": 1.0}
     return {
-        "fleet": FleetResource(mode="attach", urls=urls, fallback_to_healthy=settings.pop("fallback", True)),
+        "fleet": FleetResource(mode="attach", urls=urls, **(fleet or {})),
         "settings": GenerationSettings(**{**fast_retries, **settings}),
         "storage": StorageResource(root=str(root)),
         "parquet_io": ParquetIOManager(root=str(root)),

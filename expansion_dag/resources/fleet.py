@@ -100,6 +100,7 @@ class FleetResource(dg.ConfigurableResource):
             backend=self.backend,  # type: ignore[arg-type]
             api_key=self.api_key(),
             slots_override=self.slots_override,
+            allow_unreachable=self.fallback_to_healthy,
         )
 
     def server_for_shard(self, shard_index: int) -> tuple[str, bool]:

@@ -57,3 +57,93 @@ def test_the_8192_incident_cannot_happen(tmp_path, instance):
     assert generated == frame["prompt_id"].to_list()
     # Long answers got the room the window allows, not a conservative cap.
     assert max(r["completion_tokens"] for key in SHARD_KEYS for r in store.records(key)) > 4096
+
+
+FAST_SIM = dict(port=0, max_running_requests=4, ttft_s=0.0, token_latency_s=0.0001, output_median_tokens=60)
+
+
+def small_frame(n=24):
+    return prompt_frame([f"Question {i}: explain topic number {i} in a few words." for i in range(n)])
+
+
+def completion_records(res):
+    store = res["storage"].completion_store()
+    return [r for key in SHARD_KEYS for r in store.records(key)]
+
+
+def latest_check(instance, name, partition):
+    records = instance.event_log_storage.get_asset_check_execution_history(
+        dg.AssetCheckKey(dg.AssetKey("completions"), name), limit=10
+    )
+    for record in records:
+        evaluation = record.event.dagster_event.event_specific_data if record.event else None
+        if evaluation is not None and getattr(evaluation, "partition", None) in (partition, None):
+            return evaluation
+    raise AssertionError(f"no evaluation of {name}")
+
+
+def test_a_shard_whose_server_is_down_runs_on_a_healthy_one_and_says_so(tmp_path, instance):
+    with SimulatedFleet([SimServerConfig(**FAST_SIM)] * len(SHARD_KEYS)) as fleet:
+        res = resources(fleet.urls, tmp_path)
+        assets = [prompts_asset(small_frame()), budgeted_prompts, shard_prompts, completions]
+        assert dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"]).success
+        fleet.kill(0)
+        result = dg.materialize(assets, resources=res, instance=instance, partition_key="shard-00",
+                                selection=["shard_prompts", "completions"])
+    assert result.success
+    [materialization] = [m for m in result.asset_materializations_for_node("completions")]
+    assert materialization.metadata["server_is_fallback"].value is True
+    assert materialization.metadata["server"].value == fleet.urls[1]
+    records = list(res["storage"].completion_store().records("shard-00"))
+    assert records and {r["server"] for r in records} == {fleet.urls[1]}
+
+
+def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, instance):
+    frame = small_frame()
+    with SimulatedFleet([SimServerConfig(**FAST_SIM)] * len(SHARD_KEYS)) as fleet:
+        run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.7)
+        first = latest_check(instance, "configuration_unchanged", "shard-00")
+        sent_before = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
+        results, res = run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.3)
+        sent_after = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
+    assert first.passed
+    drift = latest_check(instance, "configuration_unchanged", "shard-00")
+    assert not drift.passed
+    assert drift.severity == dg.AssetCheckSeverity.WARN
+    assert "settings.temperature: 0.7 -> 0.3" in drift.metadata["changes"].value
+    # The new temperature answers every prompt again: nothing old was silently reused.
+    assert sent_after - sent_before == frame.height
+    assert all(r.success for r in results.values())
+
+
+def test_the_api_key_reaches_the_servers_but_never_logs_or_metadata(tmp_path, instance, monkeypatch):
+    secret = "sk-test-4f9a1c2e7b"
+    monkeypatch.setenv("SGLANG_API_KEY", secret)
+    with SimulatedFleet([SimServerConfig(**FAST_SIM, api_key=secret)] * len(SHARD_KEYS)) as fleet:
+        results, res = run_pipeline(small_frame(), fleet.urls, tmp_path, instance)
+    assert all(r.success for r in results.values())
+    assert len(completion_records(res)) == 24
+    for run in instance.get_runs():
+        for entry in instance.all_logs(run.run_id):
+            assert secret not in entry.to_json()
+
+
+def test_a_vllm_fleet_is_probed_and_served_with_exact_budgets(tmp_path, instance):
+    config = SimServerConfig(**{**FAST_SIM, "backend": "vllm", "context_length": 2048, "output_median_tokens": 3000})
+    with SimulatedFleet([config] * len(SHARD_KEYS)) as fleet:
+        res = resources(fleet.urls, tmp_path, fleet={"backend": "vllm", "slots_override": 4},
+                        max_output_tokens=4096, min_output_tokens=64)
+        assets = [prompts_asset(small_frame()), budgeted_prompts, shard_prompts, completions]
+        assert dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"]).success
+        for key in SHARD_KEYS:
+            assert dg.materialize(assets, resources=res, instance=instance, partition_key=key,
+                                  selection=["shard_prompts", "completions"]).success
+        stats = [fleet.stats(i) for i in range(len(SHARD_KEYS))]
+    records = completion_records(res)
+    assert len(records) == 24
+    # vLLM would cut an over-budget answer silently; exact budgets keep every request in the window.
+    assert all(r["local_prompt_tokens"] + r["max_tokens"] <= 2048 for r in records)
+    assert max(s["max_requested_total_tokens"] for s in stats) <= 2048
+    # An answer cut at its budget got all of it: the window was not silently shortened.
+    cut = [r for r in records if r["finish_reason"] == "length"]
+    assert cut and all(r["completion_tokens"] == r["max_tokens"] for r in cut)

@@ -1,0 +1,127 @@
+"""Deployment fixtures: a real PostgreSQL server, and the pipeline run through `dagster dev` as a
+user runs it from the UI (a backfill, a dead server, a re-execution from failure).
+
+Both are session-scoped: starting `dagster dev` costs ~20 s, and the UI test looks at the very
+instance the backfill test drove.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.store import CompletionStore
+from expansion_dag_tests.deployment.support import DagsterDev, PostgresServer, isolated_env, make_dagster_home, wait_for
+
+SHARDS = ["shard-00", "shard-01"]
+KILLED = 1  # shard-01's server dies mid-backfill
+#: About 3 s a request (160 tokens at 20 ms) on 32 slots: a shard of ~90 prompts takes ~15 s, so
+#: the kill lands mid-shard, and requests in flight then fail through their retries (~17 s).
+SLOW_SERVER = SimServerConfig(port=0, max_running_requests=32, ttft_s=0.05, token_latency_s=0.02,
+                              output_median_tokens=160, output_sigma=0.5)
+BACKFILL_DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
+RUN_DONE = {"SUCCESS", "FAILURE", "CANCELED"}
+# The daemon looks at backfills every 30 s: a backfill needs two of its passes at least.
+BACKFILL_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    try:
+        server.create()
+        yield server
+    finally:
+        server.remove()
+
+
+@dataclass
+class UIPipeline:
+    """What the user saw while running the pipeline from the UI, and the instance left behind."""
+
+    dev: DagsterDev
+    urls: list[str]  # the simulated servers, in shard order
+    storage: Path
+    done_at_kill: int  # completions of the killed shard when its server died
+    first_backfill: dict[str, Any]
+    after_first: dict[str, list[str]]  # completions' partition statuses
+    second_backfill: dict[str, Any]
+    after_second: dict[str, list[str]]
+    training_run: str  # status of the training_set_job run launched afterwards
+
+
+def _finished(dev: DagsterDev, backfill_id: str) -> dict[str, Any] | None:
+    backfill = dev.backfill(backfill_id)
+    return backfill if backfill["status"] in BACKFILL_DONE else None
+
+
+def _run_finished(dev: DagsterDev, run_id: str) -> str | None:
+    status = dev.run_status(run_id)
+    return status if status in RUN_DONE else None
+
+
+@pytest.fixture(scope="session")
+def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
+    tmp = tmp_path_factory.mktemp("ui")
+    storage = tmp / "storage"
+    store = CompletionStore(storage / "completions")
+    home = make_dagster_home(tmp / "home")
+    with SimulatedFleet([SLOW_SERVER] * len(SHARDS)) as fleet:
+        env = isolated_env(
+            EXPANSION_PROFILE="production",
+            EXPANSION_FLEET_URLS=",".join(fleet.urls),
+            EXPANSION_FLEET_FALLBACK="0",  # the shard must fail, not move to the healthy server
+            EXPANSION_STORAGE=storage,
+        )
+        dev = DagsterDev(home, env, tmp / "dagster-dev.log")
+        try:
+            # The Launchpad, with the in-process executor: nine small steps, no process each.
+            prepare = dev.launch_run("prepare_job", {"execution": {"config": {"in_process": {}}}})
+            assert wait_for("prepare_job to finish", lambda: _run_finished(dev, prepare), 180) == "SUCCESS"
+
+            first_id = dev.launch_backfill(["shard_prompts", "completions"], SHARDS)
+
+            def both_generating() -> bool:
+                assert _finished(dev, first_id) is None, "the backfill ended before the kill"
+                return all(len(store.scan(s).done) >= 5 for s in SHARDS)
+
+            # Both shards past their fleet probe and writing: then the kill lands mid-shard.
+            wait_for("both shards to write completions", both_generating, 180)
+            done_at_kill = len(store.scan(SHARDS[KILLED]).done)
+            fleet.kill(KILLED)
+            first = wait_for("the backfill to finish", lambda: _finished(dev, first_id), BACKFILL_TIMEOUT_S, 1)
+            after_first = dev.partition_statuses("completions")
+
+            fleet.restart(KILLED)
+            second_id = dev.reexecute_backfill_from_failure(first_id)
+            wait_for(
+                "every shard to be materialized",
+                lambda: dev.partition_statuses("completions")["materializedPartitions"] == SHARDS,
+                BACKFILL_TIMEOUT_S, 1,
+            )
+            # Launched while the daemon closes the backfill: the two waits overlap.
+            training = dev.launch_run("training_set_job")
+            second = wait_for("the re-execution to finish", lambda: _finished(dev, second_id), BACKFILL_TIMEOUT_S, 1)
+            training_status = wait_for("training_set_job to finish", lambda: _run_finished(dev, training), 180)
+            yield UIPipeline(
+                dev=dev,
+                urls=fleet.urls,
+                storage=storage,
+                done_at_kill=done_at_kill,
+                first_backfill=first,
+                after_first=after_first,
+                second_backfill=second,
+                after_second=dev.partition_statuses("completions"),
+                training_run=training_status,
+            )
+        except BaseException:
+            print(dev.log_tail())  # shown with the failure: what the daemon and the runs said
+            raise
+        finally:
+            dev.stop()

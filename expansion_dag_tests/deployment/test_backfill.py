@@ -1,0 +1,71 @@
+"""A backfill of every shard launched the way the UI launches it, through `dagster dev` and its
+daemon; shard-01's server dies mid-shard; after a restart, "re-execute from failure" completes it
+without sending any prompt twice. The scenario itself is the `ui_pipeline` fixture (conftest.py).
+"""
+
+import polars as pl
+import pytest
+
+from expansion_dag.store import CompletionStore
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def runs_by_partition(backfill: dict) -> dict[str, list[str]]:
+    runs: dict[str, list[str]] = {}
+    for run in backfill["runs"]:
+        partition = next(t["value"] for t in run["tags"] if t["key"] == "dagster/partition")
+        runs.setdefault(partition, []).append(run["status"])
+    return runs
+
+
+def shard_01_prompt_ids(storage) -> list[str]:
+    budgeted = pl.read_parquet(storage / "assets" / "budgeted_prompts.parquet")
+    return sorted(budgeted.filter(pl.col("shard") == "shard-01")["prompt_id"].to_list())
+
+
+def test_the_server_died_in_the_middle_of_its_shard(ui_pipeline):
+    assert 0 < ui_pipeline.done_at_kill < len(shard_01_prompt_ids(ui_pipeline.storage))
+
+
+def test_the_backfill_fails_only_the_shard_whose_server_died(ui_pipeline):
+    first = ui_pipeline.first_backfill
+    assert first["status"] == "COMPLETED_FAILED"
+    assert runs_by_partition(first) == {"shard-00": ["SUCCESS"], "shard-01": ["FAILURE"]}
+    assert ui_pipeline.after_first["materializedPartitions"] == ["shard-00"]
+    assert ui_pipeline.after_first["failedPartitions"] == ["shard-01"]
+
+
+def test_re_execution_from_failure_runs_only_the_failed_shard_and_completes_every_shard(ui_pipeline):
+    second = ui_pipeline.second_backfill
+    assert second["status"] == "COMPLETED_SUCCESS"
+    assert runs_by_partition(second) == {"shard-01": ["SUCCESS"]}
+    assert sorted(ui_pipeline.after_second["materializedPartitions"]) == ["shard-00", "shard-01"]
+    assert ui_pipeline.after_second["failedPartitions"] == []
+    assert ui_pipeline.training_run == "SUCCESS"
+
+
+def test_the_failed_shard_holds_each_of_its_prompts_exactly_once(ui_pipeline):
+    store = CompletionStore(ui_pipeline.storage / "completions")
+    scan = store.scan("shard-01")
+    records = list(store.records("shard-01"))
+    assert scan.duplicates == 0
+    assert scan.failed == set()
+    assert sorted(r["prompt_id"] for r in records) == shard_01_prompt_ids(ui_pipeline.storage)
+    # No fallback: every answer came from the shard's own server, before and after its restart.
+    assert {r["server"] for r in records} == {ui_pipeline.urls[1]}
+
+
+def test_the_re_execution_reused_the_completions_of_the_failed_run(ui_pipeline):
+    data = ui_pipeline.dev.graphql(
+        "query($k: AssetKeyInput!, $p: [String!]!) { assetNodeOrError(assetKey: $k) { ... on AssetNode { "
+        "latestMaterializationByPartition(partitions: $p) { metadataEntries { label "
+        "... on IntMetadataEntry { intValue } } } } } }",
+        k={"path": ["completions"]},
+        p=["shard-01"],
+    )
+    (materialization,) = data["assetNodeOrError"]["latestMaterializationByPartition"]
+    metadata = {e["label"]: e.get("intValue") for e in materialization["metadataEntries"]}
+    assert metadata["completed_before_this_run"] >= ui_pipeline.done_at_kill
+    assert metadata["completions_total"] == len(shard_01_prompt_ids(ui_pipeline.storage))
+    assert metadata["duplicate_lines_ignored"] == 0
