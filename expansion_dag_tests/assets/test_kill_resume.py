@@ -32,6 +32,20 @@ def dagster(args, env, **kw):
     )
 
 
+def attached_env(tmp_path: Path, fleet: SimulatedFleet) -> dict[str, str]:
+    """A fresh Dagster home and storage, the production profile attached to the simulated fleet."""
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))},
+        "DAGSTER_HOME": str(home),
+        "EXPANSION_PROFILE": "production",
+        "EXPANSION_FLEET_URLS": ",".join(fleet.urls),
+        "EXPANSION_STORAGE": str(tmp_path / "storage"),
+    }
+
+
 def lines_in(store_dir: Path) -> int:
     return sum(p.read_bytes().count(b"\n") for p in store_dir.glob("seg-*.jsonl"))
 
@@ -39,19 +53,10 @@ def lines_in(store_dir: Path) -> int:
 def test_sigkill_at_random_points_then_resume_gives_every_prompt_once(tmp_path):
     seed = int(os.environ.get("KILL_SEED", random.randrange(1_000_000)))
     rng = random.Random(seed)
-    home = tmp_path / "home"
-    home.mkdir()
-    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
     config = SimServerConfig(port=0, max_running_requests=8, ttft_s=0.01, token_latency_s=0.004,
                              output_median_tokens=150, output_sigma=0.6)
     with SimulatedFleet([config, config]) as fleet:
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))},
-            "DAGSTER_HOME": str(home),
-            "EXPANSION_PROFILE": "production",
-            "EXPANSION_FLEET_URLS": ",".join(fleet.urls),
-            "EXPANSION_STORAGE": str(tmp_path / "storage"),
-        }
+        env = attached_env(tmp_path, fleet)
         prepare = dagster(["job", "execute", "-j", "prepare_job"], env)
         assert prepare.wait(timeout=240) == 0, prepare.stdout.read()[-3000:]
         shard = pl.read_parquet(tmp_path / "storage" / "assets" / "budgeted_prompts.parquet").filter(
@@ -84,3 +89,28 @@ def test_sigkill_at_random_points_then_resume_gives_every_prompt_once(tmp_path):
     assert scan.duplicates == 0, f"seed {seed}"
     assert scan.failed == set()
     assert sorted(r["prompt_id"] for r in records) == sorted(shard["prompt_id"].to_list()), f"seed {seed}"
+
+
+def test_interrupting_a_run_cancels_in_flight_requests_and_keeps_what_finished(tmp_path):
+    """What terminating a run from the UI does: the step is interrupted mid-shard."""
+    config = SimServerConfig(port=0, max_running_requests=8, ttft_s=0.01, token_latency_s=0.01,
+                             output_median_tokens=150, output_sigma=0.3)
+    with SimulatedFleet([config, config]) as fleet:
+        env = attached_env(tmp_path, fleet)
+        assert dagster(["job", "execute", "-j", "prepare_job"], env).wait(timeout=240) == 0
+        store_dir = tmp_path / "storage" / "completions" / SHARD
+        run = dagster(["asset", "materialize", "--select", "shard_prompts,completions", "--partition", SHARD], env)
+        deadline = time.monotonic() + 120
+        while lines_in(store_dir) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        run.send_signal(signal.SIGINT)
+        output = run.communicate(timeout=60)[0]
+        stats = fleet.stats(0)
+
+    store = CompletionStore(tmp_path / "storage" / "completions")
+    scan = store.scan(SHARD)
+    assert run.returncode != 0
+    assert stats["aborted"] >= 1, output[-2000:]  # in-flight requests were cancelled at the server
+    assert stats["num_running"] == 0
+    assert len(scan.done) >= 10 and scan.torn_lines == 0 and scan.duplicates == 0
+    assert len(list(store.records(SHARD))) == len(scan.done)
