@@ -15,6 +15,10 @@ import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from upath import UPath
 
 DEFAULT_HOME = ".dagster_home"
 
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _print_summary(out_dir: Path) -> None:
+def _print_summary(out_dir: UPath) -> None:
     from expansion_dag.training_set import Manifest
 
     manifest = Manifest.read(out_dir)
@@ -118,12 +122,12 @@ def dry_run(args: argparse.Namespace) -> int:
         f"slots {sorted(slots)}; generating on SIMULATED servers with those settings",
         flush=True,
     )
-    home = prepare_dagster_home()
+    prepare_dagster_home()
     os.environ.update(
         {
             "EXPANSION_PROFILE": "local",
             # Its own storage: simulated answers must never sit beside real ones.
-            "EXPANSION_STORAGE": os.environ.get("EXPANSION_DRY_RUN_STORAGE", str(home / "dry-run-storage")),
+            "EXPANSION_STORAGE": os.environ.get("EXPANSION_DRY_RUN_STORAGE", os.path.abspath("storage-dry-run")),
             "EXPANSION_SHARDS": str(len(urls)),
             "EXPANSION_SIM_MODEL_PATH": real.model_path,
             "EXPANSION_SIM_CONTEXT_LENGTH": str(real.context_length),

@@ -45,7 +45,7 @@ def test_the_demo_materializes_every_asset_and_every_shard(demo):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for line in ("prepare_job run", "generate_job[shard-00] run", "generate_job[shard-01] run", "training_set_job run"):
         assert any(l.startswith(line) and l.endswith("success") for l in result.stdout.splitlines()), line
-    files = sorted((work / ".dagster_home" / "storage" / "training_set").glob("part-*.parquet"))
+    files = sorted((work / "storage" / "training_set").glob("part-*.parquet"))
     assert files
     rows = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train")
     assert rows.num_rows > 100
@@ -72,3 +72,29 @@ def test_the_demo_stops_the_simulated_fleet_it_launched(demo):
     assert "stopped 2 launched server(s)" in result.stdout
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_path):
+    from expansion_dag.sim.config import SimServerConfig
+    from expansion_dag.sim.fleet import SimulatedFleet
+
+    # Stand-ins for a real fleet: the dry run only probes them.
+    real = SimServerConfig(port=0, context_length=4096, max_running_requests=12, model_path="org/served-model")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))}
+    env["EXPANSION_SIM_BASE_PORT"] = str(free_port_pair())
+    with SimulatedFleet([real, real]) as fleet:
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "expansion-dag"), "dry-run", "--mirror", ",".join(fleet.urls)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
+        )
+        probed_by_dry_run = fleet.stats(0)["chat_requests_by_status"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "context 4096, slots [12]" in result.stdout and "SIMULATED" in result.stdout
+    assert probed_by_dry_run == {}  # the real fleet got no generation request
+    home = tmp_path / ".dagster_home"
+    assert (tmp_path / "storage-dry-run" / "training_set" / "manifest.json").exists()
+    assert not (tmp_path / "storage").exists()
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey("budgeted_prompts"))
+        assert event.asset_materialization.metadata["context_length"].value == 4096
+        assert "simulated" in event.asset_materialization.metadata["context_length_source"].value

@@ -1,71 +1,113 @@
-"""Where every asset keeps its files: one storage root, and an IO manager for polars frames."""
+"""Where every asset keeps its files: one storage root, and an IO manager for polars frames.
+
+The root is a local folder or an fsspec URL (``s3://bucket/prefix``); see ``expansion_dag/urls.py``
+for credentials and endpoints.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
 import polars as pl
 import pyarrow.parquet as pq
 from pydantic import Field
+from upath import UPath
 
-from expansion_dag.store import CompletionStore
+from expansion_dag.store import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, CompletionStore
+from expansion_dag.urls import as_upath, default_local_dir, is_local, local_path, upload_after, write_atomically
 
 
 def default_storage_root() -> str:
-    """``$EXPANSION_STORAGE``, else ``$DAGSTER_HOME/storage``, else ``./storage``."""
-    if os.environ.get("EXPANSION_STORAGE"):
-        return os.environ["EXPANSION_STORAGE"]
-    if os.environ.get("DAGSTER_HOME"):
-        return os.path.join(os.environ["DAGSTER_HOME"], "storage")
-    return os.path.abspath("storage")
+    """``$EXPANSION_STORAGE``, else ``./storage`` in the working directory.
+
+    Not ``$DAGSTER_HOME/storage``: Dagster keeps its own run artifacts there.
+    """
+    return os.environ.get("EXPANSION_STORAGE") or os.path.abspath("storage")
 
 
 class StorageResource(dg.ConfigurableResource):
     """Side files of the assets: quarantine, set-aside prompts, the completion store, the training set."""
 
-    root: str = Field(default_factory=default_storage_root)
+    root: str = Field(
+        default_factory=default_storage_root, description="A local folder or an fsspec URL (s3://bucket/prefix)."
+    )
+    local_dir: str = Field(
+        default_factory=default_local_dir,
+        description="This machine's spool, cache and staging for a remote root; it must outlive runs.",
+    )
+    segment_records: int = Field(
+        default=DEFAULT_SEGMENT_RECORDS, description="Remote root: completions per uploaded segment, at most."
+    )
+    segment_interval_s: float = Field(
+        default=DEFAULT_SEGMENT_INTERVAL_S,
+        description="Remote root: seconds after its first completion that a segment is uploaded, at most.",
+    )
 
-    def path(self, *parts: str) -> Path:
-        path = Path(self.root, *parts)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path
+    def path(self, *parts: str) -> UPath:
+        return as_upath(self.root).joinpath(*parts)
 
-    def folder(self, *parts: str) -> Path:
-        path = Path(self.root, *parts)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    @contextmanager
+    def local_staging(self, target: UPath, *, last: str | None = None) -> Iterator[Path]:
+        """A local path to build the file or flat folder ``target`` in; uploaded when the block succeeds.
+
+        A local target is given as is (the builders of the training set and the export replace
+        their output atomically themselves). A remote one is built under ``local_dir`` and uploaded
+        at the end, ``last`` (the file marking a complete folder) after every other file.
+        """
+        if is_local(target):
+            path = local_path(target)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield path
+            return
+        with upload_after(target, scratch=Path(self.local_dir, "staging"), last=last) as path:
+            yield path
+
+    def write_parquet(self, frame: pl.DataFrame, *parts: str) -> UPath:
+        """Write a frame under the root, whole or not at all; returns where."""
+        target = self.path(*parts)
+        with write_atomically(target) as path:
+            frame.write_parquet(path)
+        return target
 
     def completion_store(self) -> CompletionStore:
-        return CompletionStore(Path(self.root) / "completions")
+        return CompletionStore(
+            self.path("completions"),
+            local_dir=self.local_dir,
+            segment_records=self.segment_records,
+            segment_interval_s=self.segment_interval_s,
+        )
 
 
-class ParquetIOManager(dg.ConfigurableIOManager):
-    """polars DataFrames as Parquet, one file per asset (per partition when partitioned)."""
+class ParquetIOManager(dg.ConfigurableIOManagerFactory):
+    """polars DataFrames as Parquet under ``<root>/assets``, one file per asset (per partition when partitioned)."""
 
     root: str = Field(default_factory=default_storage_root)
 
-    def _path(self, context: dg.OutputContext | dg.InputContext) -> Path:
-        key = context.asset_key.path
-        base = Path(self.root, "assets", *key)
-        if context.has_asset_partitions:
-            return base / f"{context.asset_partition_key}.parquet"
-        return base.with_suffix(".parquet")
+    def create_io_manager(self, context: dg.InitResourceContext) -> _PolarsParquetIOManager:
+        return _PolarsParquetIOManager(as_upath(self.root) / "assets")
 
-    def handle_output(self, context: dg.OutputContext, obj: pl.DataFrame) -> None:
-        path = self._path(context)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename: a crash never leaves a half file that a later step would read.
-        tmp = path.with_suffix(".parquet.tmp")
-        obj.write_parquet(tmp)
-        os.replace(tmp, path)
-        context.add_output_metadata({"path": dg.MetadataValue.path(str(path)), "rows": obj.height})
 
-    def load_input(self, context: dg.InputContext) -> pl.DataFrame:
-        path = self._path(context)
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: materialize {context.asset_key.to_user_string()} first")
+class _PolarsParquetIOManager(dg.UPathIOManager):
+    extension = ".parquet"
+
+    def dump_to_path(self, context: dg.OutputContext, obj: pl.DataFrame, path: UPath) -> None:
+        # A crash never leaves a half file that a later step would read.
+        with write_atomically(path) as staged:
+            obj.write_parquet(staged)
+
+    def load_from_path(self, context: dg.InputContext, path: UPath) -> pl.DataFrame:
+        try:
+            fh = path.open("rb")
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{path} is missing: materialize {context.asset_key.to_user_string()} first") from exc
         # Through pyarrow: raw rows may hold invalid UTF-8 on purpose (extraction quarantines
         # them), which polars' own reader refuses outright.
-        return pl.from_arrow(pq.read_table(path))
+        with fh:
+            return pl.from_arrow(pq.read_table(fh))
+
+    def get_metadata(self, context: dg.OutputContext, obj: pl.DataFrame) -> dict[str, dg.MetadataValue]:
+        return {"rows": dg.MetadataValue.int(obj.height)}
