@@ -8,15 +8,19 @@ Deployment choices read from the environment when the code location loads:
   a path to a catalog YAML file.
 - ``EXPANSION_SHARDS``: shard (GPU server) count, see ``partitions.py``.
 - ``EXPANSION_STORAGE``: storage root, see ``resources/storage.py``.
+- ``EXPANSION_LAUNCH_SCOPE`` and ``EXPANSION_GPU_RUN_TAGS``: Kubernetes launch mode, where each
+  run starts one server on its own GPU (see README "Scaling out").
 - ``EXPANSION_NIGHTLY_CRON`` / ``EXPANSION_NIGHTLY_TIMEZONE`` / ``EXPANSION_NIGHTLY_QUOTA``: when the
   nightly expansion runs (default 02:00 UTC) and how many new prompts a night takes (1000).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import dagster as dg
+import yaml
 
 from expansion_dag.assets.budget import budgeted_prompts, shard_prompts
 from expansion_dag.assets.completions import completions
@@ -55,6 +59,7 @@ def fleet_for(profile: str, storage_root: str) -> FleetResource:
         backend=os.environ.get("EXPANSION_BACKEND", "sglang"),
         model_path=os.environ.get("EXPANSION_MODEL_PATH", "Qwen/Qwen3-8B"),
         num_servers=len(SHARD_KEYS),
+        launch_scope=os.environ.get("EXPANSION_LAUNCH_SCOPE", "fleet"),
         # "0" makes a shard whose server is down fail instead of running on another server.
         fallback_to_healthy=os.environ.get("EXPANSION_FLEET_FALLBACK", "1") != "0",
         state_dir=state_dir,
@@ -74,6 +79,21 @@ def resources_for(profile: str) -> dict[str, object]:
     }
 
 
+def gpu_run_tags() -> dict[str, str]:
+    """Tags for runs that start their own SGLang server (Kubernetes launch mode): a GPU per run pod.
+
+    Read from the YAML file named by ``EXPANSION_GPU_RUN_TAGS`` (deploy/k8s/gpu-run-tags.yaml);
+    unset (local, attach mode) means no extra tags.
+    """
+    path = os.environ.get("EXPANSION_GPU_RUN_TAGS")
+    if not path:
+        return {}
+    with open(path) as fh:
+        tags = yaml.safe_load(fh) or {}
+    # Run tags are strings; the K8sRunLauncher parses this one back from JSON.
+    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in tags.items()}
+
+
 catalog = load_catalog(os.environ.get("EXPANSION_CATALOG", "samples"))
 raw_datasets = build_raw_dataset_assets(catalog)
 prompts = build_prompts_asset(catalog)
@@ -82,11 +102,13 @@ prepare_job = dg.define_asset_job(
     "prepare_job",
     selection=dg.AssetSelection.assets(*raw_datasets, prompts, budgeted_prompts),
     description="Load the sources, extract prompts and budget them into shards.",
+    tags=gpu_run_tags(),  # budgeting probes a server for the context length
 )
 generate_job = dg.define_asset_job(
     "generate_job",
     selection=dg.AssetSelection.assets(shard_prompts, completions),
     description="Generate one shard's completions on its GPU server (one run per shard).",
+    tags=gpu_run_tags(),
 )
 training_set_job = dg.define_asset_job(
     "training_set_job",

@@ -1,6 +1,5 @@
 """Provisioning and probing, against the simulator over real sockets and real processes."""
 
-import socket
 import sys
 
 import httpx
@@ -10,16 +9,7 @@ from expansion_dag.errors import FleetError, FleetMismatchError, ServerStartErro
 from expansion_dag.fleet import Launcher, LaunchSpec, probe_fleet, probe_server, wait_ready
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
-
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+from expansion_dag_tests.helpers import free_ports
 
 
 def test_probe_reads_context_slots_model_and_version_from_the_server():

@@ -62,7 +62,7 @@ def load(name: str) -> Any:
 
 def generate_run_tags() -> dict[str, str]:
     """The tags as the code location would attach them: every value a JSON string."""
-    return {key: json.dumps(value) for key, value in load("generate-run-tags.yaml").items()}
+    return {key: json.dumps(value) for key, value in load("gpu-run-tags.yaml").items()}
 
 
 @pytest.fixture
@@ -81,7 +81,8 @@ def launcher(tmp_path, pg_env) -> K8sRunLauncher:
     data = ref.run_launcher_data
     assert data is not None
     config = {**yaml.safe_load(data.config_yaml), "load_incluster_config": False, "kubeconfig_file": str(kubeconfig)}
-    built = ConfigurableClassData(data.module_name, data.class_name, yaml.safe_dump(config)).rehydrate(as_type=RunLauncher)
+    data = ConfigurableClassData(data.module_name, data.class_name, yaml.safe_dump(config))
+    built = data.rehydrate(as_type=RunLauncher)
     assert isinstance(built, K8sRunLauncher)
     return built
 
@@ -91,7 +92,8 @@ def run_pod(launcher: K8sRunLauncher, job_name: str, tags: dict[str, str]) -> di
     run = DagsterRun(job_name=job_name, run_id="0" * 8 + "-0000-0000-0000-" + "0" * 12, tags=tags)
     context = launcher.get_container_context_for_run(run)
     job = construct_dagster_k8s_job(
-        job_config=context.get_k8s_job_config(job_image="registry.example.com/expansion-dag:0.1.0", run_launcher=launcher),
+        job_config=context.get_k8s_job_config(job_image="registry.example.com/expansion-dag:0.1.0",
+                                              run_launcher=launcher),
         args=["dagster", "api", "execute_run", "{}"],
         job_name=f"dagster-run-{run.run_id}",
         user_defined_k8s_config=context.run_k8s_config,
@@ -148,11 +150,11 @@ def test_the_instance_names_postgres_storage_and_the_k8s_launcher(tmp_path, pg_e
     assert (ref.run_launcher_data.module_name, ref.run_launcher_data.class_name) == ("dagster_k8s", "K8sRunLauncher")
 
 
-# --- the GPU request: generate-run-tags.yaml through the launcher -----------------------------------
+# --- the GPU request: gpu-run-tags.yaml through the launcher -----------------------------------
 
 
 def test_the_gpu_tag_is_a_valid_dagster_k8s_config():
-    raw = load("generate-run-tags.yaml")
+    raw = load("gpu-run-tags.yaml")
     assert set(raw) == {K8S_CONFIG_TAG}
     UserDefinedDagsterK8sConfig.from_dict(raw[K8S_CONFIG_TAG])  # raises on keys Kubernetes lacks
     parsed = get_user_defined_k8s_config(generate_run_tags())  # what the launcher does with the tag
@@ -293,7 +295,8 @@ def test_helm_values_queue_runs_with_the_projects_concurrency_limits(values):
     assert coordinator["enabled"] is True and coordinator["type"] == "QueuedRunCoordinator"
     queued = coordinator["config"]["queuedRunCoordinator"]
     # What the chart renders into the instance's run_coordinator config:
-    rendered = {"max_concurrent_runs": queued["maxConcurrentRuns"], "tag_concurrency_limits": queued["tagConcurrencyLimits"]}
+    rendered = {"max_concurrent_runs": queued["maxConcurrentRuns"],
+                "tag_concurrency_limits": queued["tagConcurrencyLimits"]}
     result = process_config(QueuedRunCoordinator.config_type(), rendered)
     assert result.success, result.errors
     local = yaml.safe_load((ROOT / "dagster.yaml").read_text())["concurrency"]["runs"]

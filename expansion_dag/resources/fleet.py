@@ -47,6 +47,11 @@ class FleetResource(dg.ConfigurableResource):
     host: str = "127.0.0.1"
     base_port: int = 30000
     gpus: list[int] = Field(default=[], description="Launch mode: one server per GPU; default 0..shards-1.")
+    launch_scope: str = Field(
+        default="fleet",
+        description="Launch mode: 'fleet' starts every server on this machine; 'run' starts one "
+        "server on this run's own GPU (a GPU pod per shard run on Kubernetes).",
+    )
     num_servers: int = Field(default=2, description="Launch mode, when `gpus` is empty.")
     api_key_env: str = Field(
         default="SGLANG_API_KEY", description="Name of the environment variable holding the API key, if any."
@@ -62,7 +67,11 @@ class FleetResource(dg.ConfigurableResource):
         return os.environ.get(self.api_key_env) or None
 
     def launcher(self) -> Launcher:
+        if self.launch_scope not in ("fleet", "run"):
+            raise FleetError(f"launch_scope must be 'fleet' or 'run', got {self.launch_scope!r}")
         gpus = self.gpus or list(range(self.num_servers))
+        if self.launch_scope == "run":
+            gpus = gpus[:1]  # the one GPU this run's pod was given
         return Launcher(
             state_dir=self.state_dir or os.path.join(os.getcwd(), "storage", "fleet"),
             command=self.launch_command,
@@ -109,6 +118,8 @@ class FleetResource(dg.ConfigurableResource):
         Returns the URL and whether it is a fallback.
         """
         urls = self.server_urls()
+        if self.mode == "launch" and self.launch_scope == "run":
+            return urls[0], False  # the run's own server serves whichever shard the run is for
         if shard_index >= len(urls):
             raise FleetError(f"shard {shard_index} has no server: the fleet has {len(urls)}")
         own = urls[shard_index]

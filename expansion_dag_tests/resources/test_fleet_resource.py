@@ -1,0 +1,39 @@
+"""The fleet resource's launch scopes, with the simulator launched as a real process."""
+
+import sys
+
+from expansion_dag.resources.fleet import SIMULATOR_LAUNCH_COMMAND, FleetResource
+from expansion_dag_tests.helpers import free_ports
+
+
+def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp_path):
+    [port] = free_ports(1)
+    fleet = FleetResource(
+        mode="launch", launch_scope="run", launch_command=SIMULATOR_LAUNCH_COMMAND, num_servers=8,
+        base_port=port, state_dir=str(tmp_path), context_length=4096, startup_timeout_s=60,
+    )
+    try:
+        info = fleet.provision()
+        assert [s.url for s in info.servers] == [f"http://127.0.0.1:{port}"]
+        assert info.context_length == 4096
+        assert fleet.server_for_shard(5) == (f"http://127.0.0.1:{port}", False)
+    finally:
+        assert len(fleet.stop()) == 1
+
+
+def test_the_launch_command_is_recorded_as_a_template_never_filled_with_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_API_KEY", "sk-never-in-metadata")
+    [port] = free_ports(1)
+    fleet = FleetResource(
+        mode="launch", launch_command=SIMULATOR_LAUNCH_COMMAND + " --api-key {api_key}", num_servers=1,
+        base_port=port, state_dir=str(tmp_path), startup_timeout_s=60,
+    )
+    try:
+        info = fleet.provision()
+        config = fleet.effective_config(info, info.servers[0].url)
+    finally:
+        fleet.stop()
+    assert config["launch_command"].endswith("--api-key {api_key}")
+    assert "sk-never-in-metadata" not in repr(config)
+    assert config["simulator"] is True and config["slots"] == 16
+    assert sys.executable not in repr(config)
