@@ -33,12 +33,14 @@ from expansion_dag.resources.fleet import SIMULATOR_LAUNCH_COMMAND, FleetResourc
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import ParquetIOManager, StorageResource, default_storage_root
 from expansion_dag.schedules import build_nightly_schedule, build_nightly_sensors
+from expansion_dag.urls import as_upath, default_local_dir, is_local
 
 PROFILES = ("local", "production")
 
 
 def fleet_for(profile: str, storage_root: str) -> FleetResource:
-    state_dir = os.path.join(storage_root, "fleet")
+    # Pid files, locks and server logs belong to this machine, not to a (possibly remote) root.
+    state_dir = os.path.join(storage_root if is_local(as_upath(storage_root)) else default_local_dir(), "fleet")
     if profile == "local":
         # A dry run (``expansion-dag dry-run --mirror ...``) sets these to a real fleet's probe.
         return FleetResource(

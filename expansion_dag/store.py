@@ -1,14 +1,35 @@
-"""The completion store: every completion durable the moment it returns, each prompt kept once.
+"""The completion store: every completion durable as soon as it returns, each prompt kept once.
 
-Layout: ``<root>/<shard>/seg-<time>-<pid>-<rand>.jsonl``. Each run of a shard appends to a segment
-file of its own (one writer per file, so a torn write can only be the file's last line). A line is
-``<key>\\t<status>\\t<json>\\n``: resuming reads keys and statuses without parsing JSON, which keeps
-the resume scan cheap when completions are long.
+Layout: ``<root>/<shard>/seg-<time>-<pid>-<rand>-<n>.jsonl``, where ``root`` is a local folder or an
+fsspec URL (``s3://bucket/prefix/completions``). Each segment has one writer, so a torn write can
+only be a segment's last line. A line is ``<key>\\t<status>\\t<json>\\n``: resuming reads keys and
+statuses without parsing JSON, which keeps the resume scan cheap when completions are long.
 
-Crash safety: a line is written with one ``os.write`` on an ``O_APPEND`` descriptor, so once
-``append`` returns the line survives the death of the process (SIGKILL included); ``fsync`` runs
-every ``fsync_interval_s`` and on close, for machine crashes. A last line without its newline, or
-whose JSON does not parse, is a torn write: it is counted and ignored on read, never fatal.
+Crash safety: a line is written with one ``os.write`` on an ``O_APPEND`` descriptor of a local
+file, so once ``append`` returns the line survives the death of the process (SIGKILL included);
+``fsync`` runs every ``fsync_interval_s`` and when a segment is closed, for machine crashes. A last
+line without its newline, or whose JSON does not parse, is a torn write: it is counted and ignored
+on read, never fatal.
+
+What is durable when:
+
+* Local root: a run appends to one segment in ``<root>/<shard>/``. A line is durable against the
+  death of the process the moment ``append`` returns, and against a crash of the machine after
+  the next ``fsync``.
+* Remote root (objects cannot be appended to): a run appends, exactly as above, to a segment in
+  this machine's spool, ``<local_dir>/<sha256(root)[:16]>/spool/<shard>/``, and uploads each
+  segment whole, as an immutable object of the same name, once it is sealed: after
+  ``segment_records`` lines, ``segment_interval_s`` seconds after its first line (checked about
+  once a second), and when the writer closes. Uploads run in a background thread; a failed upload
+  fails the writer at its next ``append`` or at its ``close``. So a line is durable on this machine
+  when ``append`` returns, and in the object store once its segment is uploaded. A segment that a
+  killed process left in the spool (or whose upload failed) is uploaded by the next store of the
+  same root and ``local_dir`` on this machine, before that store reads or writes anything: a
+  writer holds an ``flock`` on its segment until the upload is done, so only a dead writer's
+  segments are taken. Losing the machine loses the lines of the segments not yet uploaded (at most
+  ``segment_records`` lines or ``segment_interval_s`` seconds per writer, plus a pending upload);
+  the next run generates them again. Readers see uploaded segments only, read through a local
+  cache of them (``.../segments/``: an object never changes once uploaded).
 
 A key is the completion identity (``completion_key``): the prompt plus everything that shapes the
 answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
@@ -17,18 +38,28 @@ next run retries it.
 
 from __future__ import annotations
 
+import fcntl
+import fnmatch
 import hashlib
 import json
 import os
+import queue
 import secrets
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from expansion_dag.urls import as_upath, default_local_dir, entry_name, is_local, listing, local_path, upload
+
 OK = "ok"
 FAILED = "failed"
+DEFAULT_SEGMENT_RECORDS = 1000
+DEFAULT_SEGMENT_INTERVAL_S = 60.0
+SEGMENT_GLOB = "seg-*.jsonl"
+_SEAL_CHECK_S = 1.0  # how often a quiet writer checks whether its segment is due for upload
 
 
 def completion_key(prompt_id: str, settings_fingerprint: str) -> str:
@@ -54,22 +85,58 @@ class _Location:
 
 
 class CompletionStore:
-    """Completions of every shard under one root folder."""
+    """Completions of every shard under one root: a local folder or an fsspec URL."""
 
-    def __init__(self, root: str | os.PathLike[str]):
-        self.root = Path(root)
-
-    def shard_dir(self, shard: str) -> Path:
-        return self.root / shard
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        local_dir: str | os.PathLike[str] | None = None,
+        segment_records: int = DEFAULT_SEGMENT_RECORDS,
+        segment_interval_s: float = DEFAULT_SEGMENT_INTERVAL_S,
+    ):
+        if segment_records < 1 or segment_interval_s <= 0:
+            raise ValueError("segment_records must be at least 1 and segment_interval_s positive")
+        self.root = as_upath(root)
+        self.local = is_local(self.root)
+        digest = hashlib.sha256(str(self.root).encode()).hexdigest()[:16]
+        work = Path(local_dir or default_local_dir()) / digest
+        self.spool = work / "spool"
+        self._cache = work / "segments"
+        self._segment_records = segment_records
+        self._segment_interval_s = segment_interval_s
+        self._recovered = self.local
 
     def shards(self) -> list[str]:
-        if not self.root.exists():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        if self.local:
+            folder = local_path(self.root)
+            return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.exists() else []
+        self._recover()
+        return sorted(entry_name(e) for e in listing(self.root) if e["type"] == "directory")
 
     def _segments(self, shard: str) -> list[Path]:
-        folder = self.shard_dir(shard)
-        return sorted(folder.glob("seg-*.jsonl")) if folder.exists() else []
+        """Local files of a shard's segments: the segments themselves, or cached copies of objects."""
+        if self.local:
+            folder = local_path(self.root / shard)
+            return sorted(folder.glob(SEGMENT_GLOB)) if folder.exists() else []
+        self._recover()
+        cache = self._cache / shard
+        objects = {
+            e["name"]: (cache / entry_name(e), e["size"])
+            for e in listing(self.root / shard)
+            if e["type"] == "file" and fnmatch.fnmatch(entry_name(e), SEGMENT_GLOB)
+        }
+        # Same name and size is the same object: segments are never rewritten.
+        stale = [
+            name for name, (copy, size) in objects.items() if not (copy.exists() and copy.stat().st_size == size)
+        ]
+        if stale:
+            cache.mkdir(parents=True, exist_ok=True)
+            parts = [cache / f".{objects[name][0].name}.{os.getpid()}-{secrets.token_hex(3)}" for name in stale]
+            self.root.fs.get(stale, [str(p) for p in parts])
+            for name, part in zip(stale, parts):
+                os.replace(part, objects[name][0])
+        return sorted(copy for copy, _ in objects.values())
 
     def _lines(self, shard: str) -> Iterator[tuple[str, str, _Location | None]]:
         """(key, status, location) of each intact line; location None marks a torn line."""
@@ -146,7 +213,44 @@ class CompletionStore:
                 yield record
 
     def writer(self, shard: str, *, fsync_interval_s: float = 2.0) -> SegmentWriter:
-        return SegmentWriter(self.shard_dir(shard), fsync_interval_s=fsync_interval_s)
+        if self.local:
+            return SegmentWriter(local_path(self.root / shard), fsync_interval_s=fsync_interval_s)
+        self._recover()
+        return SegmentWriter(
+            self.spool / shard,
+            fsync_interval_s=fsync_interval_s,
+            publish=lambda path: self._publish(shard, path),
+            segment_records=self._segment_records,
+            segment_interval_s=self._segment_interval_s,
+        )
+
+    def _publish(self, shard: str, path: Path) -> None:
+        """Upload a sealed spool segment, then keep it as the read cache's copy of the object."""
+        upload(path, self.root / shard / path.name)
+        cached = self._cache / shard / path.name
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, cached)
+
+    def _recover(self) -> None:
+        """Upload the spool segments that dead writers left on this machine (once per store)."""
+        if self._recovered:
+            return
+        for path in sorted(self.spool.glob(f"*/{SEGMENT_GLOB}")):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # published meanwhile
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its writer is alive
+                # A live writer unlocks only after moving the segment out of the spool.
+                if path.exists():
+                    self._publish(path.parent.name, path)
+            finally:
+                os.close(fd)
+        self._recovered = True
 
 
 def _read_record(loc: _Location) -> dict[str, Any] | None:
@@ -159,38 +263,142 @@ def _read_record(loc: _Location) -> dict[str, Any] | None:
         return None  # a line cut inside its JSON by a crash: torn, ignored
 
 
-class SegmentWriter:
-    """The one writer of a fresh segment file."""
+class _Segment:
+    """One fresh segment file and its one writer."""
 
-    def __init__(self, folder: Path, *, fsync_interval_s: float):
-        folder.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        self.path = folder / f"seg-{stamp}-{os.getpid()}-{secrets.token_hex(3)}.jsonl"
+    def __init__(self, path: Path):
+        self.path = path
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
-        self._fsync_interval_s = fsync_interval_s
-        self._last_fsync = time.monotonic()
-        self.written = 0
+        # Held until the segment is closed: spool recovery takes only segments whose writer died.
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.opened = time.monotonic()
+        self.lines = 0
+        self._last_fsync = self.opened
 
-    def append(self, record: Mapping[str, Any]) -> None:
-        key = record["key"]
-        status = record["status"]
-        payload = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    def write(self, line: bytes, fsync_interval_s: float) -> None:
         # One write call per line: a crash leaves whole lines plus at most one torn tail.
-        os.write(self._fd, f"{key}\t{status}\t{payload}\n".encode())
-        self.written += 1
+        os.write(self._fd, line)
+        self.lines += 1
         now = time.monotonic()
-        if now - self._last_fsync >= self._fsync_interval_s:
+        if now - self._last_fsync >= fsync_interval_s:
             os.fsync(self._fd)
             self._last_fsync = now
 
-    def close(self) -> None:
-        if self._fd < 0:
-            return
+    def sync(self) -> None:
         os.fsync(self._fd)
+
+    def close(self) -> None:
         os.close(self._fd)
-        self._fd = -1
-        if self.written == 0:
-            self.path.unlink(missing_ok=True)
+
+
+class SegmentWriter:
+    """The one writer of a run of a shard.
+
+    Without ``publish`` (a local root) it appends to one segment in ``folder``. With ``publish`` (a
+    remote root) ``folder`` is the spool: each segment is sealed when due and handed to ``publish``
+    in a background thread, which uploads it and moves it out of the spool.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        fsync_interval_s: float,
+        publish: Callable[[Path], None] | None = None,
+        segment_records: int = DEFAULT_SEGMENT_RECORDS,
+        segment_interval_s: float = DEFAULT_SEGMENT_INTERVAL_S,
+    ):
+        folder.mkdir(parents=True, exist_ok=True)
+        self._folder = folder
+        self._fsync_interval_s = fsync_interval_s
+        self._publish = publish
+        self._segment_records = segment_records
+        self._segment_interval_s = segment_interval_s
+        self._segment: _Segment | None = None  # opened by the first line, so no empty segments
+        self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._segments_opened = 0
+        self._lock = threading.Lock()  # the appending thread and the publisher both seal
+        self._error: BaseException | None = None
+        self._closed = False
+        self.written = 0
+        if publish is not None:
+            self._sealed: queue.SimpleQueue[_Segment | None] = queue.SimpleQueue()
+            self._publisher = threading.Thread(target=self._publish_sealed, name=f"publish {folder.name}", daemon=True)
+            self._publisher.start()
+
+    @property
+    def path(self) -> Path | None:
+        """The segment being appended to."""
+        return self._segment.path if self._segment else None
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        payload = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+        line = f"{record['key']}\t{record['status']}\t{payload}\n".encode()
+        with self._lock:
+            if self._segment is None:
+                self._segment = _Segment(self._next_path())
+            self._segment.write(line, self._fsync_interval_s)
+            self.written += 1
+            if self._publish is not None and self._segment.lines >= self._segment_records:
+                self._seal()
+        self._raise_publish_error()
+
+    def _next_path(self) -> Path:
+        # Names sort in the order a writer wrote its segments: readers keep the first ok line
+        # of a key and the last failure.
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        self._segments_opened += 1
+        return self._folder / f"seg-{stamp}-{self._writer_id}-{self._segments_opened:06d}.jsonl"
+
+    def _seal(self) -> None:
+        """Hand the current segment, synced, to the publisher (the lock is held)."""
+        assert self._segment is not None
+        self._segment.sync()
+        self._sealed.put(self._segment)
+        self._segment = None
+
+    def _publish_sealed(self) -> None:
+        assert self._publish is not None
+        while True:
+            try:
+                segment = self._sealed.get(timeout=min(_SEAL_CHECK_S, self._segment_interval_s))
+            except queue.Empty:
+                with self._lock:
+                    current = self._segment
+                    if current is not None and time.monotonic() - current.opened >= self._segment_interval_s:
+                        self._seal()
+                continue
+            if segment is None:
+                return
+            try:
+                self._publish(segment.path)
+            except Exception as exc:  # the segment stays in the spool, unlocked, for recovery
+                self._error = self._error or exc
+            finally:
+                segment.close()
+
+    def _raise_publish_error(self) -> None:
+        if self._error is not None:
+            raise OSError(
+                f"a completion segment could not be uploaded: {self._error}. Its completions are kept in "
+                f"{self._folder}; the next run on this machine uploads them."
+            ) from self._error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            if self._segment is not None and self._publish is not None:
+                self._seal()
+            elif self._segment is not None:
+                self._segment.sync()
+                self._segment.close()
+                self._segment = None
+        if self._publish is not None:
+            self._sealed.put(None)
+            self._publisher.join()
+        self._raise_publish_error()
 
     def __enter__(self) -> SegmentWriter:
         return self

@@ -50,6 +50,7 @@ from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.histogram import bar_chart_png, png_data_uri
 from expansion_dag.tokenizer import render_prompts
+from expansion_dag.urls import as_upath
 
 DEFAULT_MAX_LENGTH = 32_768  # Qwen3's native context
 DEFAULT_MIN_LENGTH = 16
@@ -144,7 +145,7 @@ class Manifest:
 
     @classmethod
     def read(cls, out_dir: str | os.PathLike[str]) -> Manifest:
-        return cls(**json.loads((Path(out_dir) / MANIFEST_NAME).read_text()))
+        return cls(**json.loads((as_upath(out_dir) / MANIFEST_NAME).read_text()))
 
 
 @dataclass(frozen=True)
@@ -528,8 +529,8 @@ def _sha256(path: Path) -> str:
 
 
 def data_files(out_dir: str | os.PathLike[str]) -> list[str]:
-    """The shard paths of a built set, for ``datasets.load_dataset("parquet", data_files=...)``."""
-    return [str(Path(out_dir) / f["name"]) for f in Manifest.read(out_dir).files]
+    """The shard paths (URLs) of a built set, for ``datasets.load_dataset("parquet", data_files=...)``."""
+    return [str(as_upath(out_dir) / f["name"]) for f in Manifest.read(out_dir).files]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,13 +546,14 @@ def sample_rows(out_dir: str | os.PathLike[str], n: int) -> list[dict[str, Any]]
     rows: list[dict[str, Any]] = []
     first = 0  # global index of the current row group's first row
     for entry in manifest.files:
-        parquet = pq.ParquetFile(Path(out_dir) / entry["name"])
-        for group in range(parquet.num_row_groups):
-            size = parquet.metadata.row_group(group).num_rows
-            local = [i - first for i in wanted if first <= i < first + size]
-            if local:
-                rows.extend(parquet.read_row_group(group).take(local).to_pylist())
-            first += size
+        with (as_upath(out_dir) / entry["name"]).open("rb") as fh:
+            parquet = pq.ParquetFile(fh)
+            for group in range(parquet.num_row_groups):
+                size = parquet.metadata.row_group(group).num_rows
+                local = [i - first for i in wanted if first <= i < first + size]
+                if local:
+                    rows.extend(parquet.read_row_group(group).take(local).to_pylist())
+                first += size
     return rows
 
 

@@ -1,6 +1,7 @@
 """The completion store keeps every finished completion once, whatever a crash left behind."""
 
 import os
+import time
 
 from expansion_dag.store import FAILED, OK, CompletionStore, completion_key
 
@@ -85,3 +86,62 @@ def test_identity_changes_with_settings_and_prompt():
     assert completion_key("p1", "settings-a") == completion_key("p1", "settings-a")
     assert completion_key("p1", "settings-a") != completion_key("p1", "settings-b")
     assert completion_key("p1", "settings-a") != completion_key("p2", "settings-a")
+
+
+# A remote root (fsspec's in-memory filesystem here; S3 in test_object_storage.py): objects
+# cannot be appended to, so a writer spools segments on local disk and uploads them whole.
+
+
+def remote_root(tmp_path):
+    """A fresh in-memory root per test (that filesystem is shared by the whole process)."""
+    return f"memory://{tmp_path.name}/completions"
+
+
+def spooled(store):
+    return sorted(store.spool.glob("*/seg-*.jsonl"))
+
+
+def test_a_remote_writer_uploads_each_sealed_segment_and_leaves_no_spool(tmp_path):
+    store = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "machine-a", segment_records=2)
+    with store.writer("shard-00") as w:
+        for key in "abcde":
+            w.append(ok(key))
+        w.append(failed("f"))
+    assert spooled(store) == []
+    objects = store.root.fs.ls((store.root / "shard-00").path)
+    assert len(objects) == 3  # 2 + 2 + 2 lines
+    # Another machine (no spool, no cache) reads the same completions.
+    elsewhere = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "machine-b")
+    assert elsewhere.shards() == ["shard-00"]
+    assert elsewhere.scan("shard-00").done == set("abcde")
+    assert [r["key"] for r in elsewhere.records("shard-00")] == list("abcde")
+    assert [r["key"] for r in elsewhere.latest_failures("shard-00")] == ["f"]
+
+
+def test_a_quiet_writer_uploads_its_segment_once_the_interval_has_passed(tmp_path):
+    store = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "a", segment_interval_s=0.2)
+    elsewhere = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "b")
+    with store.writer("shard-00") as w:
+        w.append(ok("a"))
+        deadline = time.monotonic() + 5
+        while elsewhere.scan("shard-00").done != {"a"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert elsewhere.scan("shard-00").done == {"a"}, "not uploaded while the writer was open"
+
+
+def test_spool_recovery_uploads_what_dead_writers_left_and_never_a_live_segment(tmp_path):
+    store = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "machine")
+    live = store.writer("shard-01")
+    live.append(ok("live"))
+    # What a SIGKILLed writer leaves: an unlocked spool segment ending in a torn line.
+    dead = store.spool / "shard-00" / "seg-20250101T000000-1-dead.jsonl"
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b'a\tok\t{"key":"a","status":"ok"}\n' + b'b\tok\t{"key":"b","con')
+
+    later = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "machine")
+    assert later.shards() == ["shard-00"]
+    scan = later.scan("shard-00")
+    assert (scan.done, scan.torn_lines) == ({"a"}, 1)
+    assert spooled(later) == [live.path]  # the live writer's segment stays with its writer
+    live.close()
+    assert CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "elsewhere").done_keys() == {"a", "live"}

@@ -48,7 +48,7 @@ def budgeted_prompts(
                 fitting,
                 keys,
                 storage.completion_store().done_keys(),
-                nights_dir=storage.folder("nights"),
+                nights_dir=storage.path("nights"),
                 night=config.night,
                 quota=config.quota,
             )
@@ -64,8 +64,7 @@ def budgeted_prompts(
         config=settings.budget_config(),
         select=take,
     )
-    set_aside_path = storage.path("set_aside", "budgeted_prompts.parquet")
-    result.set_aside.drop("messages").write_parquet(set_aside_path)
+    set_aside_path = storage.write_parquet(result.set_aside.drop("messages"), "set_aside", "budgeted_prompts.parquet")
     shards = result.shard_stats()
     context.add_output_metadata(
         {

@@ -30,8 +30,7 @@ def build_prompts_asset(catalog: Catalog) -> dg.AssetsDefinition:
             for s in catalog.sources
         ]
         selection = select_prompts(results, catalog=catalog)
-        quarantine_path = storage.path("quarantine", "prompts.parquet")
-        selection.quarantine.write_parquet(quarantine_path)
+        quarantine_path = storage.write_parquet(selection.quarantine, "quarantine", "prompts.parquet")
         accounting = pl.DataFrame([s.as_dict() for s in selection.stats.values()])
         by_reason = (
             dict(selection.quarantine.group_by("reason").len().sort("reason").iter_rows())

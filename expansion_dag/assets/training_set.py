@@ -2,10 +2,12 @@
 
 import dagster as dg
 import polars as pl
+import pyarrow.parquet as pq
 
 from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.ledger import nights
 from expansion_dag.training_set import (
+    MANIFEST_NAME,
     build_training_set,
     check_round_trip,
     data_files,
@@ -15,6 +17,7 @@ from expansion_dag.training_set import (
 )
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
+from expansion_dag.urls import as_upath
 
 GROUP = "training"
 CHECK_LOSS_MASK = "loss_mask_not_empty"
@@ -49,9 +52,11 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
     tokenizer = settings.load_tokenizer()
     config = settings.training_set_config(_context_length(context))
     out_dir = storage.path("training_set")
-    manifest = build_training_set(store.iter_completions_sorted(), tokenizer, config, out_dir)
+    with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging:
+        manifest = build_training_set(store.iter_completions_sorted(), tokenizer, config, staging)
     jsonl = storage.path("exports", "conversations.jsonl")
-    export_conversations_jsonl(store.iter_completions_sorted(), config, jsonl, tokenizer=tokenizer)
+    with storage.local_staging(jsonl) as staging:
+        export_conversations_jsonl(store.iter_completions_sorted(), config, staging, tokenizer=tokenizer)
 
     rows = sample_rows(out_dir, ROUND_TRIP_SAMPLE)
     empty_masks = _rows_without_loss(out_dir)
@@ -94,7 +99,7 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
 
 def _nights_metadata(storage: StorageResource) -> dict:
     """Each nightly expansion's figures, so every night stays visible in the UI."""
-    taken = nights(storage.folder("nights"))
+    taken = nights(storage.path("nights"))
     if not taken:
         return {}
     store = storage.completion_store()
@@ -118,13 +123,13 @@ def _nights_metadata(storage: StorageResource) -> dict:
 
 
 def _rows_without_loss(out_dir) -> int:
-    """Rows whose loss mask has no 1, over the whole set (a vectorized scan of the Parquet)."""
-    files = data_files(out_dir)
-    if not files:
-        return 0
-    return (
-        pl.scan_parquet(files)
-        .select((pl.col("loss_mask").list.sum() == 0).sum())
-        .collect()
-        .item()
-    )
+    """Rows whose loss mask has no 1, over the whole set, read one row group at a time.
+
+    Through fsspec (any storage root), not polars' own cloud readers.
+    """
+    empty = 0
+    for url in data_files(out_dir):
+        with as_upath(url).open("rb") as fh:
+            for batch in pq.ParquetFile(fh).iter_batches(columns=["loss_mask"]):
+                empty += pl.from_arrow(batch).select((pl.col("loss_mask").list.sum() == 0).sum()).item()
+    return empty

@@ -40,10 +40,11 @@ class StorageResource(dg.ConfigurableResource):
         description="This machine's spool, cache and staging for a remote root; it must outlive runs.",
     )
     segment_records: int = Field(
-        default=DEFAULT_SEGMENT_RECORDS, description="Remote root: completions per uploaded segment, at most."
+        default=DEFAULT_SEGMENT_RECORDS, ge=1, description="Remote root: completions per uploaded segment, at most."
     )
     segment_interval_s: float = Field(
         default=DEFAULT_SEGMENT_INTERVAL_S,
+        gt=0,
         description="Remote root: seconds after its first completion that a segment is uploaded, at most.",
     )
 
@@ -103,7 +104,8 @@ class _PolarsParquetIOManager(dg.UPathIOManager):
         try:
             fh = path.open("rb")
         except FileNotFoundError as exc:
-            raise FileNotFoundError(f"{path} is missing: materialize {context.asset_key.to_user_string()} first") from exc
+            missing = f"{path} is missing: materialize {context.asset_key.to_user_string()} first"
+            raise FileNotFoundError(missing) from exc
         # Through pyarrow: raw rows may hold invalid UTF-8 on purpose (extraction quarantines
         # them), which polars' own reader refuses outright.
         with fh:

@@ -1,0 +1,117 @@
+"""Storage locations as URLs: a local folder, or any fsspec URL (``s3://bucket/prefix``, ``gs://``...).
+
+Remote credentials and endpoints come from the filesystem's usual environment: for S3,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION`` and, for an S3-compatible
+server, ``AWS_ENDPOINT_URL`` (read by botocore, so by s3fs).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from upath import UPath
+
+LOCAL_PROTOCOLS = ("", "file", "local")
+
+
+def as_upath(location: str | os.PathLike[str]) -> UPath:
+    """A location as a UPath; a UPath given is kept with its storage options."""
+    if isinstance(location, UPath):
+        return location
+    path = UPath(location)
+    if is_local(path):
+        return path
+    # Other processes (one per shard) write under the same root: a cached listing would hide them.
+    return UPath(location, use_listings_cache=False)
+
+
+def is_local(path: UPath) -> bool:
+    return path.protocol in LOCAL_PROTOCOLS
+
+
+def local_path(path: UPath) -> Path:
+    return Path(path.path)
+
+
+def default_local_dir() -> str:
+    """This machine's folder for a remote root's spool, caches and staging.
+
+    ``$EXPANSION_LOCAL_DIR``, else ``~/.cache/expansion_dag``. It must outlive a run: a killed
+    run's spooled completions wait there for the next run on this machine to upload them.
+    """
+    return os.environ.get("EXPANSION_LOCAL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "expansion_dag")
+
+
+def listing(path: UPath) -> list[dict[str, Any]]:
+    """The entries (fsspec ``ls`` details) directly under a remote folder; none when it is absent."""
+    try:
+        return path.fs.ls(path.path, detail=True)
+    except FileNotFoundError:
+        return []
+
+
+def entry_name(entry: dict[str, Any]) -> str:
+    """The last part of a ``listing`` entry's name."""
+    return entry["name"].rstrip("/").rsplit("/", 1)[-1]
+
+
+def upload(local: Path, target: UPath, *, last: str | None = None) -> None:
+    """Copy a local file, or the files of a flat local folder, to ``target``.
+
+    A folder replaces what ``target`` held: its file named ``last`` is removed first and uploaded
+    after every other file, so that its presence marks a complete copy; files of an older copy that
+    the new one lacks are removed at the end.
+    """
+    fs = target.fs
+    if local.is_file():
+        # One PUT: an object store shows the whole object or nothing.
+        fs.put_file(str(local), target.path)
+        return
+    names = sorted(p.name for p in local.iterdir())
+    old = {entry_name(entry) for entry in listing(target)}
+    if last in old:
+        fs.rm_file((target / last).path)
+    for name in sorted(names, key=lambda n: n == last):
+        fs.put_file(str(local / name), (target / name).path)
+    for name in sorted(old - set(names)):
+        fs.rm_file((target / name).path)
+
+
+@contextmanager
+def write_atomically(target: UPath) -> Iterator[Path]:
+    """A local file to write; on success it replaces ``target`` whole (never a half file)."""
+    if not is_local(target):
+        with upload_after(target) as staged:
+            yield staged
+        return
+    final = local_path(target)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staged = final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+    try:
+        yield staged
+        os.replace(staged, final)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+@contextmanager
+def upload_after(
+    target: UPath, *, scratch: str | os.PathLike[str] | None = None, last: str | None = None
+) -> Iterator[Path]:
+    """A local path (in ``scratch``, else the system's temp folder) to build ``target`` in: a
+    file or a flat folder, uploaded (see ``upload``) when the block succeeds, then removed."""
+    if scratch is not None:
+        Path(scratch).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="expansion-", dir=scratch))
+    try:
+        yield folder / target.name
+        upload(folder / target.name, target, last=last)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
