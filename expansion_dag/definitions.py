@@ -39,6 +39,7 @@ PROFILES = ("local", "production")
 
 
 def fleet_for(profile: str, storage_root: str) -> FleetResource:
+    fallback = os.environ.get("EXPANSION_FLEET_FALLBACK", "1") != "0"
     # Pid files, locks and server logs belong to this machine, not to a (possibly remote) root.
     state_dir = os.path.join(storage_root if is_local(as_upath(storage_root)) else default_local_dir(), "fleet")
     if profile == "local":
@@ -51,6 +52,7 @@ def fleet_for(profile: str, storage_root: str) -> FleetResource:
             max_running_requests=int(os.environ.get("EXPANSION_SIM_SLOTS", "16")),
             num_servers=len(SHARD_KEYS),
             base_port=int(os.environ.get("EXPANSION_SIM_BASE_PORT", "30000")),
+            fallback_to_healthy=fallback,
             startup_timeout_s=120.0,
             state_dir=state_dir,
         )
@@ -63,7 +65,7 @@ def fleet_for(profile: str, storage_root: str) -> FleetResource:
         num_servers=len(SHARD_KEYS),
         launch_scope=os.environ.get("EXPANSION_LAUNCH_SCOPE", "fleet"),
         # "0" makes a shard whose server is down fail instead of running on another server.
-        fallback_to_healthy=os.environ.get("EXPANSION_FLEET_FALLBACK", "1") != "0",
+        fallback_to_healthy=fallback,
         state_dir=state_dir,
     )
 

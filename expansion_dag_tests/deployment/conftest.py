@@ -22,9 +22,13 @@ from expansion_dag_tests.deployment.support import DagsterDev, PostgresServer, i
 SHARDS = ["shard-00", "shard-01"]
 KILLED = 1  # shard-01's server dies mid-backfill
 #: About 3 s a request (160 tokens at 20 ms) on 32 slots: a shard of ~90 prompts takes ~15 s, so
-#: the kill lands mid-shard, and requests in flight then fail through their retries (~17 s).
+#: the kill lands mid-shard.
 SLOW_SERVER = SimServerConfig(port=0, max_running_requests=32, ttft_s=0.05, token_latency_s=0.02,
                               output_median_tokens=160, output_sigma=0.5)
+#: The backfill's run config (the re-execution inherits it): the requests in flight at the kill go
+#: through their retries in under a second instead of ~17 s, so the failed run ends within one of
+#: the daemon's 30 s passes over backfills rather than two.
+FAST_RETRIES = {"resources": {"settings": {"config": {"backoff_initial_s": 0.05}}}}
 BACKFILL_DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 RUN_DONE = {"SUCCESS", "FAILURE", "CANCELED"}
 # The daemon looks at backfills every 30 s: a backfill needs two of its passes at least.
@@ -85,7 +89,7 @@ def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
             prepare = dev.launch_run("prepare_job", {"execution": {"config": {"in_process": {}}}})
             assert wait_for("prepare_job to finish", lambda: _run_finished(dev, prepare), 180) == "SUCCESS"
 
-            first_id = dev.launch_backfill(["shard_prompts", "completions"], SHARDS)
+            first_id = dev.launch_backfill(["shard_prompts", "completions"], SHARDS, FAST_RETRIES)
 
             def both_generating() -> bool:
                 assert _finished(dev, first_id) is None, "the backfill ended before the kill"
@@ -100,11 +104,13 @@ def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
 
             fleet.restart(KILLED)
             second_id = dev.reexecute_backfill_from_failure(first_id)
-            wait_for(
-                "every shard to be materialized",
-                lambda: dev.partition_statuses("completions")["materializedPartitions"] == SHARDS,
-                BACKFILL_TIMEOUT_S, 1,
-            )
+
+            def all_materialized() -> bool:
+                ended = _finished(dev, second_id)
+                assert ended is None or ended["status"] == "COMPLETED_SUCCESS", f"the re-execution ended {ended}"
+                return sorted(dev.partition_statuses("completions")["materializedPartitions"]) == SHARDS
+
+            wait_for("every shard to be materialized", all_materialized, BACKFILL_TIMEOUT_S, 1)
             # Launched while the daemon closes the backfill: the two waits overlap.
             training = dev.launch_run("training_set_job")
             second = wait_for("the re-execution to finish", lambda: _finished(dev, second_id), BACKFILL_TIMEOUT_S, 1)

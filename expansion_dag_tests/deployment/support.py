@@ -121,14 +121,19 @@ class PostgresServer:
         self._pg("initdb", "-D", str(self.data), "-U", "postgres", "--auth-local=trust",
                  "--auth-host=scram-sha-256", "-E", "UTF8", "--no-locale")
         self.start()
-        # The superuser over the socket (trust); Dagster later comes over TCP with the password.
-        with contextlib.closing(
-            psycopg2.connect(host=str(self.base), port=self.port, user="postgres", dbname="postgres")
-        ) as conn:
+        with contextlib.closing(self.connect(superuser=True)) as conn:
             conn.autocommit = True  # CREATE DATABASE refuses to run in a transaction
             with conn.cursor() as cur:
                 cur.execute(f"CREATE ROLE {self.user} LOGIN PASSWORD %s", (self.password,))
                 cur.execute(f"CREATE DATABASE {self.db} OWNER {self.user}")
+
+    def connect(self, superuser: bool = False) -> psycopg2.extensions.connection:
+        """The superuser over the socket (trust), or Dagster's role as Dagster connects: TCP, password."""
+        if superuser:
+            return psycopg2.connect(host=str(self.base), port=self.port, user="postgres", dbname="postgres")
+        return psycopg2.connect(
+            host="127.0.0.1", port=self.port, user=self.user, password=self.password, dbname=self.db
+        )
 
     def start(self) -> None:
         options = f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1"
@@ -158,12 +163,12 @@ class DagsterDev:
     """`dagster dev -w workspace.yaml` (webserver and daemon) in its own process group."""
 
     def __init__(self, home: Path, env: dict[str, str], log: Path) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.log = log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                [str(BIN / "dagster"), "dev", "-w", str(ROOT / "workspace.yaml"),
-                 "-h", "127.0.0.1", "-p", self.url.rsplit(":", 1)[1]],
+                [str(BIN / "dagster"), "dev", "-w", str(ROOT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
                 cwd=ROOT, env={**env, "DAGSTER_HOME": str(home)},
                 stdout=out, stderr=subprocess.STDOUT,
                 # Its code server, webserver, daemon and run workers join this group: one signal
@@ -234,12 +239,13 @@ class DagsterDev:
         data = self.graphql("query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }", id=run_id)
         return data["runOrError"]["status"]
 
-    def launch_backfill(self, assets: list[str], partitions: list[str]) -> str:
+    def launch_backfill(self, assets: list[str], partitions: list[str], run_config: dict[str, Any]) -> str:
         """The asset graph's "Materialize selected" over partitions: an asset backfill."""
         data = self.graphql(
             "mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) { __typename "
             "... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }",
-            p={"assetSelection": [{"path": [a]} for a in assets], "partitionNames": partitions},
+            p={"assetSelection": [{"path": [a]} for a in assets], "partitionNames": partitions,
+               "runConfigData": run_config},
         )
         return self._ok(data["launchPartitionBackfill"], "LaunchBackfillSuccess")["backfillId"]
 
