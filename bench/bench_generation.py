@@ -29,8 +29,11 @@ Utilization is measured by the simulator: busy slot-seconds (``GET /sim/stats`` 
 ``slots * makespan``, summed over the servers. Client CPU is ``time.process_time()`` of this
 process over the phase.
 
-    .venv/bin/python bench/bench_generation.py            # the full run (~6 min on 2 cores)
-    .venv/bin/python bench/bench_generation.py --quick    # a smoke run (~30 s)
+    .venv/bin/python bench/bench_generation.py            # the full run: ~14 min on 2 idle cores
+    .venv/bin/python bench/bench_generation.py --quick    # a smoke run: ~30-60 s
+
+The full run's time is mostly the baseline's own CPU: about 30 ms per request on this machine,
+so 20,000 requests keep one core busy for 10 minutes; ``--requests`` scales it.
 
 Results are printed as a table and written as JSON under ``bench/results/``.
 """
@@ -564,14 +567,17 @@ class Simulator:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        if self.process.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)  # kept when the simulator failed, for its errors
 
 
 # --------------------------------------------------------------------------------------------
@@ -806,7 +812,9 @@ def _parser() -> argparse.ArgumentParser:
         default=25.0,
         help="GPU time model for the 100-server figure: per output token of one request at full batch",
     )
-    p.add_argument("--quick", action="store_true", help="a smoke run: 4 servers, 2,000 requests (~30 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: 4 servers, 1,200 requests, 1 ms per token (~30 s)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON result")
     return p
 
@@ -891,7 +899,7 @@ def _table(results: list[dict[str, Any]], feeds: dict[str, dict[str, Any]]) -> s
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.quick:
-        args.requests, args.servers = 2000, 4
+        args.requests, args.servers = 1200, 4
         if args.token_latency_ms == _parser().get_default("token_latency_ms"):
             args.token_latency_ms = 1.0
     started = time.perf_counter()
