@@ -74,6 +74,7 @@ from expansion_dag.engine import (
     WorkItem,
     make_client,
 )
+from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
 from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.store import CompletionStore, completion_key
@@ -828,17 +829,7 @@ def _shown_path(path: str) -> str:
 
 
 def _machine() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem_gib = None
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    model, mem_gib = cpu_model_and_memory_gib()
     return {
         "cores": os.cpu_count(),
         "cpu_model": model,
