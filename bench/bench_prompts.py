@@ -8,31 +8,40 @@ of that config, with realistic turn counts and lengths, a share of non-English r
 prompts (exact and whitespace variants) and a few blank prompts. It is cached as one snappy
 Parquet file (the codec ``datasets`` writes) under ``--data-dir`` and reused by later runs.
 
-Every phase runs in a subprocess of its own, so that its peak RSS (``ru_maxrss``) is its own:
+Every phase runs in a subprocess of its own; peak memory is the high-water RSS (``VmHWM``) of
+the measured work, reset (``/proc/self/clear_refs``) once imports and inputs are loaded:
 
 * ``read``: ``pl.read_parquet(path, columns=["conversations", "langdetect"])``, the columns that
   extraction needs (the prompt column and the ``langdetect: en`` filter of the production catalog).
-  The baseline of the extraction target.
+  The baseline of the extraction target, with its own peak memory.
+* ``extract``: the same read, then ``extract_prompts`` and ``select_prompts`` called exactly as the
+  prompts asset calls them (a catalog source with the ``langdetect: en`` filter and a quota of
+  193,010, so that the selection is the budgeting input), then the read once more. Extraction is
+  compared with the mean of the two reads that bracket it in the same process (A-B-A), which
+  cancels most of the drift of a shared machine, and with the ``read`` phase.
 * ``read_asset``: what the prompts asset's IO manager really does, ``pl.from_arrow(pq.read_table)``
   of every column. Context only.
-* ``extract``: the same read, then ``extract_prompts`` and ``select_prompts`` called exactly as the
-  prompts asset calls them (catalog source with the ``langdetect: en`` filter and a quota of
-  193,010 so that the selection is the budgeting input). Times read, extract and select apart.
-* ``render``: the budgeting input's messages to Python (``to_list``) and the chat template
-  (``render_prompts``), in the batches ``budget_prompts`` uses. Where the non-tokenizer time goes.
-* ``raw``: the same texts, rendered beforehand (untimed), through
-  ``tokenizer.backend_tokenizer.encode_batch_fast`` in the same batches. The budgeting baseline.
-* ``budget``: ``budget_prompts`` on the selection (bundled Qwen3 tokenizer, context 8192,
-  8 shards), with a breakdown of its time (render, tokenize, shard assignment, the rest).
+* ``tokens``: rendering alone (``to_list`` and ``render_prompts`` in the batches ``budget_prompts``
+  uses); then, slice by slice (``--slices``), the raw tokenizer
+  (``tokenizer.backend_tokenizer.encode_batch_fast`` on the texts just rendered) and
+  ``budget_prompts`` (bundled Qwen3 tokenizer, context 8192, 8 shards) back to back on the same
+  prompts, their order alternating; summed over the slices each handles all 193,010 prompts. A
+  breakdown of the budget's time comes with it. In the first round, one ``budget_prompts`` call
+  on all the prompts follows, for its own time and peak memory.
 * ``pycalls`` (once): extraction + selection under ``sys.setprofile``, counting Python function
   calls, to show whether any Python runs per row.
+* ``extract_asset`` (once): the prompts asset end to end as it runs today (the IO manager's
+  ``pl.from_arrow(pq.read_table(path))`` of every column, then extraction and selection), for its
+  real peak memory.
 
-The machine is shared and has 2 cores: the phases run round-robin ``--repeat`` times and the
-summary gives the median and the best of each figure; ratios are taken between medians and between
-bests.
+The machine is shared (2 cores): the phases run round-robin ``--repeat`` times, each waits up to
+``--quiet-wait`` seconds for the other processes to calm down, and each records how many cores the
+other processes used meanwhile (from ``/proc/stat``). The summary gives medians and bests, ratios
+between medians, between bests, and paired (same process, back to back).
 
-    .venv/bin/python bench/bench_prompts.py                # full size, 3 repeats (~6 min + ~2 min
-                                                           # to generate the data the first time)
+    .venv/bin/python bench/bench_prompts.py                # full size, 3 rounds (~9 min on idle
+                                                           # cores, ~18 min when busy; +1.5 min to
+                                                           # generate the data the first time)
     .venv/bin/python bench/bench_prompts.py --rows 50000 --repeat 1   # smoke run (~1 min)
 
 Results are printed and written as JSON under ``bench/results/``.
@@ -527,6 +536,22 @@ def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def phase_extract_asset(args: argparse.Namespace) -> dict[str, Any]:
+    """The prompts asset end to end as it runs today: its IO manager's load (every column, through
+    pyarrow), then extraction and selection. For the real peak memory; run once."""
+    import polars as pl
+
+    catalog = catalog_for(args)
+    clock = Clock()
+    reset_peak()
+    with clock.span("read_asset"):
+        raw = pl.from_arrow(pq.read_table(data_path(args)))
+    after_read = window_peak_mib()
+    with clock.span("extract_select"):
+        extract_and_select(raw, catalog)
+    return {**clock.report(), "maxrss_after_read_mib": after_read, "maxrss_mib": window_peak_mib()}
+
+
 def phase_pycalls(args: argparse.Namespace) -> dict[str, Any]:
     """Python function calls during extraction and selection: per row, or a constant few?"""
     catalog = catalog_for(args)
@@ -696,6 +721,7 @@ PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "read_asset": phase_read_asset,
     "extract": phase_extract,
     "tokens": phase_tokens,
+    "extract_asset": phase_extract_asset,
     "pycalls": phase_pycalls,
 }
 ROUND = ("read", "extract", "read_asset", "tokens")
@@ -996,6 +1022,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_index + 1} {phase:<10} {timings}   peak RSS {result['maxrss_mib']:8.1f} MiB   "
                   f"others used {result['others_cores']:.2f} cores", flush=True)  # fmt: skip
     pycalls = spawn("pycalls", args)
+    asset = spawn("extract_asset", args)
+    print(f"prompts asset as it runs today: load {asset['wall_s']['read_asset']:.3f} s, extract + select "
+          f"{asset['wall_s']['extract_select']:.3f} s, peak RSS {asset['maxrss_mib']:.1f} MiB", flush=True)  # fmt: skip
     summary = summarize(runs)
     info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     document = {
@@ -1010,6 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
         "generated": generated,
         "summary": summary,
         "pycalls": pycalls,
+        "prompts_asset_today": asset,
         "runs": runs,
     }  # fmt: skip
     print()
