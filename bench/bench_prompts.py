@@ -586,11 +586,6 @@ def _load_prompts(args: argparse.Namespace):
     return pl.read_parquet(prompts_path(args)), load_tokenizer()
 
 
-def _batches(prompts, size: int) -> Iterator[Any]:
-    for start in range(0, prompts.height, size):
-        yield prompts["messages"].slice(start, size)
-
-
 @contextlib.contextmanager
 def budget_spans(clock: Clock) -> Iterator[None]:
     """Time the parts of ``budget_prompts`` into ``clock`` (functions it calls by global name)."""
