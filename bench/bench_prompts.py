@@ -39,7 +39,7 @@ The machine is shared (2 cores): the phases run round-robin ``--repeat`` times, 
 other processes used meanwhile (from ``/proc/stat``). The summary gives medians and bests, ratios
 between medians, between bests, and paired (same process, back to back).
 
-    .venv/bin/python bench/bench_prompts.py                # full size, 3 rounds (~9 min on idle
+    .venv/bin/python bench/bench_prompts.py                # full size, 3 rounds (~7 min on quiet
                                                            # cores, ~18 min when busy; +1.5 min to
                                                            # generate the data the first time)
     .venv/bin/python bench/bench_prompts.py --rows 50000 --repeat 1   # smoke run (~1 min)
@@ -836,6 +836,12 @@ def stats(values: list[float]) -> dict[str, float]:
             "worst": round(max(values), 3), "n": len(values)}  # fmt: skip
 
 
+def rate_stats(values: list[float]) -> dict[str, float]:
+    """Like ``stats`` for a rate, where the best is the highest."""
+    return {"median": round(statistics.median(values)), "best": round(max(values)),
+            "worst": round(min(values)), "n": len(values)}  # fmt: skip
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     def wall(phase: str, span: str) -> list[float]:
         return [r["wall_s"][span] for r in runs[phase]]
@@ -932,8 +938,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "others_cores": {phase: stats([r["others_cores"] for r in runs[phase]]) for phase in runs if runs[phase]},
         "same_token_total_in_raw_and_budget": len(tokens) == 1,
         "tokens": sorted(tokens),
-        "tokens_per_s": {"raw": stats([r["raw_tokens_per_s"] for r in tok]),
-                         "budget": stats([r["budget_tokens_per_s"] for r in tok])},  # fmt: skip
+        "tokens_per_s": {"raw": rate_stats([r["raw_tokens_per_s"] for r in tok]),
+                         "budget": rate_stats([r["budget_tokens_per_s"] for r in tok])},  # fmt: skip
         "counts": {k: ext[0][k] for k in ("rows_read", "filtered", "extracted", "duplicates", "prompts_out", "not_sampled", "quarantined")},
         "budget_counts": {"prompts": tok[0]["prompts"], **({k: full[0][k] for k in ("kept", "set_aside", "balance")} if full else {})},
     }  # fmt: skip

@@ -31,9 +31,12 @@ given both from the round totals and paired (slice by slice, same process).
 Memory (``memory`` processes): the build on records streamed from the JSONL (one ``json.loads``
 per line, as the completion store streams them) at ``--records / 10`` and ``--records``; the peak
 RSS of the build (``VmHWM`` after a reset once the tokenizer is loaded) and the process's peak.
+The comparison means something only when the smaller size spans several 512-record chunks (the
+build holds up to three): the default gives 1,600 and 16,000; a smoke run's sizes do not.
 
-    .venv/bin/python bench/bench_training_set.py              # 16,000 records (~6 min on 2 idle cores)
-    .venv/bin/python bench/bench_training_set.py --records 2000 --repeat 1   # smoke run (~1 min)
+    .venv/bin/python bench/bench_training_set.py              # 16,000 records (~4 min on quiet cores,
+                                                              # ~12 min when busy)
+    .venv/bin/python bench/bench_training_set.py --records 2000 --repeat 1 --slices 2   # smoke run (~1 min)
 
 Results are printed and written as JSON under ``bench/results/``.
 """
