@@ -10,8 +10,8 @@ the other (the simulator is idle between them):
 
 - ``engine``: this project. The prompts are split into one shard per server, balanced on expected
   tokens with :func:`expansion_dag.budget.assign_shards`, as the budget asset does; each shard runs
-  as an :class:`expansion_dag.engine.ShardRun` with its own pooled client and completion-store
-  writer, exactly what :func:`expansion_dag.engine.generate_shard` builds for the Dagster asset. The
+  as an :class:`expansion_dag.engine.ShardRun` (one keep-alive connection per worker) with its own
+  completion-store writer, exactly what :func:`expansion_dag.engine.generate_shard` builds for the Dagster asset. The
   eight runs share one event loop in this one process, which is the "one process feeds N servers"
   claim under test.
 - ``baseline``: a plain asyncio + httpx loop. One ``AsyncClient`` with ``servers * slots`` pooled
@@ -22,8 +22,9 @@ The workload is a mix of sources with their own prompt lengths and output-length
 (lognormal, long-tailed). The simulator draws an output length per prompt deterministically from
 the prompt's text; the benchmark shapes each source's distribution by choosing which prompt texts
 it uses (rejection sampling on the simulator's own draw). Neither client is told any prompt's
-length: the engine gets ``expected_tokens = prompt_tokens + min(max_tokens, source median)``, the
-same formula as ``expansion_dag.budget`` with a per-source prior, and the baseline gets nothing.
+length: the engine gets ``expected_output_tokens = min(max_tokens, source median)``, the same
+prior as ``expansion_dag.budget`` (which balances shards on ``prompt_tokens`` plus it), and the
+baseline gets nothing.
 
 Utilization is measured by the simulator: busy slot-seconds (``GET /sim/stats`` deltas) over
 ``slots * makespan``, summed over the servers. Client CPU is ``time.process_time()`` of this
@@ -72,7 +73,7 @@ from expansion_dag.engine import (
     Server,
     ShardRun,
     WorkItem,
-    make_client,
+    dispatch_order,
 )
 from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
 from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
@@ -332,7 +333,7 @@ def build_workload(n: int, *, seed: int, context_length: int, max_output_tokens:
         if max_tokens < MIN_OUTPUT_TOKENS:
             continue  # set aside, as the budget asset does
         # The honest prior: the source's median answer length, as a pilot sample would estimate it.
-        expected = p_tokens + min(max_tokens, source.output_median)
+        expected_output = min(max_tokens, source.output_median)
         prompt_id = f"{source.name}-{len(prompts):06d}"
         answer = model.generate(text, request_seed=None, cap=max_tokens, thinking=True, split_reasoning=True)
         prompts.append(
@@ -344,7 +345,7 @@ def build_workload(n: int, *, seed: int, context_length: int, max_output_tokens:
                     messages=conversation,
                     prompt_tokens=p_tokens,
                     max_tokens=max_tokens,
-                    expected_tokens=expected,
+                    expected_output_tokens=expected_output,
                 ),
                 answer.completion_tokens,
             )
@@ -383,9 +384,9 @@ def workload_summary(prompts: list[Prompt], ttft_s: float, token_latency_s: floa
         }
     durations = [ttft_s + p.sim_output_tokens * token_latency_s for p in prompts]
     lower_bound = max(sum(durations) / slots_total, max(durations))
-    # How much the engine's ordering key knows: rank correlation of expected_tokens with the
+    # How much the engine's ordering key knows: rank correlation of expected_output_tokens with the
     # simulator's actual request time (1.0 would be perfect knowledge, 0 none).
-    ranks = pl.DataFrame({"expected": [p.item.expected_tokens for p in prompts], "actual": durations}).select(
+    ranks = pl.DataFrame({"expected": [p.item.expected_output_tokens for p in prompts], "actual": durations}).select(
         pl.corr("expected", "actual", method="spearman")
     )
     return {
@@ -394,7 +395,7 @@ def workload_summary(prompts: list[Prompt], ttft_s: float, token_latency_s: floa
         "request_seconds": dist([round(d, 3) for d in durations]),
         "slot_seconds_total": round(sum(durations), 1),
         "makespan_lower_bound_s": round(lower_bound, 2),
-        "spearman_expected_tokens_vs_request_time": round(float(ranks.item()), 3),
+        "spearman_expected_output_vs_request_time": round(float(ranks.item()), 3),
         "by_source": by_source,
     }
 
@@ -410,13 +411,13 @@ def policy_model(
     total = sum(duration[i.key] for i in items)
 
     def engine_shard(work: list[WorkItem]) -> float:
-        order = sorted(work, key=lambda i: (-i.expected_tokens, i.prompt_id))  # as ShardRun
+        order = sorted(work, key=dispatch_order)
         if not order:
             return 0.0
-        start = duration[order[0].key]  # the canary runs alone first
+        start = duration[order[-1].key]  # the canary (the shortest expected answer) runs alone first
         free = [start] * slots
         end = start
-        for item in order[1:]:
+        for item in order[:-1]:
             t = heapq.heappop(free)
             end = max(end, t + duration[item.key])
             heapq.heappush(free, t + duration[item.key])
@@ -429,7 +430,7 @@ def policy_model(
     baseline_ends = [max(worker_sums[s * slots : (s + 1) * slots]) for s in range(servers)]
     # For reference only, not what the project does: the same order fed to all servers from one
     # queue, which removes the cost of static per-server shards.
-    shared = sorted(items, key=lambda i: (-i.expected_tokens, i.prompt_id))
+    shared = sorted(items, key=dispatch_order)
     free = [0.0] * (servers * slots)
     shared_end = 0.0
     for item in shared:
@@ -455,7 +456,7 @@ def assign(prompts: list[Prompt], n_shards: int) -> list[list[WorkItem]]:
     """Shards balanced on expected tokens, by the project's own greedy assignment."""
     frame = pl.DataFrame(
         {
-            "expected_tokens": [p.item.expected_tokens for p in prompts],
+            "expected_tokens": [p.item.prompt_tokens + p.item.expected_output_tokens for p in prompts],
             "prompt_id": [p.item.prompt_id for p in prompts],
         }
     )
@@ -596,11 +597,8 @@ async def run_engine(
     async def one(index: int) -> dict[str, Any]:
         server = Server(url=urls[index], slots=slots)
         with store.writer(f"shard-{index:02d}") as writer:
-            async with make_client([server], config) as client:
-                run = ShardRun(
-                    shards[index], [server], client=client, writer=writer, model=MODEL, sampling=sampling, config=config
-                )
-                report = await run.run()
+            run = ShardRun(shards[index], [server], writer=writer, model=MODEL, sampling=sampling, config=config)
+            report = await run.run()
         return {
             "url": server.url,
             "requests": report.total,

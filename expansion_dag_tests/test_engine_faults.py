@@ -19,7 +19,7 @@ def work(n):
         WorkItem(
             key=f"k{i:04d}", prompt_id=f"p{i:04d}", source="s",
             messages=[{"role": "user", "content": f"Tell me fact number {i}."}],
-            prompt_tokens=16, max_tokens=400, expected_tokens=100,
+            prompt_tokens=16, max_tokens=400, expected_output_tokens=84,
         )
         for i in range(n)
     ]

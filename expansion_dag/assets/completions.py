@@ -76,10 +76,16 @@ def completions(
             messages=row["messages"],
             prompt_tokens=row["prompt_tokens"],
             max_tokens=row["max_tokens"],
-            expected_tokens=row["expected_tokens"],
+            expected_output_tokens=row["expected_output_tokens"],
         )
         for row in todo.select(
-            "key", "prompt_id", "source", "messages", "prompt_tokens", "max_tokens", "expected_tokens"
+            "key",
+            "prompt_id",
+            "source",
+            "messages",
+            "prompt_tokens",
+            "max_tokens",
+            (pl.col("expected_tokens") - pl.col("prompt_tokens")).alias("expected_output_tokens"),
         ).iter_rows(named=True)
     ]
     aborted: str | None = None
