@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -410,20 +411,31 @@ def policy_model(
     """
     total = sum(duration[i.key] for i in items)
 
-    def engine_shard(work: list[WorkItem]) -> float:
-        order = sorted(work, key=dispatch_order)
-        if not order:
-            return 0.0
-        start = duration[order[-1].key]  # the canary (the shortest expected answer) runs alone first
-        free = [start] * slots
-        end = start
-        for item in order[:-1]:
-            t = heapq.heappop(free)
-            end = max(end, t + duration[item.key])
-            heapq.heappush(free, t + duration[item.key])
-        return end
+    def engine(spill: bool) -> list[float]:
+        """Each server runs its shard in ShardRun's order after the canary (the shortest expected
+        answer, alone); with ``spill``, a slot whose shard has nothing queued takes the next prompt
+        of the shard with the most queued (the poll delay is ignored)."""
+        queues = [collections.deque(sorted(w, key=dispatch_order)) for w in shards]
+        free: list[tuple[float, int]] = []
+        for server, queue in enumerate(queues):
+            start = duration[queue.pop().key] if queue else 0.0
+            free += [(start, server)] * slots
+        heapq.heapify(free)
+        ends = [0.0] * servers
+        while free:
+            t, server = heapq.heappop(free)
+            queue = queues[server]
+            if not queue and spill:
+                queue = max(queues, key=len)
+            if not queue:
+                ends[server] = max(ends[server], t)
+                continue
+            done = t + duration[queue.popleft().key]
+            heapq.heappush(free, (done, server))
+        return ends
 
-    engine_ends = [engine_shard(w) for w in shards]
+    engine_ends = engine(spill=True)
+    static_ends = engine(spill=False)
     worker_sums = [0.0] * (servers * slots)
     for i, item in enumerate(items):
         worker_sums[(i % servers) * slots + (i // servers) % slots] += duration[item.key]
@@ -440,6 +452,7 @@ def policy_model(
     out: dict[str, Any] = {}
     for name, ends in (
         ("engine", engine_ends),
+        ("engine_without_spill", static_ends),
         ("baseline", baseline_ends),
         ("one_fleet_queue_reference", [shared_end]),
     ):
@@ -587,9 +600,15 @@ class Simulator:
 
 
 async def run_engine(
-    shards: list[list[WorkItem]], urls: list[str], slots: int, store_root: Path, sampling: SamplingSettings
+    shards: list[list[WorkItem]],
+    urls: list[str],
+    slots: int,
+    store_root: Path,
+    sampling: SamplingSettings,
+    spill: bool = True,
 ) -> dict[str, Any]:
-    """One ShardRun per server, each with its own client and writer, all on this event loop."""
+    """One ShardRun per server, each with its own writer, all on this event loop; with ``spill``,
+    each may use the other servers' idle slots, as the asset does by default."""
     config = EngineConfig()
     store = CompletionStore(store_root)
     start = time.perf_counter()
@@ -597,7 +616,10 @@ async def run_engine(
     async def one(index: int) -> dict[str, Any]:
         server = Server(url=urls[index], slots=slots)
         with store.writer(f"shard-{index:02d}") as writer:
-            run = ShardRun(shards[index], [server], writer=writer, model=MODEL, sampling=sampling, config=config)
+            helpers = [Server(url=u, slots=slots) for u in urls if u != server.url] if spill else []
+            run = ShardRun(
+                shards[index], [server], writer=writer, model=MODEL, sampling=sampling, config=config, helpers=helpers
+            )
             report = await run.run()
         return {
             "url": server.url,
@@ -610,6 +632,7 @@ async def run_engine(
             "output_tokens": report.output_tokens,
             "finished_at_s": round(time.perf_counter() - start, 3),
             "engine_reported_utilization": round(report.utilization(), 4),
+            "requests_on_idle_servers": sum(h.requests for h in report.helpers.values()),
         }
 
     per_shard = await asyncio.gather(*(one(i) for i in range(len(urls))))
@@ -804,6 +827,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-seed", type=int, default=0)
     p.add_argument("--base-port", type=int, default=31000, help="first port tried; consecutive free ports are used")
     p.add_argument("--clients", choices=("both", "engine", "baseline"), default="both")
+    p.add_argument("--no-spill", action="store_true", help="engine shards use only their own server")
     p.add_argument("--real-ttft-ms", type=float, default=200.0, help="GPU time model for the 100-server figure")
     p.add_argument(
         "--real-token-latency-ms",
@@ -930,7 +954,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.clients in ("both", "engine"):
             print("engine: running ...", flush=True)
             results.append(
-                measure("engine", sim, lambda: run_engine(shards, sim.urls, args.slots, scratch / "store", sampling))
+                measure(
+                    "engine",
+                    sim,
+                    lambda: run_engine(shards, sim.urls, args.slots, scratch / "store", sampling, spill=not args.no_spill),
+                )
             )
             print(f"engine: done in {results[-1]['makespan_s']:.1f} s", flush=True)
             # Transient errors the engine retried do not show as failures: count them from the store.
@@ -954,9 +982,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     for r in results:
-        r["policy_model"] = model[r["client"]]
-        r["policy_model_utilization"] = model[r["client"]]["utilization"]
-        r["policy_model_makespan_s"] = model[r["client"]]["makespan_s"]
+        policy = model["engine_without_spill" if r["client"] == "engine" and args.no_spill else r["client"]]
+        r["policy_model"] = policy
+        r["policy_model_utilization"] = policy["utilization"]
+        r["policy_model_makespan_s"] = policy["makespan_s"]
     mean_output = summary["output_tokens_total"] / summary["prompts"]
     feeds = {
         r["client"]: feeding(r, args.slots, args.real_ttft_ms / 1000, args.real_token_latency_ms / 1000, mean_output)

@@ -7,6 +7,12 @@ connections costs more CPU per request (httpcore scans every connection on each 
 rest of the client together. Each result is written to the completion store before the worker takes
 the next prompt.
 
+Idle servers: a shard runs on its own server, but once another server of the fleet reports idle
+slots (``GET /v1/loads``: running + waiting below its slots) while this shard still has queued
+prompts, extra workers send them there, and retire as soon as that server has a queue again. Shards
+balanced on *expected* work finish apart by the luck of the draw; this keeps the early finishers'
+GPUs busy with the late ones' work, without any coordination between the shards' processes.
+
 Faults: transient errors (connection, timeout, 408/429/5xx) are retried with exponential backoff
 and jitter (stamina), a bounded number of times. SGLang's context-length 400 is parsed and retried
 once with ``max_tokens`` recomputed from the server's own prompt count (budget drift). Other 4xx
@@ -102,6 +108,8 @@ class EngineConfig:
     breaker_window: int = 24
     breaker_failure_fraction: float = 0.8
     progress_interval_s: float = 30.0
+    #: How often the other servers' loads are read while this shard has queued prompts.
+    spill_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -178,6 +186,8 @@ class ShardReport:
     #: Server prompt tokens minus local count, per completion (0 when the counts agree).
     prompt_token_drift: collections.Counter = field(default_factory=collections.Counter)
     servers: dict[str, ServerStats] = field(default_factory=dict)
+    #: Other shards' servers that ran some of this shard's prompts while they were idle.
+    helpers: dict[str, ServerStats] = field(default_factory=dict)
     elapsed_s: float = 0.0
     aborted: str | None = None
 
@@ -194,7 +204,7 @@ class ShardReport:
         return sum(n for d, n in self.prompt_token_drift.items() if d != 0)
 
     def utilization(self) -> float:
-        """Busy slot-seconds over available slot-seconds, across the shard's servers."""
+        """Busy slot-seconds over available slot-seconds, across the shard's own servers."""
         capacity = sum(s.slots for s in self.servers.values()) * self.elapsed_s
         busy = sum(s.busy_slot_seconds for s in self.servers.values())
         return busy / capacity if capacity > 0 else 0.0
@@ -275,6 +285,7 @@ class ShardRun:
         model: str,
         sampling: SamplingSettings,
         config: EngineConfig,
+        helpers: Sequence[Server] = (),
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         on_progress: Callable[[Progress], None] | None = None,
@@ -283,6 +294,11 @@ class ShardRun:
             raise ValueError("a shard needs at least one server")
         self._queue = collections.deque(sorted(items, key=dispatch_order))
         self._servers = list(servers)
+        own = {s.url for s in servers}
+        self._helpers = [h for h in helpers if h.url not in own]
+        #: Helpers whose last load reading had no queue: their spill workers may take another prompt.
+        self._helper_open: dict[str, bool] = {}
+        self._drained = asyncio.Event()
         self._api_key = api_key
         self._transport = transport
         self._tls = httpx.create_ssl_context()
@@ -293,13 +309,17 @@ class ShardRun:
         self._config = config
         self._on_progress = on_progress
         self._breaker = _Breaker(config.breaker_window, config.breaker_failure_fraction)
-        self.report = ShardReport(total=len(self._queue), servers={s.url: ServerStats(s.slots) for s in servers})
+        self.report = ShardReport(
+            total=len(self._queue),
+            servers={s.url: ServerStats(s.slots) for s in servers},
+            helpers={h.url: ServerStats(h.slots) for h in self._helpers},
+        )
         self._start = time.monotonic()
         self._workers: list[asyncio.Task[None]] = []
 
     async def run(self) -> ShardReport:
         self._start = time.monotonic()
-        for stats in self.report.servers.values():
+        for stats in self._all_stats():
             stats._since = self._start
         progress = asyncio.create_task(self._progress_loop()) if self._on_progress else None
         try:
@@ -317,8 +337,14 @@ class ShardRun:
     def _close_books(self) -> None:
         now = time.monotonic()
         self.report.elapsed_s = now - self._start
-        for stats in self.report.servers.values():
+        for stats in self._all_stats():
             stats._account(now)
+
+    def _all_stats(self) -> list[ServerStats]:
+        return [*self.report.servers.values(), *self.report.helpers.values()]
+
+    def _stats(self, server: Server) -> ServerStats:
+        return self.report.servers.get(server.url) or self.report.helpers[server.url]
 
     def _client(self) -> httpx.AsyncClient:
         return make_client(self._config, self._tls, self._api_key, self._transport)
@@ -330,7 +356,7 @@ class ShardRun:
             if not self._queue:
                 return
             async with self._client() as client:
-                error = await self._process(client, self._queue.pop(), server)
+                error = await self._process(client, self._take(last=True), server)
             if error is not None:
                 self.report.aborted = (
                     f"canary request to {server.url} failed ({error.kind}"
@@ -346,6 +372,8 @@ class ShardRun:
             for server in self._servers
             for _ in range(self._config.workers_for(server.slots))
         ]
+        if self._helpers:
+            self._workers.append(asyncio.create_task(self._spill()))
         try:
             await asyncio.gather(*self._workers)
         except asyncio.CancelledError:
@@ -356,10 +384,10 @@ class ShardRun:
                 task.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
 
-    async def _worker(self, server: Server) -> None:
+    async def _worker(self, server: Server, *, spill: bool = False) -> None:
         async with self._client() as client:
-            while self._queue and not self.report.aborted:
-                error = await self._process(client, self._queue.popleft(), server)
+            while self._queue and not self.report.aborted and (not spill or self._helper_open[server.url]):
+                error = await self._process(client, self._take(), server)
                 reason = self._breaker.record(error)
                 if reason and not self.report.aborted:
                     self.report.aborted = f"{server.url}: {reason}"
@@ -368,9 +396,48 @@ class ShardRun:
                         if task is not asyncio.current_task():
                             task.cancel()
 
+    def _take(self, *, last: bool = False) -> WorkItem:
+        item = self._queue.pop() if last else self._queue.popleft()
+        if not self._queue:
+            self._drained.set()
+        return item
+
+    async def _spill(self) -> None:
+        """Start workers on other servers' idle slots while this shard still has queued prompts."""
+        spilled: list[asyncio.Task[None]] = []
+        async with self._client() as client:
+            while self._queue and not self.report.aborted:
+                try:
+                    await asyncio.wait_for(self._drained.wait(), timeout=self._config.spill_poll_s)
+                    break  # nothing left to share
+                except asyncio.TimeoutError:
+                    pass
+                for helper in self._helpers:
+                    idle = await self._idle_slots(client, helper)
+                    self._helper_open[helper.url] = idle is not None and idle >= 0
+                    for _ in range(min(idle or 0, len(self._queue))):
+                        task = asyncio.create_task(self._worker(helper, spill=True))
+                        spilled.append(task)
+                        self._workers.append(task)  # so the breaker and a termination stop it too
+        await asyncio.gather(*spilled)
+
+    async def _idle_slots(self, client: httpx.AsyncClient, helper: Server) -> int | None:
+        """Slots free on ``helper`` beyond its queue (negative when it queues); None when unknown."""
+        try:
+            response = await client.get(f"{helper.url}/v1/loads", timeout=self._config.connect_timeout_s)
+            loads = response.json()["loads"] if response.status_code == 200 else None
+            if not loads:
+                return None
+            return sum(
+                int(rank["max_running_requests"]) - int(rank["num_running_reqs"]) - int(rank["num_waiting_reqs"])
+                for rank in loads
+            )
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None  # a helper that cannot say is simply not used
+
     async def _process(self, client: httpx.AsyncClient, item: WorkItem, server: Server) -> RequestError | None:
         """Send one prompt, write its completion or failure record; return the error if any."""
-        stats = self.report.servers[server.url]
+        stats = self._stats(server)
         started = time.monotonic()
         attempts = 0
         max_tokens = item.max_tokens
@@ -482,7 +549,7 @@ class ShardRun:
         report.output_tokens += completion_tokens
         if server_prompt_tokens is not None:
             report.prompt_token_drift[int(server_prompt_tokens) - item.prompt_tokens] += 1
-        stats = report.servers[server.url]
+        stats = self._stats(server)
         stats.requests += 1
         stats.output_tokens += completion_tokens
 
@@ -505,7 +572,7 @@ class ShardRun:
         )
         self.report.failed += 1
         self.report.failures_by_kind[error.kind] += 1
-        self.report.servers[server.url].requests += 1
+        self._stats(server).requests += 1
 
     def progress(self) -> Progress:
         elapsed = time.monotonic() - self._start
@@ -517,7 +584,10 @@ class ShardRun:
             total=report.total,
             elapsed_s=elapsed,
             output_tokens_per_s=report.output_tokens / elapsed if elapsed > 0 else 0.0,
-            in_flight={url: s.in_flight for url, s in report.servers.items()},
+            in_flight={
+                **{url: s.in_flight for url, s in report.servers.items()},
+                **{url: s.in_flight for url, s in report.helpers.items() if s.in_flight},
+            },
             eta_s=remaining / rate if rate > 0 else None,
         )
 
@@ -536,6 +606,7 @@ def generate_shard(
     model: str,
     sampling: SamplingSettings,
     config: EngineConfig = EngineConfig(),
+    helpers: Sequence[Server] = (),
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -550,6 +621,7 @@ def generate_shard(
             model=model,
             sampling=sampling,
             config=config,
+            helpers=helpers,
             api_key=api_key,
             transport=transport,
             on_progress=on_progress,

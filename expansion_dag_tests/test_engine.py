@@ -1,6 +1,7 @@
 """The generation engine against httpx.MockTransport: dispatch, retries, breaker, records."""
 
 import asyncio
+import collections
 import json
 
 import httpx
@@ -118,6 +119,34 @@ def test_the_canary_is_the_shortest_expected_answer_then_the_longest_start_first
 
     run(tmp_path, items(12), handler, slots=1, config=EngineConfig(**FAST, min_headroom=0, headroom_fraction=0))
     assert started == [0, *range(11, 0, -1)]
+
+
+def loads(*, slots, running, waiting):
+    rank = {"max_running_requests": slots, "num_running_reqs": running, "num_waiting_reqs": waiting}
+    return httpx.Response(200, json={"loads": [rank]})
+
+
+def test_queued_prompts_go_to_a_server_reporting_idle_slots_never_to_one_with_a_queue(tmp_path):
+    idle, busy = "http://gpu-1:30000", "http://gpu-2:30000"
+    chats = collections.Counter()
+
+    async def handler(request):
+        server = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if request.url.path == "/v1/loads":
+            return loads(slots=4, running=0, waiting=0) if server == idle else loads(slots=4, running=4, waiting=2)
+        chats[server] += 1
+        await asyncio.sleep(0.005)
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**FAST, spill_poll_s=0.02)
+    helpers = [Server(idle, 4), Server(busy, 4)]
+    report, store = run(tmp_path, items(300), handler, slots=4, config=config, helpers=helpers)
+    records = list(store.records("shard-00"))
+    assert sorted(r["prompt_id"] for r in records) == [f"p{i:03d}" for i in range(300)]
+    assert chats[busy] == 0
+    assert chats[idle] > 0
+    assert sum(r["server"] == idle for r in records) == report.helpers[idle].requests == chats[idle]
+    assert report.ok == 300
 
 
 def test_transient_errors_are_retried_and_attempts_recorded(tmp_path):

@@ -1,6 +1,8 @@
 """Fault injection through the simulator: whatever happens, every prompt ends as exactly one
 completion or one failure record, nothing duplicated and nothing lost."""
 
+import collections
+
 import pytest
 
 from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
@@ -8,6 +10,7 @@ from expansion_dag.errors import ShardAborted
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import free_ports
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -91,3 +94,22 @@ def test_a_server_that_hangs_past_the_timeout_is_retried_and_nothing_is_lost(tmp
     assert_each_prompt_once(store, items)
     timed_out = [r for r in store.records(SHARD) if r["attempts"] > 1]
     assert timed_out, "no request needed a retry after a hang"
+
+
+def test_a_shard_borrows_an_idle_server_skips_a_dead_one_and_sends_every_prompt_once(tmp_path):
+    store = CompletionStore(tmp_path)
+    items = work(200)
+    config = EngineConfig(**FAST, spill_poll_s=0.05)
+    with SimulatedFleet([SimServerConfig(**SIM), SimServerConfig(**SIM)]) as fleet:
+        own, idle = fleet.urls
+        dead = f"http://127.0.0.1:{free_ports(1)[0]}"
+        with store.writer(SHARD) as writer:
+            report = generate_shard(items, [Server(own, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+                                    config=config, helpers=[Server(idle, 8), Server(dead, 8)])
+        served = [fleet.stats(i)["chat_requests_by_status"].get("200", 0) for i in (0, 1)]
+    assert_each_prompt_once(store, items)
+    assert store.scan(SHARD).done == {i.key for i in items}
+    by_server = collections.Counter(r["server"] for r in store.records(SHARD))
+    assert set(by_server) == {own, idle}
+    assert [by_server[own], by_server[idle]] == served
+    assert report.helpers[idle].requests == by_server[idle] and report.helpers[dead].requests == 0

@@ -57,6 +57,12 @@ def completions(
     if fell_back:
         context.log.warning(f"{shard}: its own server is down; running on healthy server {url}")
     server = fleet_info.server(url)
+    # Other servers lend idle slots; vLLM has no /v1/loads to say when they are idle.
+    helpers = (
+        [Server(url=s.url, slots=s.slots) for s in fleet_info.servers if s.url != url]
+        if settings.spill_to_idle_servers and fleet.backend == "sglang"
+        else []
+    )
     sampling = settings.sampling()
     keys = [sampling.key(pid, fleet_info.identity) for pid in shard_prompts["prompt_id"].to_list()]
     prompts = shard_prompts.with_columns(pl.Series("key", keys, dtype=pl.String))
@@ -98,6 +104,7 @@ def completions(
                 model=fleet_info.model,
                 sampling=sampling,
                 config=settings.engine_config(),
+                helpers=helpers,
                 api_key=fleet.api_key(),
                 on_progress=lambda p: context.log.info(f"{shard}: {p}"),
             )
@@ -231,16 +238,21 @@ def _metadata(
 ) -> dict[str, Any]:
     simulated = bool(effective["fleet"].get("simulator"))
     label = " (simulator)" if simulated else ""
+    # Idle servers that took some of this shard's prompts are listed too; their utilization is
+    # the share of their slots this shard used.
     per_server = [
         (
             server_url,
+            role,
             stats.slots,
             stats.requests,
             stats.output_tokens,
             round(stats.output_tokens / report.elapsed_s, 1) if report.elapsed_s else 0.0,
             round(stats.busy_slot_seconds / (stats.slots * report.elapsed_s), 4) if report.elapsed_s else 0.0,
         )
-        for server_url, stats in report.servers.items()
+        for role, servers in (("own", report.servers), ("idle, helped", report.helpers))
+        for server_url, stats in servers.items()
+        if role == "own" or stats.requests
     ]
     truncation = [
         (source, total, report.truncated_by_source.get(source, 0), round(report.truncated_by_source.get(source, 0) / total, 4))
@@ -270,10 +282,11 @@ def _metadata(
         "fleet_utilization": round(report.utilization(), 4),
         "servers": dg.MetadataValue.md(
             markdown_table(
-                columns=["server", "slots", "requests", "output tokens", f"output tok/s{label}", "utilization"],
+                columns=["server", "role", "slots", "requests", "output tokens", f"output tok/s{label}", "utilization"],
                 rows=per_server,
             )
         ),
+        "requests_on_idle_servers": sum(s.requests for s in report.helpers.values()),
         "context_retries": report.context_retries,
         "effective_config": dg.MetadataValue.json(json.loads(json.dumps(effective, default=str))),
         "aborted": report.aborted or "",

@@ -45,6 +45,10 @@ class GenerationSettings(dg.ConfigurableResource):
     max_failure_rate: float = Field(default=0.01, description="A shard fails above this failure rate.")
     max_truncation_rate: float = Field(default=0.2, description="Warn above this rate of finish_reason length.")
     progress_interval_s: float = 15.0
+    spill_to_idle_servers: bool = Field(
+        default=True,
+        description="Send queued prompts to other fleet servers while they report idle slots (end-of-run balance).",
+    )
     drop_truncated: bool = True
     reasoning: str = Field(default="keep", description="'keep' reasoning in the assistant turn or 'drop' it.")
     min_sample_tokens: int = 16

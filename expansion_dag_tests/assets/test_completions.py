@@ -1,5 +1,7 @@
 """The generation stage through Dagster, against simulated servers over real HTTP."""
 
+import collections
+
 import dagster as dg
 import polars as pl
 
@@ -147,3 +149,25 @@ def test_a_vllm_fleet_is_probed_and_served_with_exact_budgets(tmp_path, instance
     # An answer cut at its budget got all of it: the window was not silently shortened.
     cut = [r for r in records if r["finish_reason"] == "length"]
     assert cut and all(r["completion_tokens"] == r["max_tokens"] for r in cut)
+
+
+def test_a_shard_still_queued_borrows_idle_servers_and_lists_them(tmp_path, instance):
+    slow = dict(FAST_SIM, token_latency_s=0.001)  # a shard of a few seconds: idle servers get polled
+    frame = small_frame(240)
+    with SimulatedFleet([SimServerConfig(**slow)] * len(SHARD_KEYS)) as fleet:
+        served = {}
+        for spill in (True, False):
+            res = resources(fleet.urls, tmp_path / str(spill), spill_to_idle_servers=spill)
+            assets = [prompts_asset(frame), budgeted_prompts, shard_prompts, completions]
+            assert dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"]).success
+            result = dg.materialize(assets, resources=res, instance=instance, partition_key="shard-00",
+                                    selection=["shard_prompts", "completions"])
+            [materialization] = result.asset_materializations_for_node("completions")
+            records = list(res["storage"].completion_store().records("shard-00"))
+            served[spill] = collections.Counter(r["server"] for r in records)
+            borrowed = sum(n for url, n in served[spill].items() if url != fleet.urls[0])
+            assert materialization.metadata["requests_on_idle_servers"].value == borrowed
+            assert materialization.metadata["completions_total"].value == len(records) == sum(served[spill].values())
+    assert served[False].keys() == {fleet.urls[0]}
+    assert len(served[True]) > 1, "the idle servers were not used"
+    assert sum(served[True].values()) == sum(served[False].values())
