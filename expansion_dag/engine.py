@@ -298,6 +298,8 @@ class ShardRun:
         self._helpers = [h for h in helpers if h.url not in own]
         #: Helpers whose last load reading had no queue: their spill workers may take another prompt.
         self._helper_open: dict[str, bool] = {}
+        #: Helpers that failed a request: not used again in this run.
+        self._benched: set[str] = set()
         self._drained = asyncio.Event()
         self._api_key = api_key
         self._transport = transport
@@ -384,17 +386,30 @@ class ShardRun:
                 task.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
 
-    async def _worker(self, server: Server, *, spill: bool = False) -> None:
+    async def _worker(self, server: Server) -> None:
         async with self._client() as client:
-            while self._queue and not self.report.aborted and (not spill or self._helper_open[server.url]):
-                error = await self._process(client, self._take(), server)
-                reason = self._breaker.record(error)
-                if reason and not self.report.aborted:
-                    self.report.aborted = f"{server.url}: {reason}"
-                    # Stop the other workers now: their requests would fail the same way.
-                    for task in self._workers:
-                        if task is not asyncio.current_task():
-                            task.cancel()
+            while self._queue and not self.report.aborted:
+                self._judge(server, await self._process(client, self._take(), server))
+
+    async def _helper_worker(self, helper: Server) -> None:
+        """Takes queued prompts to an idle server while it stays idle; one that fails there goes home."""
+        async with self._client() as client:
+            while self._queue and not self.report.aborted and self._open(helper):
+                item = self._take()
+                if await self._process(client, item, helper, borrowed=True) is not None:
+                    # Its trouble is not this shard's: it is not used again in this run.
+                    self._benched.add(helper.url)
+                    home = self._servers[0]
+                    self._judge(home, await self._process(client, item, home))
+
+    def _judge(self, server: Server, error: RequestError | None) -> None:
+        reason = self._breaker.record(error)
+        if reason and not self.report.aborted:
+            self.report.aborted = f"{server.url}: {reason}"
+            # Stop the other workers now: their requests would fail the same way.
+            for task in self._workers:
+                if task is not asyncio.current_task():
+                    task.cancel()
 
     def _take(self, *, last: bool = False) -> WorkItem:
         item = self._queue.pop() if last else self._queue.popleft()
@@ -413,13 +428,20 @@ class ShardRun:
                 except asyncio.TimeoutError:
                     pass
                 for helper in self._helpers:
+                    if helper.url in self._benched:
+                        continue
                     idle = await self._idle_slots(client, helper)
                     self._helper_open[helper.url] = idle is not None and idle >= 0
+                    if not self._open(helper):
+                        continue
                     for _ in range(min(idle or 0, len(self._queue))):
-                        task = asyncio.create_task(self._worker(helper, spill=True))
+                        task = asyncio.create_task(self._helper_worker(helper))
                         spilled.append(task)
                         self._workers.append(task)  # so the breaker and a termination stop it too
         await asyncio.gather(*spilled)
+
+    def _open(self, helper: Server) -> bool:
+        return self._helper_open.get(helper.url, False) and helper.url not in self._benched
 
     async def _idle_slots(self, client: httpx.AsyncClient, helper: Server) -> int | None:
         """Slots free on ``helper`` beyond its queue (negative when it queues); None when unknown."""
@@ -435,8 +457,14 @@ class ShardRun:
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None  # a helper that cannot say is simply not used
 
-    async def _process(self, client: httpx.AsyncClient, item: WorkItem, server: Server) -> RequestError | None:
-        """Send one prompt, write its completion or failure record; return the error if any."""
+    async def _process(
+        self, client: httpx.AsyncClient, item: WorkItem, server: Server, *, borrowed: bool = False
+    ) -> RequestError | None:
+        """Send one prompt, write its completion or failure record; return the error if any.
+
+        On a ``borrowed`` server there is one attempt, and a failure is returned, not recorded:
+        the prompt is still this shard's to send to its own server.
+        """
         stats = self._stats(server)
         started = time.monotonic()
         attempts = 0
@@ -446,7 +474,7 @@ class ShardRun:
             nonlocal attempts
             async for attempt in stamina.retry_context(
                 on=TransientError,
-                attempts=self._config.max_attempts,
+                attempts=1 if borrowed else self._config.max_attempts,
                 timeout=None,
                 wait_initial=self._config.backoff_initial_s,
                 wait_max=self._config.backoff_max_s,
@@ -462,7 +490,7 @@ class ShardRun:
             try:
                 body = await send(max_tokens)
             except ContextLengthError as exc:
-                if exc.overflow is None:
+                if exc.overflow is None or borrowed:
                     raise
                 # The server counted the prompt differently: trust its count, once.
                 self.report.context_retries += 1
@@ -472,7 +500,8 @@ class ShardRun:
                 max_tokens = min(max_tokens, budget)
                 body = await send(max_tokens)
         except RequestError as error:
-            self._record_failure(item, server, error, attempts, max_tokens)
+            if not borrowed:
+                self._record_failure(item, server, error, attempts, max_tokens)
             return error
         finally:
             stats.finished(time.monotonic())

@@ -149,6 +149,29 @@ def test_queued_prompts_go_to_a_server_reporting_idle_slots_never_to_one_with_a_
     assert report.ok == 300
 
 
+def test_a_helper_that_fails_costs_nothing_its_prompts_go_home(tmp_path):
+    helper = "http://gpu-1:30000"
+    chats = collections.Counter()
+
+    async def handler(request):
+        if request.url.path == "/v1/loads":
+            return loads(slots=8, running=0, waiting=0)
+        chats[request.url.host] += 1
+        if request.url.host == "gpu-1":
+            raise httpx.ConnectError("connection refused")
+        await asyncio.sleep(0.005)
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**FAST, spill_poll_s=0.02, breaker_window=4)
+    report, store = run(tmp_path, items(200), handler, slots=4, config=config, helpers=[Server(helper, 8)])
+    assert 0 < chats["gpu-1"] <= 8, "a failing helper is tried once per idle slot, then not again"
+    assert report.ok == 200 and report.failed == 0 and report.aborted is None
+    records = list(store.records("shard-00"))
+    assert sorted(r["prompt_id"] for r in records) == [f"p{i:03d}" for i in range(200)]
+    assert {r["server"] for r in records} == {URL}
+    assert {r["attempts"] for r in records} == {1}
+
+
 def test_transient_errors_are_retried_and_attempts_recorded(tmp_path):
     calls = {}
 

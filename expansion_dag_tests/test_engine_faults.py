@@ -113,3 +113,19 @@ def test_a_shard_borrows_an_idle_server_skips_a_dead_one_and_sends_every_prompt_
     assert set(by_server) == {own, idle}
     assert [by_server[own], by_server[idle]] == served
     assert report.helpers[idle].requests == by_server[idle] and report.helpers[dead].requests == 0
+
+
+def test_a_borrowed_server_that_dies_mid_request_costs_the_shard_nothing(tmp_path):
+    store = CompletionStore(tmp_path)
+    items = work(200)
+    config = EngineConfig(**FAST, spill_poll_s=0.05, breaker_window=4)
+    with SimulatedFleet([SimServerConfig(**SIM), SimServerConfig(**SIM, die_after_requests=5)]) as fleet:
+        own, helper = fleet.urls
+        with store.writer(SHARD) as writer:
+            report = generate_shard(items, [Server(own, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+                                    config=config, helpers=[Server(helper, 8)])
+        assert fleet.state(1) == "stopped", "the borrowed server did not die"
+    assert report.aborted is None and report.failed == 0
+    assert_each_prompt_once(store, items)
+    assert store.scan(SHARD).done == {i.key for i in items}
+    assert 0 < sum(r["server"] == helper for r in store.records(SHARD)) <= 5

@@ -28,7 +28,8 @@ SLOW_SERVER = SimServerConfig(port=0, max_running_requests=32, ttft_s=0.05, toke
 #: The backfill's run config (the re-execution inherits it): the requests in flight at the kill go
 #: through their retries in under a second instead of ~17 s, so the failed run ends within one of
 #: the daemon's 30 s passes over backfills rather than two.
-FAST_RETRIES = {"resources": {"settings": {"config": {"backoff_initial_s": 0.05}}}}
+# Pinned shards: the killed server's shard must fail, and every answer is its own server's.
+FAST_RETRIES = {"resources": {"settings": {"config": {"backoff_initial_s": 0.05, "spill_to_idle_servers": False}}}}
 BACKFILL_DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 RUN_DONE = {"SUCCESS", "FAILURE", "CANCELED"}
 # The daemon looks at backfills every 30 s: a backfill needs two of its passes at least.
