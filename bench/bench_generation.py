@@ -30,8 +30,8 @@ Utilization is measured by the simulator: busy slot-seconds (``GET /sim/stats`` 
 ``slots * makespan``, summed over the servers. Client CPU is ``time.process_time()`` of this
 process over the phase.
 
-    .venv/bin/python bench/bench_generation.py            # the full run: ~14 min on 2 idle cores
-    .venv/bin/python bench/bench_generation.py --quick    # a smoke run: ~30-60 s
+    .venv/bin/python bench/bench_generation.py            # the full run: ~12 min on 2 idle cores
+    .venv/bin/python bench/bench_generation.py --quick    # a smoke run: ~20 s
 
 The full run's time is mostly the baseline's own CPU: about 30 ms per request on this machine,
 so 20,000 requests keep one core busy for 10 minutes; ``--requests`` scales it.

@@ -296,7 +296,7 @@ class ShardRun:
         self._servers = list(servers)
         own = {s.url for s in servers}
         self._helpers = [h for h in helpers if h.url not in own]
-        #: Helpers whose last load reading had no queue: their spill workers may take another prompt.
+        #: Helpers whose last load reading had no queue: their workers may take another prompt.
         self._helper_open: dict[str, bool] = {}
         #: Helpers that failed a request: not used again in this run.
         self._benched: set[str] = set()
