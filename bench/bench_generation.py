@@ -890,18 +890,15 @@ def _table(results: list[dict[str, Any]], feeds: dict[str, dict[str, Any]]) -> s
             line.append(f"{a / b:.2f}" if isinstance(a, (int, float)) and b else "-")
         lines.append(line)
     for scale in ("simulator_time_scale", "gpu_time_scale"):
-        label = f"cores to feed 100 servers ({scale.replace('_', ' ')})"
-        values = [feeds[n][scale]["cores_needed_for_100_servers"] for n in names]
-        line = [label, *(f"{v:.2f}" for v in values)]
-        if len(results) == 2:
-            line.append(f"{values[0] / values[1]:.2f}" if values[1] else "-")
-        lines.append(line)
-        label = f"servers one core feeds ({scale.replace('_', ' ')})"
-        values = [feeds[n][scale]["servers_one_core_can_feed"] for n in names]
-        line = [label, *(f"{v:,.0f}" for v in values)]
-        if len(results) == 2:
-            line.append(f"{values[0] / values[1]:.2f}" if values[1] else "-")
-        lines.append(line)
+        for title, key, fmt in (
+            ("cores to feed 100 servers", "cores_needed_for_100_servers", "{:.2f}"),
+            ("servers one core feeds", "servers_one_core_can_feed", "{:,.0f}"),
+        ):
+            values = [feeds[n][scale][key] for n in names]
+            line = [f"{title} ({scale.replace('_', ' ')})", *(fmt.format(v) for v in values)]
+            if len(results) == 2:
+                line.append(f"{values[0] / values[1]:.2f}" if values[1] else "-")
+            lines.append(line)
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))

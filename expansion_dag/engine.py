@@ -118,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"breaker_window must be at least 1, got {self.breaker_window}")
         if not 0.0 < self.breaker_failure_fraction <= 1.0:
             raise ValueError("breaker_failure_fraction must be within (0, 1]")
+        if self.spill_poll_s <= 0:
+            raise ValueError(f"spill_poll_s must be positive, got {self.spill_poll_s}")
 
     def workers_for(self, slots: int) -> int:
         return slots + max(self.min_headroom, int(slots * self.headroom_fraction))

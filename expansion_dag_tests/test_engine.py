@@ -343,3 +343,16 @@ def test_completion_identity_follows_model_and_sampling():
 def test_invalid_sampling_settings_say_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingSettings(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_attempts": 0}, "max_attempts must be at least 1"),
+        ({"breaker_failure_fraction": 0.0}, "breaker_failure_fraction must be within"),
+        ({"spill_poll_s": 0}, "spill_poll_s must be positive"),
+    ],
+)
+def test_invalid_engine_settings_say_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
