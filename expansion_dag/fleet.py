@@ -1,10 +1,5 @@
-"""Provisioning and probing a fleet of SGLang (or vLLM) servers, with no Dagster in sight.
+"""Probing a fleet of SGLang (or vLLM) servers, with no Dagster in sight (launching: ``launcher.py``).
 
-- ``Launcher`` starts one server process per GPU from a command template, idempotently: Dagster
-  sets resources up in every step process, and several steps may start at once, so the check and
-  the start happen under a file lock and a live pid file means "already starting".
-- ``wait_ready`` waits for ``GET /health`` 200, treating refused connections (model loading) and
-  503 (warmup) as "not yet", and quotes the server's last log lines when it gives up.
 - ``probe_fleet`` reads what requests depend on from the servers themselves: the context length
   (``/v1/models`` ``max_model_len``, cross-checked with ``/server_info``), the running-request
   slots, the model and the version. Servers that disagree are an error naming them.
@@ -13,26 +8,18 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
-import shlex
-import signal
-import subprocess
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
-from expansion_dag.errors import FleetError, FleetMismatchError, ServerStartError, ServerUnreachableError
+from expansion_dag.errors import FleetError, FleetMismatchError, ServerUnreachableError
 
 Backend = Literal["sglang", "vllm"]
 
 #: vLLM exposes no slot count; its default ``--max-num-seqs`` is the best guess without an override.
 VLLM_DEFAULT_SLOTS = 256
-READY_LOG_LINE = "The server is fired up and ready to roll!"
 
 
 @dataclass(frozen=True)
@@ -204,201 +191,3 @@ def probe_fleet(
             described = "; ".join(f"{value!r} on {', '.join(where)}" for value, where in values.items())
             raise FleetMismatchError(f"servers disagree on {field_name}: {described}")
     return FleetInfo(servers, tuple(unreachable))
-
-
-def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
-    """``/health`` runs a real 1-token generation; a loaded server may answer 503 once, so ask twice."""
-    for _ in range(attempts):
-        try:
-            if httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-    return False
-
-
-def tail(path: Path | None, lines: int = 20) -> str:
-    if path is None or not path.exists():
-        return "(no log)"
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        fh.seek(max(0, fh.tell() - 16384))
-        text = fh.read().decode(errors="replace")
-    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
-
-
-def wait_ready(
-    url: str,
-    *,
-    timeout_s: float,
-    poll_s: float = 0.5,
-    log_path: Path | None = None,
-    pid: int | None = None,
-) -> None:
-    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting"."""
-    url = url.rstrip("/")
-    deadline = time.monotonic() + timeout_s
-    last = "no answer yet"
-    while True:
-        try:
-            status = httpx.get(url + "/health", timeout=max(poll_s, 5.0)).status_code
-            if status == 200:
-                return
-            last = f"HTTP {status} (warming up)" if status == 503 else f"HTTP {status}"
-        except httpx.ConnectError:
-            last = "connection refused (loading)"
-        except httpx.HTTPError as exc:
-            last = f"{type(exc).__name__}"
-        if pid is not None and not _alive(pid):
-            raise ServerStartError(
-                f"{url}: the server process {pid} exited before it was ready. Last log lines "
-                f"({log_path}):\n{tail(log_path)}"
-            )
-        if time.monotonic() >= deadline:
-            raise ServerStartError(
-                f"{url}: not ready after {timeout_s:.0f} s (last: {last}). Last log lines "
-                f"({log_path}):\n{tail(log_path)}"
-            )
-        time.sleep(poll_s)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours still answers kill(0); reap it to tell.
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    return True
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchSpec:
-    """One server to launch: which GPU and which port."""
-
-    gpu: int
-    port: int
-
-
-class Launcher:
-    """Starts and stops one server process per GPU; safe to call from many processes at once."""
-
-    def __init__(
-        self,
-        *,
-        state_dir: str | os.PathLike[str],
-        command: str,
-        host: str,
-        specs: Sequence[LaunchSpec],
-        values: Mapping[str, Any],
-        env: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-    ):
-        self.state_dir = Path(state_dir)
-        self.command = command
-        self.host = host
-        self.specs = list(specs)
-        self.values = dict(values)
-        self.env = dict(env or {})
-        self._api_key = api_key
-
-    def url(self, spec: LaunchSpec) -> str:
-        return f"http://{self.host}:{spec.port}"
-
-    @property
-    def urls(self) -> list[str]:
-        return [self.url(s) for s in self.specs]
-
-    def log_path(self, spec: LaunchSpec) -> Path:
-        return self.state_dir / f"server-{spec.port}.log"
-
-    def _pid_path(self, spec: LaunchSpec) -> Path:
-        return self.state_dir / f"server-{spec.port}.pid"
-
-    def _argv(self, spec: LaunchSpec) -> list[str]:
-        # The key fills ``{api_key}`` only in the argv handed to the process, never in a log line.
-        values = {**self.values, "host": self.host, "port": spec.port, "gpu": spec.gpu, "api_key": self._api_key or ""}
-        try:
-            return shlex.split(self.command.format(**values))
-        except KeyError as exc:
-            raise FleetError(f"launch command names an unknown placeholder {exc}; known: {sorted(values)}") from exc
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / "launch.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def _pid(self, spec: LaunchSpec) -> int | None:
-        try:
-            pid = int(self._pid_path(spec).read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        return pid if _alive(pid) else None
-
-    def ensure_running(self, *, timeout_s: float) -> list[str]:
-        """Start what is not running, then wait until every server is ready. Returns the URLs."""
-        started: list[str] = []
-        with self._locked():
-            for spec in self.specs:
-                if self._pid(spec) is not None or is_healthy(self.url(spec), timeout_s=5, attempts=1):
-                    continue  # launched by an earlier step, or already served
-                self._start(spec)
-                started.append(self.url(spec))
-        for spec in self.specs:
-            wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=self._pid(spec))
-        return started
-
-    def _start(self, spec: LaunchSpec) -> None:
-        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": str(spec.gpu)}
-        if self._api_key:
-            env["SGLANG_API_KEY"] = self._api_key
-        log = open(self.log_path(spec), "ab")
-        try:
-            process = subprocess.Popen(
-                self._argv(spec),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                # Its own session: the server outlives the step that started it, and a stop
-                # reaches every process it forked.
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise ServerStartError(f"{self.url(spec)}: cannot start {self._argv(spec)[0]!r}: {exc}") from exc
-        finally:
-            log.close()
-        self._pid_path(spec).write_text(str(process.pid))
-
-    def stop(self, *, timeout_s: float = 30.0) -> list[int]:
-        """Stop every server this launcher started (SIGTERM, then SIGKILL). Returns the pids."""
-        stopped = []
-        with self._locked():
-            for spec in self.specs:
-                pid = self._pid(spec)
-                self._pid_path(spec).unlink(missing_ok=True)
-                if pid is None:
-                    continue
-                _stop_group(pid, timeout_s)
-                stopped.append(pid)
-        return stopped
-
-
-def _stop_group(pid: int, timeout_s: float) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)

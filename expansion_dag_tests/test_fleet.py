@@ -6,7 +6,8 @@ import httpx
 import pytest
 
 from expansion_dag.errors import FleetError, FleetMismatchError, ServerStartError
-from expansion_dag.fleet import Launcher, LaunchSpec, probe_fleet, probe_server, wait_ready
+from expansion_dag.fleet import probe_fleet, probe_server
+from expansion_dag.launcher import Launcher, LaunchSpec, wait_ready
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag_tests.helpers import free_ports

@@ -10,7 +10,8 @@ import dagster as dg
 from pydantic import Field
 
 from expansion_dag.errors import FleetError
-from expansion_dag.fleet import FleetInfo, Launcher, LaunchSpec, is_healthy, probe_fleet
+from expansion_dag.fleet import FleetInfo, probe_fleet
+from expansion_dag.launcher import Launcher, LaunchSpec, is_healthy
 
 #: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
 #: so the whole command is configuration, not code.
