@@ -75,8 +75,11 @@ from bench_prompts import (  # noqa: E402
     run_phase,
     stats,
 )
+from expansion_dag.store import Identity  # noqa: E402
 
 
+#: The identity the generated records' keys belong to (``completion_key(prompt_id, "settings")``).
+BENCH_IDENTITY = Identity(model="bench", simulated=True, fingerprint="settings")
 RESULT_MARK = "@@RESULT "
 DATA_VERSION = 1
 DEFAULT_RECORDS = 16_000
@@ -172,12 +175,10 @@ def stream_records(path: Path) -> Iterator[dict[str, Any]]:
 
 def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) -> list[list[str]]:
     """The texts the build tokenizes, batch by batch, rendered by the module's own helpers."""
-    from collections import Counter
-
     from expansion_dag import training_set as ts
 
     batches = []
-    for samples in ts._screened_chunks(iter(records), config, Counter()):
+    for samples in ts._screened_chunks(iter(records), config, ts._Tally(BENCH_IDENTITY, {})):
         batches.append([text for triple in ts._segments(samples, tokenizer, config) for text in triple])
     return batches
 
@@ -205,7 +206,7 @@ def run_build(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_d
     reset_peak()
     try:
         with clock.span("build"):
-            manifest = ts.build_training_set(iter(records), tokenizer, config, out_dir)
+            manifest = ts.build_training_set(iter(records), tokenizer, config, out_dir, identity=BENCH_IDENTITY)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
         ts._ShardWriter.write = write
@@ -311,7 +312,9 @@ def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
     window_start = bench_prompts.WINDOW_START_RSS_MIB
     try:
         with clock.span("build_streamed"):
-            manifest = build_training_set(stream_records(records_path(args, args.size)), tokenizer, config, out_dir)
+            manifest = build_training_set(
+                stream_records(records_path(args, args.size)), tokenizer, config, out_dir, identity=BENCH_IDENTITY
+            )
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     return {**clock.report(), "records": args.size, "samples": manifest.samples, "tokens": manifest.tokens,

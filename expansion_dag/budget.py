@@ -23,6 +23,8 @@ from transformers import PreTrainedTokenizerBase
 from expansion_dag.tokenizer import count_prompt_tokens
 
 PROMPT_TOO_LONG = "prompt_too_long"
+#: Over the server's own input limit (SGLang's ``max_req_input_len``, set by the KV cache too).
+PROMPT_OVER_INPUT_LIMIT = "prompt_over_input_limit"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +104,12 @@ def budget_prompts(
     num_shards: int,
     config: BudgetConfig = BudgetConfig(),
     select: Callable[[pl.DataFrame], pl.DataFrame] | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> BudgetResult:
     """Count, budget, set aside what cannot fit, and assign the rest to balanced shards.
+
+    ``max_prompt_tokens`` is the longest prompt the servers admit (``FleetInfo.max_prompt_tokens``);
+    SGLang refuses longer ones with a 400 however much context is left, so they are set aside too.
 
     ``select`` picks, among the prompts that fit, the ones to shard (a night's quota); it sees
     them with their budgets, so a prompt that can never be sent never takes a place in a quota.
@@ -141,18 +147,36 @@ def budget_prompts(
         )
         .drop("_expected_out")
     )
-    fits = pl.col("max_tokens") >= config.min_output_tokens
+    too_long = pl.col("max_tokens") < config.min_output_tokens
+    over_limit = (
+        pl.col("prompt_tokens") > max_prompt_tokens if max_prompt_tokens is not None else pl.lit(False)
+    )
+    fits = ~too_long & ~over_limit
     set_aside = (
         budgeted.filter(~fits)
         .with_columns(
-            pl.lit(PROMPT_TOO_LONG).alias("reason"),
-            pl.format(
-                "{} prompt tokens leave {} for the answer (< min_output_tokens {}) at context {}",
-                pl.col("prompt_tokens"),
-                pl.col("max_tokens"),
-                pl.lit(config.min_output_tokens),
-                pl.lit(context_length),
-            ).alias("detail"),
+            pl.when(too_long)
+            .then(pl.lit(PROMPT_TOO_LONG))
+            .otherwise(pl.lit(PROMPT_OVER_INPUT_LIMIT))
+            .alias("reason"),
+            pl.when(too_long)
+            .then(
+                pl.format(
+                    "{} prompt tokens leave {} for the answer (< min_output_tokens {}) at context {}",
+                    pl.col("prompt_tokens"),
+                    pl.col("max_tokens"),
+                    pl.lit(config.min_output_tokens),
+                    pl.lit(context_length),
+                )
+            )
+            .otherwise(
+                pl.format(
+                    "{} prompt tokens are over the servers' input limit of {} (max_req_input_len)",
+                    pl.col("prompt_tokens"),
+                    pl.lit(max_prompt_tokens),
+                )
+            )
+            .alias("detail"),
         )
         .sort("prompt_id")
     )

@@ -3,7 +3,11 @@
 ``expansion-dag run`` is the main job: the prepare run (sources, prompts, budgets), then one run
 per shard, all shards at once as a UI backfill would launch them, then the training-set run.
 Every run is recorded in the Dagster instance under ``$DAGSTER_HOME`` (``./.dagster_home`` when
-unset, with this repository's ``dagster.yaml``), so ``dagster dev`` shows them afterwards.
+unset, with this repository's ``dagster.yaml``), so ``dagster dev`` shows them afterwards. The run
+configuration is ``--config FILE``, else ``$EXPANSION_CONFIG``, else the bundled demo file.
+While the shards run, their progress is one live table (one line per interval when the output is
+not a terminal). Servers the run launched are stopped at the end, on failure, on Ctrl-C and on
+SIGTERM, unless ``--keep-fleet``.
 """
 
 from __future__ import annotations
@@ -12,15 +16,34 @@ import argparse
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from expansion_dag.config import CONFIG_ENV, ConfigError, current_config, load_config
+from expansion_dag.progress import ProgressDisplay, ShardProgress, quiet_third_party, retry_summary
 
 if TYPE_CHECKING:
     from upath import UPath
 
 DEFAULT_HOME = ".dagster_home"
+#: How often the shard table is redrawn from the instance.
+DISPLAY_INTERVAL_S = 1.0
+#: After SIGINT, how long shard processes get to record their run's end before they are killed.
+SHARD_STOP_GRACE_S = 20.0
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached ``expansion-dag``: stop what it started, then exit."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def prepare_dagster_home() -> Path:
@@ -34,7 +57,18 @@ def prepare_dagster_home() -> Path:
     return home
 
 
-def _execute(job_name: str, partition_key: str | None = None) -> tuple[str, bool, str]:
+def use_config(path: str | None) -> None:
+    """Make ``path`` (or ``$EXPANSION_CONFIG``, or the bundled file) this process's and its children's.
+
+    Validated here, so a bad file stops the command before anything starts, naming the key.
+    """
+    if path:
+        load_config(path)  # a missing file or a bad key is an error now, not in a shard
+        os.environ[CONFIG_ENV] = str(Path(path).expanduser().resolve())
+    current_config()
+
+
+def _execute(job_name: str, partition_key: str | None = None, log_level: str = "INFO") -> tuple[str, bool, str]:
     """Run one job in this process against the instance; returns (run id, success, what failed)."""
     import dagster as dg
 
@@ -46,7 +80,7 @@ def _execute(job_name: str, partition_key: str | None = None) -> tuple[str, bool
             instance=instance,
             partition_key=partition_key,
             raise_on_error=False,
-            run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
+            run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
         )
     failures = [
         f"{e.step_key}: {e.event_specific_data.error.message.strip().splitlines()[0]}"  # type: ignore[union-attr]
@@ -56,21 +90,142 @@ def _execute(job_name: str, partition_key: str | None = None) -> tuple[str, bool
     return result.run_id, result.success, "; ".join(failures)
 
 
+def _shard_main(key: str, out: Connection) -> None:
+    """One shard's run in its own process, as the daemon launches one run per partition."""
+    quiet_third_party()
+    # Warnings and errors only: the parent's table shows the progress.
+    out.send(_execute("generate_job", key, log_level="WARNING"))
+
+
+class _Signals:
+    """While active, SIGINT and SIGTERM raise ``Interrupted`` in the main thread, so ``finally``
+    blocks stop what was started; later signals are ignored until the stop is done."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        self.received = signum
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    def check(self) -> None:
+        """Raise again a signal that a library caught on its way (Dagster ends a run on it)."""
+        if self.received is not None:
+            raise Interrupted(self.received)
+
+    @contextmanager
+    def active(self) -> Iterator[_Signals]:
+        previous = {sig: signal.signal(sig, self._interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _latest_progress(instance: Any, shard: str, since: float) -> ShardProgress | None:
+    import dagster as dg
+
+    records = instance.fetch_observations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard], after_timestamp=since),
+        limit=1,
+    ).records
+    if not records or records[0].asset_observation is None:
+        return None
+    return ShardProgress.from_metadata({k: v.value for k, v in records[0].asset_observation.metadata.items()})
+
+
+def _run_shards(keys: list[str]) -> dict[str, tuple[str, bool, str]]:
+    """Every shard at once, one process each, with their progress shown as one table."""
+    import dagster as dg
+
+    context = multiprocessing.get_context("spawn")
+    started = time.time()
+    processes: dict[str, tuple[multiprocessing.process.BaseProcess, Connection]] = {}
+    results: dict[str, tuple[str, bool, str]] = {}
+    display = ProgressDisplay()
+    figures: dict[str, ShardProgress | None] = {key: None for key in keys}
+    try:
+        for key in keys:
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(target=_shard_main, args=(key, send), name=f"expansion-dag {key}")
+            process.start()
+            send.close()
+            processes[key] = (process, receive)
+        with dg.DagsterInstance.get() as instance:
+            while len(results) < len(keys):
+                for key, (process, receive) in processes.items():
+                    if key in results:
+                        continue
+                    if receive.poll():
+                        results[key] = receive.recv()
+                    elif not process.is_alive():
+                        results[key] = ("-", False, f"the shard's process exited with {process.exitcode}")
+                    figures[key] = _latest_progress(instance, key, started) or figures[key]
+                states = {
+                    key: "running" if key not in results else ("done" if results[key][1] else "FAILED") for key in keys
+                }
+                display.update(states, figures, final=len(results) == len(keys))
+                if len(results) < len(keys):
+                    time.sleep(DISPLAY_INTERVAL_S)
+        print(retry_summary(figures), flush=True)
+        return results
+    finally:
+        _stop_processes([p for p, _ in processes.values()])
+
+
+def _stop_processes(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    """SIGINT first (the run records its end), then SIGKILL after a grace period."""
+    alive = [p for p in processes if p.is_alive()]
+    for process in alive:
+        os.kill(process.pid, signal.SIGINT)  # type: ignore[arg-type]
+    deadline = time.monotonic() + SHARD_STOP_GRACE_S
+    for process in alive:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _stop_fleet(keep: bool) -> None:
+    if keep:
+        return
+    from expansion_dag.definitions import defs
+
+    stopped = defs.resources["fleet"].stop()
+    if stopped:
+        print(f"stopped {len(stopped)} launched server(s)", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    use_config(args.config)
     home = prepare_dagster_home()
+    quiet_third_party()
+    config = current_config()
+    print(f"Dagster instance: {home}\nrun configuration: {config.source} (digest {config.digest()})", flush=True)
+    try:
+        with _Signals().active() as signals:
+            try:
+                return _run_all(signals)
+            finally:
+                _stop_fleet(args.keep_fleet)
+    except Interrupted as exc:
+        print(f"interrupted by {exc}; finished completions are kept", flush=True)
+        return 128 + exc.signum
+
+
+def _run_all(signals: _Signals) -> int:
     from expansion_dag.definitions import defs
     from expansion_dag.partitions import SHARD_KEYS
 
-    print(f"Dagster instance: {home}", flush=True)
     run_id, ok, why = _execute("prepare_job")
+    signals.check()
     print(f"prepare_job run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
     if not ok:
         return 1
-    # One process per shard, as the daemon launches one run per partition of a backfill.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=len(SHARD_KEYS), mp_context=context) as pool:
-        futures = {key: pool.submit(_execute, "generate_job", key) for key in SHARD_KEYS}
-        shard_results = {key: f.result() for key, f in futures.items()}
+    shard_results = _run_shards(SHARD_KEYS)
     failed = []
     for key, (run_id, ok, why) in shard_results.items():
         print(f"generate_job[{key}] run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
@@ -82,25 +237,23 @@ def run(args: argparse.Namespace) -> int:
             "`expansion-dag run` (or backfill the failed partitions in the UI) to send only the rest.",
             flush=True,
         )
-    else:
-        run_id, ok, why = _execute("training_set_job")
-        print(f"training_set_job run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
-        if ok:
-            _print_summary(defs.resources["storage"].path("training_set"))
-        failed = [] if ok else ["training_set"]
-    if not args.keep_fleet:
-        stopped = defs.resources["fleet"].stop()
-        if stopped:
-            print(f"stopped {len(stopped)} launched server(s)", flush=True)
-    return 1 if failed else 0
+        return 1
+    run_id, ok, why = _execute("training_set_job")
+    signals.check()
+    print(f"training_set_job run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
+    if not ok:
+        return 1
+    _print_summary(defs.resources["storage"].path("training_set"))
+    return 0
 
 
 def _print_summary(out_dir: UPath) -> None:
     from expansion_dag.training_set import Manifest
 
     manifest = Manifest.read(out_dir)
+    made_from = " (built from SIMULATED answers: not training data)" if manifest.simulated else ""
     print(
-        f"training set: {out_dir}\n  {manifest.samples:,} samples, {manifest.tokens:,} tokens "
+        f"training set{made_from}: {out_dir}\n  {manifest.samples:,} samples, {manifest.tokens:,} tokens "
         f"({manifest.assistant_tokens:,} trained on), mean {manifest.tokens_per_sample['mean']:,.0f} "
         f"tokens per sample; left out: {manifest.left_out}",
         flush=True,
@@ -113,31 +266,38 @@ def dry_run(args: argparse.Namespace) -> int:
     """Prove a configuration on simulators that mirror a real fleet, before GPU hours are spent."""
     from expansion_dag.fleet import probe_fleet
 
-    urls = [u.strip() for u in args.mirror.split(",") if u.strip()]
-    api_key = os.environ.get(args.api_key_env) or None
-    real = probe_fleet(urls, backend=args.backend, api_key=api_key)
+    use_config(args.config)
+    config = current_config()
+    urls = [u.strip() for u in args.mirror.split(",") if u.strip()] if args.mirror else list(config.fleet.urls)
+    if not urls:
+        print("dry-run: no servers to mirror: pass --mirror URLS or name fleet.urls in the configuration", file=sys.stderr)
+        return 2
+    api_key = os.environ.get(args.api_key_env or config.fleet.api_key_env) or None
+    real = probe_fleet(urls, backend=args.backend or config.fleet.backend, api_key=api_key)
     slots = {s.slots for s in real.servers}
     print(
         f"mirroring {len(urls)} server(s): model {real.model_path}, context {real.context_length}, "
         f"slots {sorted(slots)}; generating on SIMULATED servers with those settings",
         flush=True,
     )
-    prepare_dagster_home()
     os.environ.update(
         {
             "EXPANSION_PROFILE": "local",
             # Its own storage: simulated answers must never sit beside real ones.
             "EXPANSION_STORAGE": os.environ.get("EXPANSION_DRY_RUN_STORAGE", os.path.abspath("storage-dry-run")),
             "EXPANSION_SHARDS": str(len(urls)),
-            "EXPANSION_SIM_MODEL_PATH": real.model_path,
+            "EXPANSION_MODEL_PATH": real.model_path,
             "EXPANSION_SIM_CONTEXT_LENGTH": str(real.context_length),
             "EXPANSION_SIM_SLOTS": str(max(slots)),
         }
     )
+    os.environ.pop("EXPANSION_FLEET_URLS", None)  # the mirrored servers are probed, never sent a request
+    args.config = None  # already in $EXPANSION_CONFIG
     return run(args)
 
 
 def fleet(args: argparse.Namespace) -> int:
+    use_config(args.config)
     prepare_dagster_home()
     from expansion_dag.definitions import defs
 
@@ -161,20 +321,28 @@ def fleet(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="expansion-dag", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    config_help = f"run configuration YAML (default: ${CONFIG_ENV}, else the bundled demo file)"
     run_parser = sub.add_parser("run", help="materialize every asset and every shard")
+    run_parser.add_argument("--config", help=config_help)
     run_parser.add_argument("--keep-fleet", action="store_true", help="leave launched servers running")
     run_parser.set_defaults(func=run)
     dry_parser = sub.add_parser("dry-run", help="run everything on simulators mirroring a real fleet")
-    dry_parser.add_argument("--mirror", required=True, help="comma-separated URLs of the real servers to mirror")
-    dry_parser.add_argument("--backend", default="sglang", choices=["sglang", "vllm"])
-    dry_parser.add_argument("--api-key-env", default="SGLANG_API_KEY")
+    dry_parser.add_argument("--config", help=config_help)
+    dry_parser.add_argument("--mirror", help="comma-separated URLs of the real servers (default: fleet.urls)")
+    dry_parser.add_argument("--backend", choices=["sglang", "vllm"], help="default: fleet.backend")
+    dry_parser.add_argument("--api-key-env", help="default: fleet.api_key_env")
     dry_parser.add_argument("--keep-fleet", action="store_true", help="leave launched simulators running")
     dry_parser.set_defaults(func=dry_run)
     fleet_parser = sub.add_parser("fleet", help="start, probe or stop the configured fleet")
     fleet_parser.add_argument("action", choices=["start", "status", "stop"])
+    fleet_parser.add_argument("--config", help=config_help)
     fleet_parser.set_defaults(func=fleet)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"expansion-dag: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,17 +1,10 @@
 """The one place that wires the code location: assets, checks, jobs, schedules and resources.
 
-Deployment choices read from the environment when the code location loads:
-- ``EXPANSION_PROFILE``: ``local`` (default: a simulated fleet launched by the fleet resource) or
-  ``production`` (real SGLang servers, attached by URL or launched one per GPU). Both profiles
-  bind the same resource keys, so assets never know which one runs.
-- ``EXPANSION_CATALOG``: ``samples`` (default, bundled files), ``production`` (hub datasets), or
-  a path to a catalog YAML file.
-- ``EXPANSION_SHARDS``: shard (GPU server) count, see ``partitions.py``.
-- ``EXPANSION_STORAGE``: storage root, see ``resources/storage.py``.
-- ``EXPANSION_LAUNCH_SCOPE`` and ``EXPANSION_GPU_RUN_TAGS``: Kubernetes launch mode, where each
-  run starts one server on its own GPU (see README "Scaling out").
-- ``EXPANSION_NIGHTLY_CRON`` / ``EXPANSION_NIGHTLY_TIMEZONE`` / ``EXPANSION_NIGHTLY_QUOTA``: when the
-  nightly expansion runs (default 02:00 UTC) and how many new prompts a night takes (1000).
+Everything about the deployment comes from the run configuration file (``expansion_dag/config.py``;
+``configs/default.yaml`` documents every field): ``$EXPANSION_CONFIG``, else the bundled default,
+which runs the demo on a simulated fleet. ``EXPANSION_*`` variables override single fields. The
+same resource keys are bound whatever the fleet's mode, so assets never know which one runs, and
+each resource's run configuration (the launchpad) overrides only the fields it names.
 """
 
 from __future__ import annotations
@@ -28,68 +21,81 @@ from expansion_dag.assets.prompts import build_prompts_asset
 from expansion_dag.assets.raw_datasets import build_raw_dataset_assets
 from expansion_dag.assets.training_set import training_set
 from expansion_dag.catalog import load_catalog
+from expansion_dag.config import RunConfig, current_config
 from expansion_dag.partitions import SHARD_KEYS
-from expansion_dag.resources.fleet import SIMULATOR_LAUNCH_COMMAND, FleetResource
+from expansion_dag.resources.configured import with_field_defaults
+from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, FleetResource
 from expansion_dag.resources.settings import GenerationSettings
-from expansion_dag.resources.storage import ParquetIOManager, StorageResource, default_storage_root
+from expansion_dag.resources.storage import ParquetIOManager, StorageResource
 from expansion_dag.schedules import build_nightly_schedule, build_nightly_sensors
 from expansion_dag.urls import as_upath, default_local_dir, is_local
 
-PROFILES = ("local", "production")
+#: Run tags every job's runs carry: the file, a digest to compare runs, and the resolved configuration.
+CONFIG_FILE_TAG = "expansion/config_file"
+CONFIG_DIGEST_TAG = "expansion/config_digest"
+CONFIG_TAG = "expansion/config"
+SIMULATOR_STARTUP_TIMEOUT_S = 120.0
+SERVER_STARTUP_TIMEOUT_S = 900.0
 
 
-def fleet_for(profile: str, storage_root: str) -> FleetResource:
-    fallback = os.environ.get("EXPANSION_FLEET_FALLBACK", "1") != "0"
+def fleet_for(config: RunConfig) -> FleetResource:
+    fleet, launch = config.fleet, config.fleet.launch
+    local_dir = config.storage.local_dir or default_local_dir()
+    root = config.storage_root()
     # Pid files, locks and server logs belong to this machine, not to a (possibly remote) root.
-    state_dir = os.path.join(storage_root if is_local(as_upath(storage_root)) else default_local_dir(), "fleet")
-    if profile == "local":
-        # A dry run (``expansion-dag dry-run --mirror ...``) sets these to a real fleet's probe.
-        return FleetResource(
-            mode="launch",
-            launch_command=SIMULATOR_LAUNCH_COMMAND,
-            model_path=os.environ.get("EXPANSION_SIM_MODEL_PATH", "Qwen/Qwen3-8B"),
-            context_length=int(os.environ.get("EXPANSION_SIM_CONTEXT_LENGTH", "8192")),
-            max_running_requests=int(os.environ.get("EXPANSION_SIM_SLOTS", "16")),
-            num_servers=len(SHARD_KEYS),
-            base_port=int(os.environ.get("EXPANSION_SIM_BASE_PORT", "30000")),
-            fallback_to_healthy=fallback,
-            startup_timeout_s=120.0,
-            state_dir=state_dir,
-        )
-    urls = [u for u in os.environ.get("EXPANSION_FLEET_URLS", "").split(",") if u.strip()]
+    state_dir = os.path.join(root if is_local(as_upath(root)) else local_dir, "fleet")
+    simulate = fleet.mode == "simulate"
     return FleetResource(
-        mode="attach" if urls else "launch",
-        urls=urls,
-        backend=os.environ.get("EXPANSION_BACKEND", "sglang"),
-        model_path=os.environ.get("EXPANSION_MODEL_PATH", "Qwen/Qwen3-8B"),
-        num_servers=len(SHARD_KEYS),
-        launch_scope=os.environ.get("EXPANSION_LAUNCH_SCOPE", "fleet"),
-        # "0" makes a shard whose server is down fail instead of running on another server.
-        fallback_to_healthy=fallback,
+        mode="attach" if fleet.mode == "attach" else "launch",
+        urls=list(fleet.urls) if fleet.mode == "attach" else [],
+        backend=fleet.backend,
+        launch_command=launch.command or (SIMULATOR_LAUNCH_COMMAND if simulate else SGLANG_LAUNCH_COMMAND),
+        model_path=config.model.path,
+        context_length=launch.context_length,
+        max_running_requests=launch.max_running_requests,
+        host=launch.host,
+        base_port=launch.base_port,
+        gpus=list(launch.gpus),
+        launch_scope=launch.scope,
+        num_servers=fleet.shards,
+        api_key_env=fleet.api_key_env,
+        startup_timeout_s=launch.startup_timeout_s
+        or (SIMULATOR_STARTUP_TIMEOUT_S if simulate else SERVER_STARTUP_TIMEOUT_S),
+        slots_override=fleet.slots,
+        fallback_to_healthy=fleet.fallback_to_healthy,
         state_dir=state_dir,
     )
 
 
-def resources_for(profile: str) -> dict[str, object]:
-    if profile not in PROFILES:
-        raise ValueError(f"EXPANSION_PROFILE must be one of {PROFILES}, got {profile!r}")
-    root = default_storage_root()
-    settings = GenerationSettings(tokenizer=os.environ.get("EXPANSION_TOKENIZER", GenerationSettings().tokenizer))
-    return {
-        "fleet": fleet_for(profile, root),
-        "settings": settings,
-        "storage": StorageResource(root=root),
+def resources_for(config: RunConfig) -> dict[str, object]:
+    """The resources of a configuration; launchpad run config for one overrides only the fields it names."""
+    root = config.storage_root()
+    storage = {"root": root, **({"local_dir": config.storage.local_dir} if config.storage.local_dir else {})}
+    resources = {
+        "fleet": fleet_for(config),
+        "settings": GenerationSettings(tokenizer=config.model.tokenizer, **config.generation.model_dump()),
+        "storage": StorageResource(**storage),
         "parquet_io": ParquetIOManager(root=root),
+    }
+    return {key: with_field_defaults(resource) for key, resource in resources.items()}
+
+
+def config_tags(config: RunConfig) -> dict[str, str]:
+    """The resolved configuration (secrets masked) as run tags, and a digest to compare runs by."""
+    return {
+        CONFIG_FILE_TAG: config.source,
+        CONFIG_DIGEST_TAG: config.digest(),
+        CONFIG_TAG: json.dumps(config.masked(), sort_keys=True, separators=(",", ":")),
     }
 
 
-def gpu_run_tags() -> dict[str, str]:
+def gpu_run_tags(config: RunConfig) -> dict[str, str]:
     """Tags for runs that start their own SGLang server (Kubernetes launch mode): a GPU per run pod.
 
-    Read from the YAML file named by ``EXPANSION_GPU_RUN_TAGS`` (deploy/k8s/gpu-run-tags.yaml);
-    unset (local, attach mode) means no extra tags.
+    Read from the YAML file named by ``fleet.launch.run_tags_file`` (deploy/k8s/gpu-run-tags.yaml);
+    none (local, attach mode) means no extra tags.
     """
-    path = os.environ.get("EXPANSION_GPU_RUN_TAGS")
+    path = config.fleet.launch.run_tags_file
     if not path:
         return {}
     with open(path) as fh:
@@ -98,40 +104,53 @@ def gpu_run_tags() -> dict[str, str]:
     return {key: value if isinstance(value, str) else json.dumps(value) for key, value in tags.items()}
 
 
-catalog = load_catalog(os.environ.get("EXPANSION_CATALOG", "samples"))
-raw_datasets = build_raw_dataset_assets(catalog)
-prompts = build_prompts_asset(catalog)
+def build_definitions(config: RunConfig) -> dg.Definitions:
+    """The code location for one run configuration."""
+    if config.fleet.shards != len(SHARD_KEYS):
+        raise ValueError(
+            f"{config.source}: fleet.shards is {config.fleet.shards} but the shard partitions were made for "
+            f"{len(SHARD_KEYS)} when expansion_dag.partitions was imported (from $EXPANSION_CONFIG)"
+        )
+    catalog = load_catalog(config.catalog)
+    raw_datasets = build_raw_dataset_assets(catalog)
+    prompts = build_prompts_asset(catalog)
+    tags = config_tags(config)
+    server_tags = {**gpu_run_tags(config), **tags}  # budgeting probes a server for the context length
 
-prepare_job = dg.define_asset_job(
-    "prepare_job",
-    selection=dg.AssetSelection.assets(*raw_datasets, prompts, budgeted_prompts),
-    description="Load the sources, extract prompts and budget them into shards.",
-    tags=gpu_run_tags(),  # budgeting probes a server for the context length
-)
-generate_job = dg.define_asset_job(
-    "generate_job",
-    selection=dg.AssetSelection.assets(shard_prompts, completions),
-    description="Generate one shard's completions on its GPU server (one run per shard).",
-    tags=gpu_run_tags(),
-)
-training_set_job = dg.define_asset_job(
-    "training_set_job",
-    selection=dg.AssetSelection.assets(training_set),
-    description="Merge every shard's completions into the tokenized training set.",
-)
+    prepare_job = dg.define_asset_job(
+        "prepare_job",
+        selection=dg.AssetSelection.assets(*raw_datasets, prompts, budgeted_prompts),
+        description="Load the sources, extract prompts and budget them into shards.",
+        tags=server_tags,
+    )
+    generate_job = dg.define_asset_job(
+        "generate_job",
+        selection=dg.AssetSelection.assets(shard_prompts, completions),
+        description="Generate one shard's completions on its GPU server (one run per shard).",
+        tags=server_tags,
+    )
+    training_set_job = dg.define_asset_job(
+        "training_set_job",
+        selection=dg.AssetSelection.assets(training_set),
+        description="Merge every shard's completions into the tokenized training set.",
+        tags=tags,
+    )
+    nightly_expansion = build_nightly_schedule(
+        prepare_job=prepare_job,
+        raw_assets=raw_datasets,
+        cron=config.schedule.cron,
+        timezone=config.schedule.timezone,
+        quota=config.schedule.quota,
+    )
+    return dg.Definitions(
+        assets=[*raw_datasets, prompts, budgeted_prompts, shard_prompts, completions, training_set],
+        jobs=[prepare_job, generate_job, training_set_job],
+        schedules=[nightly_expansion],
+        sensors=build_nightly_sensors(
+            prepare_job=prepare_job, generate_job=generate_job, training_set_job=training_set_job
+        ),
+        resources=resources_for(config),
+    )
 
-nightly_expansion = build_nightly_schedule(
-    prepare_job=prepare_job,
-    raw_assets=raw_datasets,
-    cron=os.environ.get("EXPANSION_NIGHTLY_CRON", "0 2 * * *"),
-    timezone=os.environ.get("EXPANSION_NIGHTLY_TIMEZONE", "UTC"),
-    quota=int(os.environ.get("EXPANSION_NIGHTLY_QUOTA", "1000")),
-)
 
-defs = dg.Definitions(
-    assets=[*raw_datasets, prompts, budgeted_prompts, shard_prompts, completions, training_set],
-    jobs=[prepare_job, generate_job, training_set_job],
-    schedules=[nightly_expansion],
-    sensors=build_nightly_sensors(prepare_job=prepare_job, generate_job=generate_job, training_set_job=training_set_job),
-    resources=resources_for(os.environ.get("EXPANSION_PROFILE", "local")),
-)
+defs = build_definitions(current_config())

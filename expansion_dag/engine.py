@@ -2,48 +2,47 @@
 
 Dispatch: ``slots + headroom`` workers per server pull from one queue ordered longest expected
 answer first, so a slot is refilled the moment it frees and the long tail starts early instead of
-setting the makespan. Each worker owns one keep-alive connection: a shared pool of hundreds of
-connections costs more CPU per request (httpcore scans every connection on each checkout) than the
-rest of the client together. Each result is written to the completion store before the worker takes
+setting the makespan. The expectation is learned (``expansion_dag.answer_lengths``): from the
+store's completions when the caller gives them, refined by each answer that returns, the queue
+re-ordered as the estimates settle; the budget's typed prior is only where it starts.
+
+Each worker owns one keep-alive connection: a shared pool of hundreds of connections costs more
+CPU per request (httpcore scans every connection on each checkout) than the rest of the client
+together. Each result is written to the completion store before the worker takes
 the next prompt.
 
 Idle servers: a shard runs on its own server, but once another server of the fleet reports idle
-slots (``GET /v1/loads``: running + waiting below its slots) while this shard still has queued
+slots (its load: running + waiting below its slots) while this shard still has queued
 prompts, extra workers send them there, and retire as soon as that server has a queue again. Shards
 balanced on *expected* work finish apart by the luck of the draw; this keeps the early finishers'
 GPUs busy with the late ones' work, without any coordination between the shards' processes.
 
-Faults: transient errors (connection, timeout, 408/429/5xx) are retried with exponential backoff
-and jitter (stamina), a bounded number of times. SGLang's context-length 400 is parsed and retried
-once with ``max_tokens`` recomputed from the server's own prompt count (budget drift). Other 4xx
-are recorded, not retried. A canary request per server runs before the rest, and a circuit
-breaker aborts the shard when most recent requests failed the same way, quoting the server.
+Faults: what a server says, and how often a prompt is tried on it, is ``server_api``'s business
+(transient errors and unfinished answers retried with backoff, one context-length retry); this
+module only orchestrates: it counts the retries by kind, records each prompt's outcome, runs a
+canary request per server before the rest, and a circuit breaker aborts the shard when most recent
+requests failed the same way, quoting the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import json
-import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-import stamina
 
-from expansion_dag.errors import (
-    BadResponseError,
-    ContextLengthError,
-    RequestError,
-    ShardAborted,
-    TransientError,
-    error_from_exception,
-    error_from_response,
-)
+from expansion_dag import server_api
+from expansion_dag.answer_lengths import AnswerLengths
+from expansion_dag.degeneration import LoopThresholds
+from expansion_dag.errors import RequestError, ShardAborted
+from expansion_dag.server_api import SGLANG, Answer, DegenerateError, Dialect, RetryPolicy
 from expansion_dag.store import FAILED, OK, SegmentWriter, completion_key
 
 
@@ -73,8 +72,9 @@ class SamplingSettings:
         if not isinstance(self.chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs_json must be a JSON object")
 
-    @property
+    @functools.cached_property
     def chat_template_kwargs(self) -> dict[str, Any]:
+        # Cached: every request carries it, and parsing it per request costs CPU the fleet needs.
         return json.loads(self.chat_template_kwargs_json)
 
     def fingerprint(self, model: str) -> str:
@@ -110,6 +110,16 @@ class EngineConfig:
     progress_interval_s: float = 30.0
     #: How often the other servers' loads are read while this shard has queued prompts.
     spill_poll_s: float = 1.0
+    #: Stream each answer and stop it as soon as it loops (recorded as a ``degenerate`` failure,
+    #: text kept); False sends plain requests and lets every answer run to its end.
+    stop_degenerate: bool = True
+    #: A loop is a span of at least ``loop_min_span_chars`` repeated back to back at least
+    #: ``loop_min_repeats`` times over at least ``loop_min_chars``, within the last
+    #: ``loop_window_chars`` (see ``expansion_dag.degeneration``).
+    loop_min_span_chars: int = 1
+    loop_min_repeats: int = 4
+    loop_min_chars: int = 1200
+    loop_window_chars: int = 8192
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -120,9 +130,33 @@ class EngineConfig:
             raise ValueError("breaker_failure_fraction must be within (0, 1]")
         if self.spill_poll_s <= 0:
             raise ValueError(f"spill_poll_s must be positive, got {self.spill_poll_s}")
+        self.loop_thresholds()  # validates the loop fields
+
+    def loop_thresholds(self) -> LoopThresholds | None:
+        """The detector's thresholds; None when answers are not streamed and never stopped."""
+        if not self.stop_degenerate:
+            return None
+        return LoopThresholds(
+            min_span_chars=self.loop_min_span_chars,
+            min_repeats=self.loop_min_repeats,
+            min_loop_chars=self.loop_min_chars,
+            window_chars=self.loop_window_chars,
+        )
 
     def workers_for(self, slots: int) -> int:
         return slots + max(self.min_headroom, int(slots * self.headroom_fraction))
+
+    def retry_policy(self, *, borrowed: bool = False) -> RetryPolicy:
+        """On a borrowed server a prompt gets one attempt: its retries belong to its own server."""
+        return RetryPolicy(
+            attempts=1 if borrowed else self.max_attempts,
+            wait_initial_s=self.backoff_initial_s,
+            wait_max_s=self.backoff_max_s,
+            wait_jitter_s=self.backoff_jitter_s,
+            context_retry=not borrowed,
+            context_margin=self.context_margin,
+            min_output_tokens=self.min_output_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -139,14 +173,26 @@ class WorkItem:
 
 
 def dispatch_order(item: WorkItem) -> tuple[int, str]:
-    """The queue's order: longest expected answer first (the canary is taken from the other end)."""
+    """The queue's order on the typed priors alone: longest expected answer first."""
     return (-item.expected_output_tokens, item.prompt_id)
+
+
+def expected_output_tokens(item: WorkItem, lengths: AnswerLengths) -> int:
+    """The learned expectation of an item's answer, within its ``max_tokens``."""
+    return min(item.max_tokens, lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens).tokens)
+
+
+#: The queue is re-ordered when this many answers have returned, then at each doubling: estimates
+#: move most while they rest on few answers, and a sort of the queue costs CPU.
+FIRST_REORDER = 16
 
 
 @dataclass(frozen=True)
 class Server:
     url: str
     slots: int
+    #: How to read its answers and its load (the probe's ``ServerInfo.dialect``).
+    dialect: Dialect = SGLANG
 
 
 @dataclass
@@ -184,7 +230,8 @@ class ShardReport:
     requests_by_source: collections.Counter = field(default_factory=collections.Counter)
     truncated_by_source: collections.Counter = field(default_factory=collections.Counter)
     output_tokens: int = 0
-    context_retries: int = 0
+    #: Retries by the kind of error that caused them (``context_length``: the one smaller retry).
+    retries_by_kind: collections.Counter = field(default_factory=collections.Counter)
     #: Server prompt tokens minus local count, per completion (0 when the counts agree).
     prompt_token_drift: collections.Counter = field(default_factory=collections.Counter)
     servers: dict[str, ServerStats] = field(default_factory=dict)
@@ -192,6 +239,17 @@ class ShardReport:
     helpers: dict[str, ServerStats] = field(default_factory=dict)
     elapsed_s: float = 0.0
     aborted: str | None = None
+    #: Output tokens generated, by outcome: the finish reason of an answer (``stop``, ``length``),
+    #: ``degenerate`` for a stopped loop (its streamed chunks, about one token each).
+    output_tokens_by_outcome: collections.Counter = field(default_factory=collections.Counter)
+    #: Seconds from send to outcome, summed by outcome: a finish reason, or a failure's kind.
+    #: Includes the time a request beyond the server's slots waits in its queue (the headroom).
+    slot_seconds_by_outcome: collections.Counter = field(default_factory=collections.Counter)
+    #: Times the queue was re-ordered on what returning answers taught the length estimates.
+    reorders: int = 0
+    #: Keys whose answer was stopped as a loop: the model's doing, not the fleet's, so the asset
+    #: keeps them out of the failure rate (they are sent again next run, never kept).
+    degenerate_keys: set[str] = field(default_factory=set)
 
     @property
     def done(self) -> int:
@@ -202,8 +260,35 @@ class ShardReport:
         return self.failed / self.done if self.done else 0.0
 
     @property
+    def context_retries(self) -> int:
+        return self.retries_by_kind["context_length"]
+
+    @property
     def drifted_completions(self) -> int:
         return sum(n for d, n in self.prompt_token_drift.items() if d != 0)
+
+    @property
+    def generated_output_tokens(self) -> int:
+        return sum(self.output_tokens_by_outcome.values())
+
+    @staticmethod
+    def _kept(outcome: str, drop_truncated: bool) -> bool:
+        return outcome == "stop" or (outcome == "length" and not drop_truncated)
+
+    def kept_output_tokens(self, drop_truncated: bool) -> int:
+        """Output tokens of answers the training set keeps (``drop_truncated``: its setting)."""
+        return sum(n for o, n in self.output_tokens_by_outcome.items() if self._kept(o, drop_truncated))
+
+    def useful_token_share(self, drop_truncated: bool) -> float:
+        """Kept output tokens over generated ones (1.0 when nothing was generated)."""
+        generated = self.generated_output_tokens
+        return self.kept_output_tokens(drop_truncated) / generated if generated else 1.0
+
+    def dropped_slot_seconds(self, drop_truncated: bool) -> dict[str, float]:
+        """Seconds spent on answers the training set will not hold, by reason."""
+        return {
+            o: round(s, 3) for o, s in sorted(self.slot_seconds_by_outcome.items()) if not self._kept(o, drop_truncated)
+        }
 
     def utilization(self) -> float:
         """Busy slot-seconds over available slot-seconds, across the shard's own servers."""
@@ -220,13 +305,18 @@ class Progress:
     output_tokens_per_s: float
     in_flight: dict[str, int]
     eta_s: float | None
+    #: Prompts whose last attempt failed (failure records written) so far.
+    failed: int = 0
+    #: Retries so far by kind, summed rather than logged one per line.
+    retries: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         eta = "unknown" if self.eta_s is None else f"{self.eta_s:,.0f} s"
         flight = ", ".join(f"{url}: {n}" for url, n in self.in_flight.items())
+        retries = ", ".join(f"{kind} {n:,}" for kind, n in sorted(self.retries.items()))
         return (
-            f"{self.done:,}/{self.total:,} done, {self.output_tokens_per_s:,.0f} output tok/s, "
-            f"in flight [{flight}], ETA {eta}"
+            f"{self.done:,}/{self.total:,} done ({self.failed:,} failed), {self.output_tokens_per_s:,.0f} output tok/s, "
+            f"in flight [{flight}], retries [{retries or 'none'}], ETA {eta}"
         )
 
 
@@ -255,26 +345,6 @@ class _Breaker:
         )
 
 
-def make_client(
-    config: EngineConfig,
-    tls: ssl.SSLContext,
-    api_key: str | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-) -> httpx.AsyncClient:
-    """One worker's client: a single keep-alive connection, so checkout costs nothing.
-
-    ``tls`` is shared by all workers: building one loads the CA bundle (~20 ms of CPU each).
-    """
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.AsyncClient(
-        verify=tls,
-        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-        timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s, pool=None),
-        headers=headers,
-        transport=transport,
-    )
-
-
 class ShardRun:
     """One run of one shard: owns the queue, the workers, the breaker and the report."""
 
@@ -291,13 +361,19 @@ class ShardRun:
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        lengths: AnswerLengths | None = None,
     ):
         if not servers:
             raise ValueError("a shard needs at least one server")
-        self._queue = collections.deque(sorted(items, key=dispatch_order))
+        #: Learned from the store when given, and from this run's answers as they return.
+        self.lengths = lengths if lengths is not None else AnswerLengths()
+        self._next_reorder = FIRST_REORDER
+        self._returned = 0
+        self._queue = collections.deque(sorted(items, key=self._order))
         self._servers = list(servers)
         own = {s.url for s in servers}
-        self._helpers = [h for h in helpers if h.url not in own]
+        # A server that cannot say its load cannot be seen idle (vLLM).
+        self._helpers = [h for h in helpers if h.url not in own and h.dialect.has_loads]
         #: Helpers whose last load reading had no queue: their workers may take another prompt.
         self._helper_open: dict[str, bool] = {}
         #: Helpers that failed a request: not used again in this run.
@@ -309,8 +385,9 @@ class ShardRun:
         self._writer = writer
         self._model = model
         self._sampling = sampling
-        self._template_kwargs = sampling.chat_template_kwargs
         self._config = config
+        self._policies = {borrowed: config.retry_policy(borrowed=borrowed) for borrowed in (False, True)}
+        self._thresholds = config.loop_thresholds()
         self._on_progress = on_progress
         self._breaker = _Breaker(config.breaker_window, config.breaker_failure_fraction)
         self.report = ShardReport(
@@ -351,7 +428,13 @@ class ShardRun:
         return self.report.servers.get(server.url) or self.report.helpers[server.url]
 
     def _client(self) -> httpx.AsyncClient:
-        return make_client(self._config, self._tls, self._api_key, self._transport)
+        return server_api.make_client(
+            timeout_s=self._config.request_timeout_s,
+            connect_timeout_s=self._config.connect_timeout_s,
+            tls=self._tls,
+            api_key=self._api_key,
+            transport=self._transport,
+        )
 
     async def _canaries(self) -> None:
         # One request per server, alone, before the flood: a misconfigured fleet fails in seconds.
@@ -413,6 +496,19 @@ class ShardRun:
                 if task is not asyncio.current_task():
                     task.cancel()
 
+    def _order(self, item: WorkItem) -> tuple[int, str]:
+        """Longest expected answer first (the canary is taken from the other end)."""
+        return (-expected_output_tokens(item, self.lengths), item.prompt_id)
+
+    def _learn(self, item: WorkItem, output_tokens: int) -> None:
+        self.lengths.observe(item.source, item.prompt_tokens, output_tokens)
+        self._returned += 1
+        if self._returned >= self._next_reorder:
+            self._next_reorder *= 2
+            if self._queue:
+                self._queue = collections.deque(sorted(self._queue, key=self._order))
+                self.report.reorders += 1
+
     def _take(self, *, last: bool = False) -> WorkItem:
         item = self._queue.pop() if last else self._queue.popleft()
         if not self._queue:
@@ -432,7 +528,9 @@ class ShardRun:
                 for helper in self._helpers:
                     if helper.url in self._benched:
                         continue
-                    idle = await self._idle_slots(client, helper)
+                    idle = await server_api.read_idle_slots(
+                        client, helper.url, helper.dialect, slots=helper.slots, timeout_s=self._config.connect_timeout_s
+                    )
                     self._helper_open[helper.url] = idle is not None and idle >= 0
                     if not self._open(helper):
                         continue
@@ -445,20 +543,6 @@ class ShardRun:
     def _open(self, helper: Server) -> bool:
         return self._helper_open.get(helper.url, False) and helper.url not in self._benched
 
-    async def _idle_slots(self, client: httpx.AsyncClient, helper: Server) -> int | None:
-        """Slots free on ``helper`` beyond its queue (negative when it queues); None when unknown."""
-        try:
-            response = await client.get(f"{helper.url}/v1/loads", timeout=self._config.connect_timeout_s)
-            loads = response.json()["loads"] if response.status_code == 200 else None
-            if not loads:
-                return None
-            return sum(
-                int(rank["max_running_requests"]) - int(rank["num_running_reqs"]) - int(rank["num_waiting_reqs"])
-                for rank in loads
-            )
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return None  # a helper that cannot say is simply not used
-
     async def _process(
         self, client: httpx.AsyncClient, item: WorkItem, server: Server, *, borrowed: bool = False
     ) -> RequestError | None:
@@ -469,89 +553,38 @@ class ShardRun:
         """
         stats = self._stats(server)
         started = time.monotonic()
-        attempts = 0
-        max_tokens = item.max_tokens
-
-        async def send(budget: int) -> dict[str, Any]:
-            nonlocal attempts
-            async for attempt in stamina.retry_context(
-                on=TransientError,
-                attempts=1 if borrowed else self._config.max_attempts,
-                timeout=None,
-                wait_initial=self._config.backoff_initial_s,
-                wait_max=self._config.backoff_max_s,
-                wait_jitter=self._config.backoff_jitter_s,
-            ):
-                with attempt:
-                    attempts += 1
-                    return await self._post(client, server, item, budget)
-            raise AssertionError("unreachable: stamina re-raises the last error")
-
+        request = server_api.chat_request(
+            self._model, item.messages, item.max_tokens, self._sampling, stream=self._thresholds is not None
+        )
         stats.started(started)
         try:
-            try:
-                body = await send(max_tokens)
-            except ContextLengthError as exc:
-                if exc.overflow is None or borrowed:
-                    raise
-                # The server counted the prompt differently: trust its count, once.
-                self.report.context_retries += 1
-                budget = exc.overflow.context_length - exc.overflow.prompt_tokens - self._config.context_margin
-                if budget < self._config.min_output_tokens:
-                    raise
-                max_tokens = min(max_tokens, budget)
-                body = await send(max_tokens)
-        except RequestError as error:
-            if not borrowed:
-                self._record_failure(item, server, error, attempts, max_tokens)
-            return error
+            exchange = await server_api.generate(
+                client,
+                server.url,
+                request,
+                server.dialect,
+                self._policies[borrowed],
+                on_retry=self._count_retry,
+                thresholds=self._thresholds,
+            )
         finally:
             stats.finished(time.monotonic())
-        self._record_success(item, server, body, attempts, max_tokens, time.monotonic() - started)
+        if exchange.error is not None:
+            if not borrowed:
+                self.report.slot_seconds_by_outcome[exchange.error.kind] += time.monotonic() - started
+                self._record_failure(item, server, exchange.error, exchange.attempts, exchange.max_tokens)
+            return exchange.error
+        assert exchange.answer is not None
+        self._record_success(item, server, exchange.answer, exchange, time.monotonic() - started)
         return None
 
-    async def _post(
-        self, client: httpx.AsyncClient, server: Server, item: WorkItem, max_tokens: int
-    ) -> dict[str, Any]:
-        request: dict[str, Any] = {
-            "model": self._model,
-            "messages": item.messages,
-            "max_tokens": max_tokens,
-            "temperature": self._sampling.temperature,
-            "top_p": self._sampling.top_p,
-            "top_k": self._sampling.top_k,
-            "min_p": self._sampling.min_p,
-            "repetition_penalty": self._sampling.repetition_penalty,
-        }
-        if self._sampling.seed is not None:
-            request["seed"] = self._sampling.seed
-        if self._sampling.stop:
-            request["stop"] = list(self._sampling.stop)
-        if self._template_kwargs:
-            request["chat_template_kwargs"] = self._template_kwargs
-        try:
-            response = await client.post(f"{server.url}/v1/chat/completions", json=request)
-        except httpx.HTTPError as exc:
-            raise error_from_exception(exc) from exc
-        if response.status_code != 200:
-            raise error_from_response(response)
-        try:
-            body = response.json()
-            choice = body["choices"][0]
-            choice["message"]["content"]  # noqa: B018 - shape check
-            body["usage"]["completion_tokens"]  # noqa: B018
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise BadResponseError(f"not a chat completion: {response.text[:200]}", status=200) from exc
-        return body
+    def _count_retry(self, kind: str) -> None:
+        self.report.retries_by_kind[kind] += 1
 
     def _record_success(
-        self, item: WorkItem, server: Server, body: dict[str, Any], attempts: int, max_tokens: int, latency: float
+        self, item: WorkItem, server: Server, answer: Answer, exchange: server_api.Exchange, latency: float
     ) -> None:
-        choice = body["choices"][0]
-        usage = body["usage"]
-        finish = choice.get("finish_reason") or "unknown"
-        completion_tokens = int(usage.get("completion_tokens") or 0)
-        server_prompt_tokens = usage.get("prompt_tokens")
+        finish = answer.finish_reason
         self._writer.append(
             {
                 "key": item.key,
@@ -559,16 +592,16 @@ class ShardRun:
                 "prompt_id": item.prompt_id,
                 "source": item.source,
                 "messages": list(item.messages),
-                "content": choice["message"].get("content") or "",
-                "reasoning_content": choice["message"].get("reasoning_content"),
+                "content": answer.content,
+                "reasoning_content": answer.reasoning,
                 "finish_reason": finish,
-                "prompt_tokens": server_prompt_tokens,
-                "completion_tokens": completion_tokens,
+                "prompt_tokens": answer.prompt_tokens,
+                "completion_tokens": answer.completion_tokens,
                 "local_prompt_tokens": item.prompt_tokens,
-                "max_tokens": max_tokens,
+                "max_tokens": exchange.max_tokens,
                 "server": server.url,
                 "latency_s": round(latency, 4),
-                "attempts": attempts,
+                "attempts": exchange.attempts,
             }
         )
         report = self.report
@@ -577,30 +610,43 @@ class ShardRun:
         report.requests_by_source[item.source] += 1
         if finish == "length":
             report.truncated_by_source[item.source] += 1
-        report.output_tokens += completion_tokens
-        if server_prompt_tokens is not None:
-            report.prompt_token_drift[int(server_prompt_tokens) - item.prompt_tokens] += 1
+        report.output_tokens += answer.completion_tokens
+        report.output_tokens_by_outcome[finish] += answer.completion_tokens
+        report.slot_seconds_by_outcome[finish] += latency
+        self._learn(item, answer.completion_tokens)
+        if answer.prompt_tokens is not None:
+            report.prompt_token_drift[answer.prompt_tokens - item.prompt_tokens] += 1
         stats = self._stats(server)
         stats.requests += 1
-        stats.output_tokens += completion_tokens
+        stats.output_tokens += answer.completion_tokens
 
     def _record_failure(
         self, item: WorkItem, server: Server, error: RequestError, attempts: int, max_tokens: int
     ) -> None:
-        self._writer.append(
-            {
-                "key": item.key,
-                "status": FAILED,
-                "prompt_id": item.prompt_id,
-                "source": item.source,
-                "error": error.kind,
-                "http_status": error.status,
-                "message": error.message,
-                "attempts": attempts,
-                "server": server.url,
-                "max_tokens": max_tokens,
+        record = {
+            "key": item.key,
+            "status": FAILED,
+            "prompt_id": item.prompt_id,
+            "source": item.source,
+            "error": error.kind,
+            "http_status": error.status,
+            "message": error.message,
+            "attempts": attempts,
+            "server": server.url,
+            "max_tokens": max_tokens,
+        }
+        if isinstance(error, DegenerateError):
+            # Kept for inspection only: a failure record never reaches the training set.
+            record |= {
+                "content": error.content,
+                "reasoning_content": error.reasoning,
+                "loop_span": error.loop.span,
+                "loop_repeats": error.loop.repeats,
+                "streamed_chunks": error.chunks,
             }
-        )
+            self.report.output_tokens_by_outcome[error.kind] += error.chunks
+            self.report.degenerate_keys.add(item.key)
+        self._writer.append(record)
         self.report.failed += 1
         self.report.failures_by_kind[error.kind] += 1
         self._stats(server).requests += 1
@@ -620,6 +666,8 @@ class ShardRun:
                 **{url: s.in_flight for url, s in report.helpers.items() if s.in_flight},
             },
             eta_s=remaining / rate if rate > 0 else None,
+            failed=report.failed,
+            retries=dict(report.retries_by_kind),
         )
 
     async def _progress_loop(self) -> None:
@@ -641,8 +689,13 @@ def generate_shard(
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    lengths: AnswerLengths | None = None,
 ) -> ShardReport:
-    """Run a shard to the end (or to its abort) on a fresh event loop; the synchronous entry point."""
+    """Run a shard to the end (or to its abort) on a fresh event loop; the synchronous entry point.
+
+    ``lengths``: answer lengths learned from the store (``answer_lengths.learn``); the run refines
+    them in place, so the caller can show what they became.
+    """
 
     async def main() -> ShardReport:
         run = ShardRun(
@@ -656,6 +709,7 @@ def generate_shard(
             api_key=api_key,
             transport=transport,
             on_progress=on_progress,
+            lengths=lengths,
         )
         return await run.run()
 

@@ -1,4 +1,4 @@
-"""The project's exceptions, split by blast radius, and the one place httpx errors are mapped.
+"""The project's exceptions, split by blast radius, and the one place httpx exceptions are mapped.
 
 - ``RequestError``: one request failed. It becomes a failure record (prompt id, status, message)
   and the shard goes on. Its ``retryable`` flag decides whether it is retried with backoff.
@@ -6,19 +6,15 @@
   server is gone). Everything finished so far stays in the store.
 - ``FleetError``: provisioning or probing the servers failed; nothing was sent.
 
-Errors are classified by status code and exception type, never by searching message text. The
-context-length 400 is the one message whose numbers are parsed, by ``parse_context_error``.
+What a server's answer means (statuses, error texts, finish reasons) is read by
+``expansion_dag.server_api``, the one unit that knows the servers' dialects.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import httpx
-
-#: Statuses that say "try again later": the request may succeed on a retry.
-RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class ExpansionError(Exception):
@@ -57,6 +53,14 @@ class ContextOverflow:
     requested_total: int
     prompt_tokens: int
     completion_tokens: int
+
+
+@dataclass(frozen=True)
+class InputTooLong:
+    """Numbers of a 400 that refuses the prompt alone (SGLang's ``max_req_input_len``, the context)."""
+
+    input_tokens: int
+    max_input_tokens: int
 
 
 class RequestError(ExpansionError):
@@ -99,10 +103,27 @@ class RejectedError(RequestError):
     kind = "rejected"
 
 
+class AuthError(RejectedError):
+    """401: the key is missing or wrong; every other request will be refused the same way."""
+
+    kind = "unauthorized"
+
+
 class ContextLengthError(RejectedError):
     """The server's context check refused the request (prompt + max_tokens over the context)."""
 
     kind = "context_length"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        overflow: ContextOverflow | None = None,
+        input_too_long: InputTooLong | None = None,
+    ):
+        super().__init__(message, status=status, overflow=overflow)
+        self.input_too_long = input_too_long
 
 
 class BadResponseError(RequestError):
@@ -111,66 +132,16 @@ class BadResponseError(RequestError):
     kind = "bad_response"
 
 
-_SGLANG_OVERFLOW = re.compile(
-    r"maximum context length of (?P<c>\d+) tokens\. You requested a total of (?P<m>\d+) tokens: "
-    r"(?P<x>\d+) tokens from the input messages and (?P<y>\d+) tokens for the completion"
-)
-# Messages that also mean "over the context" but carry no numbers a retry could use.
-_SGLANG_PROMPT_TOO_LONG = re.compile(r"The input \(\d+ tokens\) is longer than the model's context length")
-_SGLANG_MAX_TOO_LARGE = re.compile(r"max_completion_tokens is too large")
-_VLLM_CONTEXT = re.compile(r"maximum context length is \d+ tokens|cannot be greater than max_model_len")
+class UnfinishedError(TransientError):
+    """A 200 whose answer ended neither by ``stop`` nor by ``length`` (e.g. ``abort``): partial text.
 
+    Retried like a transient error; when it persists, its kind names the finish (``finish_abort``).
+    """
 
-def parse_context_error(message: str) -> ContextOverflow | None:
-    """The numbers of SGLang's prompt + max_tokens overflow message, or None for other texts."""
-    match = _SGLANG_OVERFLOW.search(message)
-    if match is None:
-        return None
-    return ContextOverflow(
-        context_length=int(match["c"]),
-        requested_total=int(match["m"]),
-        prompt_tokens=int(match["x"]),
-        completion_tokens=int(match["y"]),
-    )
-
-
-def _is_context_message(message: str) -> bool:
-    return bool(
-        _SGLANG_PROMPT_TOO_LONG.search(message)
-        or _SGLANG_MAX_TOO_LARGE.search(message)
-        or _VLLM_CONTEXT.search(message)
-    )
-
-
-def server_message(response: httpx.Response) -> str:
-    """The error text a server put in its body: SGLang's flat shape, vLLM's nested one, or raw text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        message = body.get("message")
-        error = body.get("error")
-        if message is None and isinstance(error, dict):
-            message = error.get("message")
-        if message is None and isinstance(error, str):
-            message = error
-        if message is not None:
-            return str(message)[:2000]
-    return str(body)[:500]
-
-
-def error_from_response(response: httpx.Response) -> RequestError:
-    """Map a non-2xx response to the most specific request error."""
-    status = response.status_code
-    message = server_message(response)
-    if status in RETRYABLE_STATUSES:
-        return TransientError(message, status=status)
-    if status == 400:
-        overflow = parse_context_error(message)
-        if overflow is not None or _is_context_message(message):
-            return ContextLengthError(message, status=status, overflow=overflow)
-    return RejectedError(message, status=status)
+    def __init__(self, message: str, *, finish_reason: str):
+        super().__init__(message, status=200)
+        self.finish_reason = finish_reason
+        self.kind = f"finish_{finish_reason}"
 
 
 def error_from_exception(exc: httpx.HTTPError) -> RequestError:

@@ -1,25 +1,32 @@
 """Probing a fleet of SGLang (or vLLM) servers, with no Dagster in sight (launching: ``launcher.py``).
 
-- ``probe_fleet`` reads what requests depend on from the servers themselves: the context length
-  (``/v1/models`` ``max_model_len``, cross-checked with ``/server_info``), the running-request
-  slots, the model and the version. Servers that disagree are an error naming them.
+- ``probe_fleet`` reads what requests depend on from the servers themselves (through
+  ``server_api``, which knows each server's dialect): the context length, the longest prompt the
+  scheduler admits, the running-request slots, the model and the version. Servers that disagree
+  are an error naming them.
+- Slots are never guessed: a server that does not report them (vLLM has no API for
+  ``max_num_seqs``) needs ``slots_override``, and ``ServerInfo.slots_source`` says which it was.
+- A fleet configured with an API key must refuse a request without it: one that answers is
+  running unauthenticated, and that is an error, not a warning.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import httpx
 
+from expansion_dag import server_api
 from expansion_dag.errors import FleetError, FleetMismatchError, ServerUnreachableError
+from expansion_dag.server_api import Dialect
 
 Backend = Literal["sglang", "vllm"]
 
-#: vLLM exposes no slot count; its default ``--max-num-seqs`` is the best guess without an override.
-VLLM_DEFAULT_SLOTS = 256
+#: Where a server's slot count came from.
+SLOTS_FROM_SERVER = "server"
+SLOTS_CONFIGURED = "configured: slots_override"
 
 
 @dataclass(frozen=True)
@@ -30,11 +37,16 @@ class ServerInfo:
     model_path: str
     context_length: int
     slots: int
+    #: ``SLOTS_FROM_SERVER`` or ``SLOTS_CONFIGURED``.
+    slots_source: str
+    #: SGLang's scheduler refuses prompts of this many tokens or more; None when not reported.
+    max_req_input_len: int | None
     version: str | None
     simulator: bool
+    dialect: Dialect
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "dialect": self.dialect.name}
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,15 @@ class FleetInfo:
     @property
     def context_length(self) -> int:
         return self.servers[0].context_length
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt every server admits (below its ``max_req_input_len``); None if unsaid.
+
+        SGLang sets it from the KV cache too, so it can be well below the context length.
+        """
+        limits = [s.max_req_input_len - 1 for s in self.servers if s.max_req_input_len is not None]
+        return min(limits) if limits else None
 
     @property
     def model(self) -> str:
@@ -71,25 +92,6 @@ class FleetInfo:
         raise KeyError(url)
 
 
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _get_json(client: httpx.Client, url: str, path: str) -> Any:
-    try:
-        response = client.get(url + path)
-    except httpx.HTTPError as exc:
-        raise ServerUnreachableError(f"{url}{path}: cannot reach the server ({type(exc).__name__}: {exc})") from exc
-    if response.status_code == 401:
-        raise FleetError(f"{url}{path}: 401 Unauthorized: set the API key environment variable the fleet names")
-    if response.status_code != 200:
-        raise FleetError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
-    try:
-        return response.json()
-    except ValueError as exc:
-        raise FleetError(f"{url}{path}: not JSON: {response.text[:200]}") from exc
-
-
 def probe_server(
     url: str,
     *,
@@ -98,62 +100,44 @@ def probe_server(
     slots_override: int | None = None,
     timeout_s: float = 30.0,
 ) -> ServerInfo:
-    """What one server says about itself."""
+    """What one server says about itself, checked against the configuration."""
     url = url.rstrip("/")
-    with httpx.Client(timeout=timeout_s, headers=_auth(api_key)) as client:
-        models = _get_json(client, url, "/v1/models")
-        try:
-            entry = models["data"][0]
-            model = str(entry["id"])
-            context_length = int(entry["max_model_len"])
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise FleetError(f"{url}/v1/models: no served model with max_model_len in {models!r:.300}") from exc
-        if backend == "vllm":
-            # vLLM has no /server_info; its /version is optional across releases.
-            version = None
-            with contextlib.suppress(FleetError):
-                version = _get_json(client, url, "/version").get("version")
-            return ServerInfo(
-                url=url,
-                backend=backend,
-                model=model,
-                model_path=str(entry.get("root") or model),
-                context_length=context_length,
-                slots=slots_override or VLLM_DEFAULT_SLOTS,
-                version=version,
-                simulator=bool(entry.get("simulator", False)),
-            )
-        info = _get_json(client, url, "/server_info")
-    declared = info.get("context_length")
-    if declared is not None and int(declared) != context_length:
-        raise FleetMismatchError(
-            f"{url}: /v1/models says max_model_len {context_length} but /server_info says "
-            f"context_length {declared}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+        facts = server_api.read_server_facts(client, url, backend)
+    if api_key and server_api.serves_without_key(url, timeout_s=timeout_s):
+        raise FleetError(
+            f"{url} answers {server_api.PROTECTED_PATH} without the API key although one is configured: "
+            "the server runs unauthenticated. Start it with --api-key (SGLang reads no environment "
+            "variable for its key), e.g. add '--api-key {api_key}' to the launch command."
+        )
+    if slots_override is not None:
+        slots, source = slots_override, SLOTS_CONFIGURED
+    elif facts.slots is not None:
+        slots, source = facts.slots, SLOTS_FROM_SERVER
+    elif backend == "vllm":
+        raise FleetError(
+            f"{url}: vLLM does not report its running-request slots (--max-num-seqs; its default is "
+            "1024 on GPUs with 70 GiB or more, 256 otherwise): set slots_override on the fleet to the "
+            "value the servers run with"
+        )
+    else:
+        raise FleetError(
+            f"{url}{facts.dialect.server_info_path} reports no running-request slots (no effective "
+            "slots in internal_states and max_running_requests is null): set slots_override on the fleet"
         )
     return ServerInfo(
         url=url,
         backend=backend,
-        model=model,
-        model_path=str(info.get("model_path") or model),
-        context_length=context_length,
-        slots=slots_override or _sglang_slots(url, info),
-        version=info.get("version"),
-        simulator=bool(info.get("simulator", False)),
-    )
-
-
-def _sglang_slots(url: str, info: Mapping[str, Any]) -> int:
-    """Running-request slots: the scheduler's effective figure per DP rank, else the launch flag."""
-    states = info.get("internal_states") or []
-    effective = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
-    if effective and all(isinstance(n, int) and n > 0 for n in effective):
-        return sum(effective)
-    declared = info.get("max_running_requests")
-    if isinstance(declared, int) and declared > 0:
-        return declared
-    raise FleetError(
-        f"{url}/server_info reports no running-request slots (no internal_states and "
-        "max_running_requests is null): set slots_override on the fleet"
+        model=facts.model,
+        model_path=facts.model_path,
+        context_length=facts.context_length,
+        slots=slots,
+        slots_source=source,
+        max_req_input_len=facts.max_req_input_len,
+        version=facts.version,
+        simulator=facts.simulator,
+        dialect=facts.dialect,
     )
 
 

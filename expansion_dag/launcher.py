@@ -2,7 +2,9 @@
 
 - ``Launcher`` starts one server process per GPU from a command template, idempotently: Dagster
   sets resources up in every step process, and several steps may start at once, so the check and
-  the start happen under a file lock and a live pid file means "already starting".
+  the start happen under a file lock and a live pid file means "already starting". A port served
+  by a process it did not start is an error naming that server, never adopted; a launched
+  simulator must report the launched pid (``/sim/stats``).
 - ``wait_ready`` waits for ``GET /health`` 200, treating refused connections (model loading) and
   503 (warmup) as "not yet", and quotes the server's last log lines when it gives up.
 """
@@ -14,6 +16,7 @@ import fcntl
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,6 +27,9 @@ from typing import Any
 import httpx
 
 from expansion_dag.errors import FleetError, ServerStartError
+
+#: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
+SIMULATOR_MODULE = "expansion_dag.sim"
 
 
 def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
@@ -80,6 +86,24 @@ def wait_ready(
                 f"({log_path}):\n{tail(log_path)}"
             )
         time.sleep(poll_s)
+
+
+def _get_json(url: str, path: str, api_key: str | None = None) -> object:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url + path, headers=headers, timeout=5.0)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _describe(url: str) -> str:
+    """What a server says it is, for an error message."""
+    info = _get_json(url, "/server_info")
+    if not isinstance(info, dict):
+        return "it does not answer /server_info"
+    kind = "a simulator" if info.get("simulator") else f"server version {info.get('version')}"
+    return f"{kind} serving {info.get('model_path')}"
 
 
 def _alive(pid: int) -> bool:
@@ -170,18 +194,46 @@ class Launcher:
         started: list[str] = []
         with self._locked():
             for spec in self.specs:
-                if self._pid(spec) is not None or is_healthy(self.url(spec), timeout_s=5, attempts=1):
-                    continue  # launched by an earlier step, or already served
+                if self._pid(spec) is not None:
+                    continue  # launched by an earlier step
+                self._refuse_foreign(spec)
                 self._start(spec)
                 started.append(self.url(spec))
         for spec in self.specs:
-            wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=self._pid(spec))
+            pid = self._pid(spec)
+            wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid)
+            if self.launches_simulator:
+                self._verify_simulator(spec, pid)
         return started
 
+    @property
+    def launches_simulator(self) -> bool:
+        return SIMULATOR_MODULE in shlex.split(self.command)
+
+    def _refuse_foreign(self, spec: LaunchSpec) -> None:
+        """A server this launcher did not start is never adopted: on a GPU node, the simulator's
+        port may be a real server's, and generating there while saying "simulated" is a lie."""
+        with contextlib.closing(socket.socket()) as probe:
+            probe.settimeout(2.0)
+            taken = probe.connect_ex((self.host, spec.port)) == 0
+        if taken:
+            raise FleetError(
+                f"{self.url(spec)} is already served by a process this project did not launch "
+                f"({_describe(self.url(spec))}); stop it, or set fleet.launch.base_port to free ports"
+            )
+
+    def _verify_simulator(self, spec: LaunchSpec, pid: int | None) -> None:
+        """The simulator reports its pid: the server on the port must be the one launched here."""
+        info = _get_json(self.url(spec), "/sim/stats", self._api_key)
+        if not (isinstance(info, dict) and info.get("simulator") is True and pid is not None and info.get("pid") == pid):
+            raise FleetError(
+                f"{self.url(spec)} is not the simulator launched here (pid {pid}): it is "
+                f"{_describe(self.url(spec))}; stop it, or set fleet.launch.base_port to free ports"
+            )
+
     def _start(self, spec: LaunchSpec) -> None:
+        # No key in the environment: SGLang reads it only from --api-key ({api_key} in the command).
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": str(spec.gpu)}
-        if self._api_key:
-            env["SGLANG_API_KEY"] = self._api_key
         log = open(self.log_path(spec), "ab")
         try:
             process = subprocess.Popen(

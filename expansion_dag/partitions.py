@@ -1,32 +1,18 @@
 """The shard partitions: one per GPU server. Imported by assets, jobs, schedules and tests.
 
-The count is deployment configuration (``EXPANSION_SHARDS``), read when the code location loads,
-because Dagster needs the partition keys before any run.
+The count is the run configuration's ``fleet.shards`` (``$EXPANSION_CONFIG``, or
+``$EXPANSION_SHARDS``), read when the code location loads, because Dagster needs the partition
+keys before any run.
 """
 
 from __future__ import annotations
 
-import os
-
 import dagster as dg
 
 from expansion_dag.budget import shard_keys
+from expansion_dag.config import current_config
 
-DEFAULT_SHARDS = 2
-
-
-def configured_shards() -> int:
-    raw = os.environ.get("EXPANSION_SHARDS", str(DEFAULT_SHARDS))
-    try:
-        count = int(raw)
-    except ValueError:
-        raise ValueError(f"EXPANSION_SHARDS must be a whole number, got {raw!r}") from None
-    if not 1 <= count <= 999:
-        raise ValueError(f"EXPANSION_SHARDS must be between 1 and 999, got {count}")
-    return count
-
-
-SHARD_KEYS = shard_keys(configured_shards())
+SHARD_KEYS = shard_keys(current_config().fleet.shards)
 shard_partitions = dg.StaticPartitionsDefinition(SHARD_KEYS)
 
 

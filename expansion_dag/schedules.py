@@ -1,6 +1,7 @@
 """Nightly expansion, without a person: prepare, then every shard, then the training set.
 
-1. ``nightly_expansion`` (a schedule, default 02:00 UTC) launches ``prepare_job`` for the night:
+1. ``nightly_expansion`` (a schedule: the run configuration's ``schedule`` section, cron, time zone
+   and quota, default 02:00 UTC and 1000) launches ``prepare_job`` for the night:
    only the raw datasets whose source revision or files changed, then prompts, then the night's
    budget (the next ``quota`` prompts nothing has generated, see ``ledger.py``).
 2. ``nightly_shards`` (on that run's success) launches one ``generate_job`` run per shard.

@@ -34,10 +34,16 @@ What is durable when:
 A key is the completion identity (``completion_key``): the prompt plus everything that shapes the
 answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
 next run retries it.
+
+Who wrote a store: ``<root>/identities/<fingerprint>.json``, one ``Identity`` per model-and-settings
+that wrote completions, registered by the writer before its first line. It names the identities
+that a key (a hash) cannot, and it keeps simulated and real completions apart: a writer whose
+answers are simulated is refused in a store that holds real ones, and the other way round.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import fnmatch
 import hashlib
@@ -52,13 +58,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from expansion_dag.urls import as_upath, default_local_dir, entry_name, is_local, listing, local_path, upload
+from expansion_dag.urls import (
+    as_upath,
+    default_local_dir,
+    entry_name,
+    is_local,
+    listing,
+    local_path,
+    upload,
+    write_atomically,
+)
 
 OK = "ok"
 FAILED = "failed"
 DEFAULT_SEGMENT_RECORDS = 1000
 DEFAULT_SEGMENT_INTERVAL_S = 60.0
+_OK_BYTES, _FAILED_BYTES = OK.encode(), FAILED.encode()
 SEGMENT_GLOB = "seg-*.jsonl"
+IDENTITIES = "identities"  # the registry's folder under the root; every other folder is a shard
 _SEAL_CHECK_S = 1.0  # how often a quiet writer checks whether its segment is due for upload
 
 
@@ -67,9 +84,59 @@ def completion_key(prompt_id: str, settings_fingerprint: str) -> str:
     return hashlib.sha256(f"{prompt_id}:{settings_fingerprint}".encode()).hexdigest()[:32]
 
 
+@dataclass(frozen=True)
+class Identity:
+    """What answered and how, the part of a completion's key that is not the prompt.
+
+    ``model`` is the served model as the fleet reports it, ending in " (simulator)" for simulated
+    answers (``FleetInfo.identity``); ``fingerprint`` hashes it with the sampling settings and the
+    ``max_tokens`` cap (``SamplingSettings.fingerprint``); ``settings`` are those settings, kept for
+    people reading the store.
+    """
+
+    model: str
+    simulated: bool
+    fingerprint: str
+    settings: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def kind(self) -> str:
+        return "simulated" if self.simulated else "real"
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} [settings {self.fingerprint}]"
+
+    def key(self, prompt_id: str) -> str:
+        return completion_key(prompt_id, self.fingerprint)
+
+    def owns(self, record: Mapping[str, Any]) -> bool:
+        """Whether a record was written under this identity (its key is this identity's key)."""
+        return record.get("key") == self.key(str(record.get("prompt_id", "")))
+
+    @classmethod
+    def of(cls, model: str, simulated: bool, sampling: Any) -> Identity:
+        """The identity of answers from ``model`` under ``sampling`` (a ``SamplingSettings``)."""
+        return cls(model=model, simulated=simulated, fingerprint=sampling.fingerprint(model),
+                   settings=dataclasses.asdict(sampling))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "simulated": self.simulated, "fingerprint": self.fingerprint,
+                "settings": dict(self.settings)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Identity:
+        return cls(model=data["model"], simulated=bool(data["simulated"]), fingerprint=data["fingerprint"],
+                   settings=dict(data.get("settings") or {}))
+
+
+class MixedStoreError(ValueError):
+    """Simulated and real completions would share one store."""
+
+
 @dataclass
 class ScanResult:
-    """What a shard's segments hold: the latest status of every key, and damage found."""
+    """What segments hold (one shard's, or the whole store's): the latest status of every key, and damage found."""
 
     done: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
@@ -110,9 +177,11 @@ class CompletionStore:
     def shards(self) -> list[str]:
         if self.local:
             folder = local_path(self.root)
-            return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.exists() else []
-        self._recover()
-        return sorted(entry_name(e) for e in listing(self.root) if e["type"] == "directory")
+            names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.exists() else []
+        else:
+            self._recover()
+            names = [entry_name(e) for e in listing(self.root) if e["type"] == "directory"]
+        return sorted(n for n in names if n != IDENTITIES)
 
     def _segments(self, shard: str) -> list[Path]:
         """Local files of a shard's segments: the segments themselves, or cached copies of objects."""
@@ -152,28 +221,69 @@ class CompletionStore:
                         yield parts[0].decode(), parts[1].decode(), _Location(path, offset, length)
                     offset += length
 
-    def scan(self, shard: str) -> ScanResult:
-        """Which keys of a shard are done and which only failed; cheap (no JSON parsing)."""
+    def scan(self, shard: str | None = None) -> ScanResult:
+        """Which keys are done and which only failed, in one shard or (``None``) the whole store.
+
+        One pass over the lines and no JSON parsing, so resuming costs one cheap read of the store
+        whatever the number of prompts. A key done in two shards counts as a duplicate.
+        """
         result = ScanResult()
-        for key, status, loc in self._lines(shard):
-            if loc is None:
-                result.torn_lines += 1
-            elif status == OK:
-                if key in result.done:
-                    result.duplicates += 1
-                result.done.add(key)
-            elif status == FAILED:
-                result.failed.add(key)
+        for one in self.shards() if shard is None else [shard]:
+            for key, status, loc in self._lines(one):
+                if loc is None:
+                    result.torn_lines += 1
+                elif status == OK:
+                    if key in result.done:
+                        result.duplicates += 1
+                    result.done.add(key)
+                elif status == FAILED:
+                    result.failed.add(key)
         # A failure only counts while no success exists for the key (a later run may have fixed it).
         result.failed -= result.done
         return result
 
-    def done_keys(self, shards: list[str] | None = None) -> set[str]:
-        """Keys with a completion in any of the given shards (all shards by default)."""
-        keys: set[str] = set()
-        for shard in self.shards() if shards is None else shards:
-            keys |= self.scan(shard).done
-        return keys
+    def done_keys(self) -> set[str]:
+        """Keys with a completion anywhere in the store."""
+        return self.scan().done
+
+    def identities(self) -> dict[str, Identity]:
+        """Every registered identity by fingerprint."""
+        folder = self.root / IDENTITIES
+        if not folder.exists():
+            return {}
+        found = {}
+        for path in sorted(folder.glob("*.json"), key=lambda p: p.name):
+            identity = Identity.from_dict(json.loads(path.read_text()))
+            found[identity.fingerprint] = identity
+        return found
+
+    def refuse_other_kind(self, identity: Identity) -> None:
+        """Raise ``MixedStoreError`` when the store holds completions of the other kind."""
+        others = sorted({i.model for i in self.identities().values() if i.simulated != identity.simulated})
+        if not others:
+            return
+        other_kind = "real" if identity.simulated else "simulated"
+        hint = (
+            "Give simulated runs (the local profile, the simulator) a storage root of their own, e.g. "
+            "EXPANSION_STORAGE=./storage-sim"
+            if identity.simulated
+            else "Give the production run a storage root of its own (EXPANSION_STORAGE=/path/to/storage), "
+            "or remove this root if its simulated completions are not wanted"
+        )
+        raise MixedStoreError(
+            f"the completion store {self.root} holds {other_kind} completions ({', '.join(others)}); this run's "
+            f"completions would be {identity.kind} ({identity.model}). Simulated and real completions never "
+            f"share a store. {hint}."
+        )
+
+    def register(self, identity: Identity) -> None:
+        """Record that completions of ``identity`` are written here; refused for the other kind."""
+        self.refuse_other_kind(identity)
+        path = self.root / IDENTITIES / f"{identity.fingerprint}.json"
+        if path.exists():
+            return
+        with write_atomically(path) as staged:
+            staged.write_text(json.dumps(identity.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
 
     def records(self, shard: str, *, status: str = OK) -> Iterator[dict[str, Any]]:
         """The shard's records of one status, one per key (the first intact line wins)."""
@@ -196,6 +306,38 @@ class CompletionStore:
                 latest[key] = loc
         return [r for r in (_read_record(loc) for loc in latest.values()) if r is not None]
 
+    def latest_records(self, shards: list[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Each key's record once, in file order: one sequential read of every segment, no seeks.
+
+        A key's first completion as it comes (a later ``ok`` line of the same key is a duplicate,
+        skipped), then, once every segment is read, the last failure of each key that never
+        succeeded. Failure records are small and few, so they are held until the end; completions
+        are parsed one at a time and let go.
+        """
+        done: set[str] = set()
+        failures: dict[str, dict[str, Any]] = {}
+        for shard in self.shards() if shards is None else shards:
+            for path in self._segments(shard):
+                with open(path, "rb") as fh:
+                    for raw in fh:
+                        parts = raw.split(b"\t", 2)
+                        if not raw.endswith(b"\n") or len(parts) != 3:
+                            continue  # torn
+                        key, status = parts[0].decode(), parts[1]
+                        if status == _OK_BYTES and key in done:
+                            continue
+                        try:
+                            record = json.loads(parts[2])
+                        except ValueError:
+                            continue  # a line cut inside its JSON by a crash: torn, ignored
+                        if status == _OK_BYTES:
+                            done.add(key)
+                            failures.pop(key, None)
+                            yield record
+                        elif status == _FAILED_BYTES and key not in done:
+                            failures[key] = record
+        yield from failures.values()
+
     def iter_completions_sorted(self, shards: list[str] | None = None) -> Iterator[dict[str, Any]]:
         """Every completion across shards once, ordered by key: the same store gives the same order.
 
@@ -212,7 +354,12 @@ class CompletionStore:
             if record is not None:
                 yield record
 
-    def writer(self, shard: str, *, fsync_interval_s: float = 2.0) -> SegmentWriter:
+    def writer(self, shard: str, *, identity: Identity | None = None, fsync_interval_s: float = 2.0) -> SegmentWriter:
+        """The one writer of a run of ``shard``; ``identity`` (the pipeline always gives it) is registered first."""
+        if shard == IDENTITIES:
+            raise ValueError(f"{IDENTITIES!r} is the identity registry, not a shard")
+        if identity is not None:
+            self.register(identity)
         if self.local:
             return SegmentWriter(local_path(self.root / shard), fsync_interval_s=fsync_interval_s)
         self._recover()

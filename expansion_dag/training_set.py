@@ -23,6 +23,17 @@ found in the rendered text:
   on the final turn. Pass ``chat_template_kwargs={"enable_thinking": False}`` so that it is prompt,
   as the server renders it in non-thinking mode; otherwise it counts as written by the assistant.
 
+Which records: exactly those of the current ``Identity`` (the model as served, simulated or not, the
+sampling settings and the cap: a record's key must be that identity's key for its prompt), and of
+those only complete answers: ``finish_reason`` ``stop``, or ``length`` unless ``drop_truncated``.
+Everything else is counted by reason (and other identities by name) in the manifest, never merged.
+
+One pass: ``build_training_set`` reads the records once, in the order given (the store's file
+order), tokenizes each kept sample once, and writes from that pass the Parquet set, the
+conversations JSONL (``conversations=``) and, in a ``BuildTrace``, what the checks and the nightly
+table need: a digest of each row's expected render (the round trip decodes sampled rows against
+it) and each prompt's outcome.
+
 ``check_round_trip`` assumes a lossless (byte-level) tokenizer, as Qwen's, Llama 3's and GPT's
 are: decoding the ids must give back the render character for character.
 """
@@ -37,11 +48,12 @@ import math
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +61,7 @@ import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.histogram import bar_chart_png, png_data_uri
+from expansion_dag.store import OK, Identity
 from expansion_dag.tokenizer import render_prompts
 from expansion_dag.urls import as_upath
 
@@ -57,7 +70,10 @@ DEFAULT_MIN_LENGTH = 16
 DEFAULT_CHUNK_ROWS = 512  # peak memory: about 250 bytes per token of a chunk (3 in flight)
 DEFAULT_ROWS_PER_FILE = 50_000  # about 100M tokens, a few hundred MB, per shard
 REASONING_POLICIES = ("keep", "drop")
-LEFT_OUT_REASONS = ("failed", "truncated", "empty", "too_long", "too_short")
+LEFT_OUT_REASONS = ("other_identity", "failed", "unfinished", "truncated", "empty", "too_long", "too_short")
+#: Answers the model finished; anything else (``abort``, ``unknown``...) is left out as unfinished.
+FINISHED = ("stop", "length")
+UNREGISTERED = "unregistered identity"  # a record whose key matches no identity in the store's registry
 #: How Qwen3 (and DeepSeek-R1) write reasoning inline; Qwen3's template turns it back into the same
 #: render as ``reasoning_content``. Used for the conversations JSONL.
 INLINE_REASONING = "<think>\n{reasoning}\n</think>\n\n{answer}"
@@ -135,10 +151,18 @@ class Manifest:
     tokens_per_sample: dict[str, float]  # mean, p50, p90, p99 (nearest rank), max
     by_source: dict[str, dict[str, int]]  # source -> {samples, tokens}
     left_out: dict[str, int]  # reason -> records
+    other_identities: dict[str, int]  # Identity.label (or UNREGISTERED) -> records left out
+    identity: dict[str, Any]  # the identity taken (Identity.to_dict)
+    simulated: bool  # built from the simulator's answers, not a model's
     histogram: dict[str, Any]  # tokens per sample: {start, bin_width, counts}
     config: dict[str, Any]
     tokenizer: dict[str, Any]  # {vocab_size, chat_template_sha256}
     files: list[dict[str, Any]]  # {name, rows, sha256}
+    # Output tokens of the identity's records (completions, and failures that streamed tokens),
+    # those of the records that became rows, and their ratio: how much generation the set kept.
+    output_tokens: int = 0
+    output_tokens_in_set: int = 0
+    useful_token_share: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -152,6 +176,50 @@ class Manifest:
 class ExportResult:
     samples: int
     left_out: dict[str, int]
+
+
+@dataclass
+class BuildTrace:
+    """What a build's pass saw, kept for the checks and the nightly table so they need no pass of their own."""
+
+    renders: dict[str, list[bytes]] = field(default_factory=dict)  # row id -> render digests (``render_digest``)
+    completion_tokens: dict[str, int] = field(default_factory=dict)  # prompt_id -> tokens of its completion
+    failed: set[str] = field(default_factory=set)  # prompt_ids whose record is a failure
+
+
+@dataclass
+class _Tally:
+    """Records left out: by reason, and those of other identities by identity; the identity's output tokens."""
+
+    identity: Identity
+    known: Mapping[str, Identity]  # fingerprint -> identity, to name the other identities
+    trace: BuildTrace | None = None
+    reasons: Counter[str] = field(default_factory=Counter)
+    others: Counter[str] = field(default_factory=Counter)
+    output_tokens: int = 0
+
+    def own(self, record: Mapping[str, Any]) -> None:
+        """A record of the identity: its tokens were generated, whatever becomes of it."""
+        tokens = _output_tokens(record)
+        self.output_tokens += tokens
+        if self.trace is not None:
+            if record.get("status") == OK:
+                self.trace.completion_tokens[record["prompt_id"]] = tokens
+            else:
+                self.trace.failed.add(record["prompt_id"])
+
+    def other_identity(self, record: Mapping[str, Any]) -> None:
+        self.reasons["other_identity"] += 1
+        label = next((i.label for i in self.known.values() if i.owns(record)), UNREGISTERED)
+        self.others[label] += 1
+
+    def left_out(self) -> dict[str, int]:
+        return {reason: self.reasons[reason] for reason in LEFT_OUT_REASONS}
+
+
+def _output_tokens(record: Mapping[str, Any]) -> int:
+    # A failure stopped mid-stream (a degenerate loop) records the chunks it streamed.
+    return int(record.get("completion_tokens") or record.get("streamed_chunks") or 0)
 
 
 @dataclass(frozen=True)
@@ -178,6 +246,7 @@ class _Sample:
     prompt: list[dict[str, str]]
     reasoning: str  # "" when dropped or absent
     answer: str
+    output_tokens: int  # the server's count for the answer
 
 
 def _split_reasoning(reasoning_content: str | None, content: str | None) -> tuple[str, str]:
@@ -189,10 +258,14 @@ def _split_reasoning(reasoning_content: str | None, content: str | None) -> tupl
     return reasoning, answer
 
 
-def _screen(record: Mapping[str, Any], config: TrainingSetConfig) -> _Sample | str:
+def _screen(record: Mapping[str, Any], config: TrainingSetConfig, identity: Identity) -> _Sample | str:
     """The sample a record gives, or the reason it is left out."""
-    if record.get("status") != "ok":
+    if not identity.owns(record):
+        return "other_identity"
+    if record.get("status") != OK:
         return "failed"
+    if record.get("finish_reason") not in FINISHED:
+        return "unfinished"
     if config.drop_truncated and record.get("finish_reason") == "length":
         return "truncated"
     reasoning, answer = _split_reasoning(record.get("reasoning_content"), record.get("content"))
@@ -204,11 +277,12 @@ def _screen(record: Mapping[str, Any], config: TrainingSetConfig) -> _Sample | s
         prompt=[{"role": m["role"], "content": m["content"]} for m in record["messages"]],
         reasoning=reasoning if config.reasoning == "keep" else "",
         answer=answer,
+        output_tokens=_output_tokens(record),
     )
 
 
 def _screened_chunks(
-    records: Iterable[Mapping[str, Any]], config: TrainingSetConfig, left_out: Counter[str]
+    records: Iterable[Mapping[str, Any]], config: TrainingSetConfig, tally: _Tally
 ) -> Iterator[list[_Sample]]:
     """Samples of at most ``chunk_rows`` records at a time; the records themselves are let go."""
     it = iter(records)
@@ -218,9 +292,13 @@ def _screened_chunks(
             return
         samples = []
         for record in chunk:
-            screened = _screen(record, config)
-            if isinstance(screened, str):
-                left_out[screened] += 1
+            screened = _screen(record, config, tally.identity)
+            if screened != "other_identity":
+                tally.own(record)
+            if screened == "other_identity":
+                tally.other_identity(record)
+            elif isinstance(screened, str):
+                tally.reasons[screened] += 1
             else:
                 samples.append(screened)
         del chunk, record  # so that the next chunk is read with no record of this one alive
@@ -278,35 +356,51 @@ def _encode(
     return [e.ids for e in encodings]
 
 
+def render_digest(full: str, written: str) -> bytes:
+    """What a row must decode to, hashed: the whole render and the assistant's (masked) part."""
+    return hashlib.blake2b(f"{full}\0{written}".encode(), digest_size=16).digest()
+
+
+def _tokenize(
+    segments: Sequence[tuple[str, str, str]], tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[list[int]], list[bytes]]:
+    """Segment ids, and each sample's render digest (hashed here, beside the tokenizer, off the main thread)."""
+    return _encode(segments, tokenizer), [render_digest(p + a + t, a) for p, a, t in segments]
+
+
 def _encoded_chunks(
     records: Iterable[Mapping[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     config: TrainingSetConfig,
-    left_out: Counter[str],
-) -> Iterator[tuple[list[_Sample], list[list[int]]]]:
-    """Kept samples of each chunk with their segment ids (3 lists per sample), in input order.
+    tally: _Tally,
+) -> Iterator[tuple[list[_Sample], list[list[int]], list[bytes]]]:
+    """Kept samples of each chunk with their segment ids (3 lists per sample) and render digests, in input order.
 
     One chunk is tokenized in a worker thread (the Rust backend releases the GIL and uses every
     core) while this thread renders the next chunk and the consumer writes the previous one, so
     the Python work hides behind tokenization. At most three chunks of samples are alive.
     """
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending: tuple[list[_Sample], Future[list[list[int]]]] | None = None
-        for samples in _screened_chunks(records, config, left_out):
+        pending: tuple[list[_Sample], Future[tuple[list[list[int]], list[bytes]]]] | None = None
+        for samples in _screened_chunks(records, config, tally):
             if not samples:
                 continue
-            future = pool.submit(_encode, _segments(samples, tokenizer, config), tokenizer)
+            future = pool.submit(_tokenize, _segments(samples, tokenizer, config), tokenizer)
             if pending is not None:
-                yield _within_length(pending[0], pending[1].result(), config, left_out)
+                yield _within_length(pending[0], *pending[1].result(), config, tally.reasons)
             pending = (samples, future)
         if pending is not None:
-            yield _within_length(pending[0], pending[1].result(), config, left_out)
+            yield _within_length(pending[0], *pending[1].result(), config, tally.reasons)
 
 
 def _within_length(
-    samples: list[_Sample], ids: list[list[int]], config: TrainingSetConfig, left_out: Counter[str]
-) -> tuple[list[_Sample], list[list[int]]]:
-    kept, kept_ids = [], []
+    samples: list[_Sample],
+    ids: list[list[int]],
+    digests: list[bytes],
+    config: TrainingSetConfig,
+    left_out: Counter[str],
+) -> tuple[list[_Sample], list[list[int]], list[bytes]]:
+    kept, kept_ids, kept_digests = [], [], []
     for i, sample in enumerate(samples):
         triple = ids[3 * i : 3 * i + 3]
         length = sum(map(len, triple))
@@ -317,11 +411,8 @@ def _within_length(
         else:
             kept.append(sample)
             kept_ids.extend(triple)
-    return kept, kept_ids
-
-
-def _left_out_dict(left_out: Counter[str]) -> dict[str, int]:
-    return {reason: left_out[reason] for reason in LEFT_OUT_REASONS}
+            kept_digests.append(digests[i])
+    return kept, kept_ids, kept_digests
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,28 +529,54 @@ def build_training_set(
     tokenizer: PreTrainedTokenizerBase,
     config: TrainingSetConfig,
     out_dir: str | os.PathLike[str],
+    *,
+    identity: Identity,
+    known: Mapping[str, Identity] | None = None,
+    conversations: str | os.PathLike[str] | None = None,
+    trace: BuildTrace | None = None,
 ) -> Manifest:
     """Write the Parquet shards and ``manifest.json`` under ``out_dir``, replacing what was there.
 
+    Only records of ``identity`` are taken; ``known`` (the store's registry, by fingerprint) names
+    the other identities in the manifest. ``conversations``, if given, receives the same samples
+    as the conversations JSONL (``export_conversations_jsonl``'s format) from the same pass;
+    ``trace``, if given, is filled with what the pass saw.
+
     Everything is written into a sibling temporary folder that is renamed into place at the end,
     so ``out_dir`` only ever holds a complete set (between the two renames that replace an old set
-    it is briefly absent). The same records in the same order give byte-identical files.
+    it is briefly absent); the JSONL is renamed over ``conversations`` just after. The same records
+    in the same order give byte-identical files.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run of a recycled pid
     staging.mkdir()
+    jsonl = Path(conversations) if conversations is not None else None
+    jsonl_staging = jsonl.with_name(f".{jsonl.name}.tmp-{os.getpid()}") if jsonl is not None else None
     try:
-        manifest = _write_training_set(records, tokenizer, config, staging)
+        if jsonl_staging is not None:
+            jsonl_staging.parent.mkdir(parents=True, exist_ok=True)
+        with open(jsonl_staging, "w", encoding="utf-8") if jsonl_staging else nullcontext() as lines:
+            manifest = _write_training_set(
+                records, tokenizer, config, staging, _Tally(identity, known or {}, trace), lines
+            )
+            if lines is not None:
+                lines.flush()
+                os.fsync(lines.fileno())
         # On disk before the rename, so that a machine crash cannot leave a renamed set whose
         # files were still in the page cache.
         for path in [*staging.iterdir(), staging]:
             _fsync(path)
         _replace_dir(staging, out_dir)
         _fsync(out_dir.parent)
+        if jsonl is not None and jsonl_staging is not None:
+            os.replace(jsonl_staging, jsonl)
+            _fsync(jsonl.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if jsonl_staging is not None:
+            jsonl_staging.unlink(missing_ok=True)
         raise
     return manifest
 
@@ -469,16 +586,24 @@ def _write_training_set(
     tokenizer: PreTrainedTokenizerBase,
     config: TrainingSetConfig,
     directory: Path,
+    tally: _Tally,
+    conversations: IO[str] | None,
 ) -> Manifest:
-    left_out: Counter[str] = Counter()
     stats = _Stats(config.max_length)
     writer = _ShardWriter(directory, config.rows_per_file)
-    for samples, ids in _encoded_chunks(records, tokenizer, config, left_out):
+    in_set = 0
+    for samples, ids, digests in _encoded_chunks(records, tokenizer, config, tally):
         if not samples:
             continue
         table = _table(samples, ids)
         writer.write(table)
         stats.add(table, sum(len(x) for x in ids[1::3]))
+        in_set += sum(s.output_tokens for s in samples)
+        if conversations is not None:
+            conversations.writelines(_conversation_line(s) for s in samples)
+        if tally.trace is not None:
+            for sample, digest in zip(samples, digests):
+                tally.trace.renders.setdefault(sample.id, []).append(digest)
     files = writer.close()
     samples, tokens, per_sample, histogram = stats.summary()
     template = json.dumps(tokenizer.chat_template, sort_keys=True).encode()
@@ -488,7 +613,10 @@ def _write_training_set(
         assistant_tokens=stats.assistant_tokens,
         tokens_per_sample=per_sample,
         by_source=dict(sorted(stats.by_source.items())),
-        left_out=_left_out_dict(left_out),
+        left_out=tally.left_out(),
+        other_identities=dict(sorted(tally.others.items())),
+        identity=tally.identity.to_dict(),
+        simulated=tally.identity.simulated,
         histogram=histogram,
         config=config.to_dict(),
         tokenizer={
@@ -496,6 +624,9 @@ def _write_training_set(
             "chat_template_sha256": hashlib.sha256(template).hexdigest(),
         },
         files=files,
+        output_tokens=tally.output_tokens,
+        output_tokens_in_set=in_set,
+        useful_token_share=round(in_set / tally.output_tokens, 4) if tally.output_tokens else 0.0,
     )
     (directory / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
@@ -557,31 +688,43 @@ def sample_rows(out_dir: str | os.PathLike[str], n: int) -> list[dict[str, Any]]
     return rows
 
 
-def check_round_trip(
-    rows: Iterable[Mapping[str, Any]],
+def expected_renders(
     records: Iterable[Mapping[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     config: TrainingSetConfig,
+    *,
+    identity: Identity,
+    ids: Collection[str] | None = None,
+) -> dict[str, list[bytes]]:
+    """Render digests of the records of ``identity`` (those whose prompt_id is in ``ids``), rendered afresh.
+
+    What ``BuildTrace.renders`` holds, computed from records instead of by a build.
+    """
+    candidates: list[_Sample] = []
+    for record in records:
+        if ids is None or record.get("prompt_id") in ids:
+            screened = _screen(record, config, identity)
+            if not isinstance(screened, str):
+                candidates.append(screened)
+    expected: dict[str, list[bytes]] = {}
+    for sample, (prompt, assistant, trailer) in zip(candidates, _segments(candidates, tokenizer, config)):
+        expected.setdefault(sample.id, []).append(render_digest(prompt + assistant + trailer, assistant))
+    return expected
+
+
+def check_round_trip(
+    rows: Iterable[Mapping[str, Any]],
+    expected: Mapping[str, Collection[bytes]],
+    tokenizer: PreTrainedTokenizerBase,
 ) -> RoundTripResult:
-    """Check rows against their completion records, rendered afresh.
+    """Check rows against the renders their records give (``expected``: a build's trace, or ``expected_renders``).
 
     A row passes when its ids decode to the conversation's render and its masked ids decode to
-    exactly the assistant's part (answer, kept reasoning and end-of-turn token). Records are
-    streamed; only those whose prompt_id is among the rows' ids are kept. A prompt answered more
-    than once (several records with its id) passes if any of its records matches.
+    exactly the assistant's part (answer, kept reasoning and end-of-turn token). A row whose id has
+    no expected render (e.g. made from another identity's answer) is missing. A prompt answered
+    more than once passes if any of its renders matches.
     """
     rows = list(rows)
-    wanted = {row["id"] for row in rows}
-    candidates: dict[str, list[_Sample]] = {}
-    for record in records:
-        if record.get("prompt_id") in wanted:
-            screened = _screen(record, config)
-            if not isinstance(screened, str):
-                candidates.setdefault(screened.id, []).append(screened)
-    flat = [s for group in candidates.values() for s in group]
-    expected: dict[str, list[tuple[str, str]]] = {}
-    for sample, (prompt, assistant, trailer) in zip(flat, _segments(flat, tokenizer, config)):
-        expected.setdefault(sample.id, []).append((prompt + assistant + trailer, assistant))
     decode = tokenizer.backend_tokenizer.decode
     passed = failed = missing = 0
     failing: list[str] = []
@@ -594,7 +737,7 @@ def check_round_trip(
         else:
             full = decode(ids, skip_special_tokens=False)
             written = decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
-            ok = len(ids) == len(mask) == row["length"] and (full, written) in expected[row["id"]]
+            ok = len(ids) == len(mask) == row["length"] and render_digest(full, written) in expected[row["id"]]
             passed += ok
             failed += not ok
         if not ok and len(failing) < MAX_FAILING_IDS:
@@ -613,6 +756,7 @@ def export_conversations_jsonl(
     config: TrainingSetConfig,
     path: str | os.PathLike[str],
     *,
+    identity: Identity,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> ExportResult:
     """One ``{"id", "conversations": [{role, content}, ...]}`` line per kept record.
@@ -624,11 +768,11 @@ def export_conversations_jsonl(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    left_out: Counter[str] = Counter()
+    tally = _Tally(identity, {})
     if tokenizer is None:
-        chunks: Iterator[list[_Sample]] = _screened_chunks(records, config, left_out)
+        chunks: Iterator[list[_Sample]] = _screened_chunks(records, config, tally)
     else:
-        chunks = (kept for kept, _ in _encoded_chunks(records, tokenizer, config, left_out))
+        chunks = (kept for kept, _, _ in _encoded_chunks(records, tokenizer, config, tally))
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     samples = 0
     try:
@@ -643,7 +787,7 @@ def export_conversations_jsonl(
     except BaseException:
         staging.unlink(missing_ok=True)
         raise
-    return ExportResult(samples=samples, left_out=_left_out_dict(left_out))
+    return ExportResult(samples=samples, left_out=tally.left_out())
 
 
 def _conversation_line(sample: _Sample) -> str:
@@ -664,7 +808,14 @@ def _conversation_line(sample: _Sample) -> str:
 def manifest_markdown(manifest: Manifest) -> str:
     """Totals, a histogram of tokens per sample (an embedded PNG), tables by source and reason."""
     per = manifest.tokens_per_sample
+    model = manifest.identity["model"]
     lines = [
+        f"**Built from SIMULATED completions** ({model}): simulator answers, not a model's; for "
+        "trying the pipeline, never for training a drafter."
+        if manifest.simulated
+        else f"Completions of **{model}**.",
+        f"Settings fingerprint `{manifest.identity['fingerprint']}` (model, sampling settings, cap).",
+        "",
         f"**{manifest.samples:,} samples**, {manifest.tokens:,} tokens "
         f"({manifest.assistant_tokens:,} written by the assistant). Tokens per sample: "
         f"mean {per['mean']:,}, p50 {per['p50']:,}, p90 {per['p90']:,}, p99 {per['p99']:,}, "
@@ -689,4 +840,7 @@ def manifest_markdown(manifest: Manifest) -> str:
     ]
     lines += ["", "| left out | records |", "|---|---:|"]
     lines += [f"| {reason} | {count:,} |" for reason, count in manifest.left_out.items()]
+    if manifest.other_identities:
+        lines += ["", "| left out: other identity | records |", "|---|---:|"]
+        lines += [f"| {label} | {count:,} |" for label, count in manifest.other_identities.items()]
     return "\n".join(lines) + "\n"

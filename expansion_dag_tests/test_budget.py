@@ -3,7 +3,7 @@
 import polars as pl
 import pytest
 
-from expansion_dag.budget import PROMPT_TOO_LONG, BudgetConfig, budget_prompts
+from expansion_dag.budget import PROMPT_OVER_INPUT_LIMIT, PROMPT_TOO_LONG, BudgetConfig, budget_prompts
 from expansion_dag.tokenizer import count_prompt_tokens, load_tokenizer
 
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
@@ -71,6 +71,16 @@ def test_prompts_that_cannot_fit_the_minimum_answer_are_set_aside_with_a_reason(
     assert result.set_aside["prompt_id"].to_list() == ["p0001"]
     assert result.set_aside["reason"].to_list() == [PROMPT_TOO_LONG]
     assert "min_output_tokens 256" in result.set_aside["detail"][0]
+
+
+def test_prompts_over_the_servers_input_limit_are_set_aside_though_the_context_has_room(tokenizer):
+    # SGLang's max_req_input_len follows the KV cache too: a 600-token prompt in a 32k context is
+    # still refused by a server whose limit is 500, so it is never sent.
+    frame = prompt_frame(["short question", "long " * 600])
+    result = budget_prompts(frame, tokenizer, context_length=32768, num_shards=1, max_prompt_tokens=500)
+    assert result.prompts["prompt_id"].to_list() == ["p0000"]
+    assert result.set_aside["reason"].to_list() == [PROMPT_OVER_INPUT_LIMIT]
+    assert "input limit of 500" in result.set_aside["detail"][0]
 
 
 def test_shards_are_balanced_on_expected_tokens_not_rows(tokenizer):

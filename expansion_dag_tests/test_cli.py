@@ -1,15 +1,29 @@
-"""README command (1): `expansion-dag run` on a fresh folder, the way a new user runs it."""
+"""README command (1): `expansion-dag run` on a fresh folder, the way a new user runs it, and with
+a run configuration file a user edited."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dagster as dg
 import datasets
 import httpx
 import pytest
+import yaml
+
+from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.fleet import SimulatedFleet
+
+EXPANSION_DAG = str(Path(sys.executable).parent / "expansion-dag")
+
+
+def clean_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))}
+    return {**env, **{k: str(v) for k, v in extra.items()}}
 
 
 def free_port_pair():
@@ -31,10 +45,9 @@ def free_port_pair():
 def demo(tmp_path_factory):
     work = tmp_path_factory.mktemp("fresh")
     port = free_port_pair()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))}
-    env["EXPANSION_SIM_BASE_PORT"] = str(port)
+    env = clean_env(EXPANSION_SIM_BASE_PORT=port)
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "expansion-dag"), "run"],
+        [EXPANSION_DAG, "run"],
         cwd=work, env=env, capture_output=True, text=True, timeout=540,
     )
     return work, port, result
@@ -51,6 +64,8 @@ def test_the_demo_materializes_every_asset_and_every_shard(demo):
     assert rows.num_rows > 100
     assert {"input_ids", "loss_mask"} <= set(rows.column_names)
     assert all(0 < sum(m) < len(m) for m in rows["loss_mask"][:20])
+    # The demo's answers come from the simulator, and the summary says so.
+    assert "training set (built from SIMULATED answers: not training data):" in result.stdout
 
 
 def test_the_runs_are_in_the_dagster_instance(demo):
@@ -72,6 +87,20 @@ def test_the_demo_stops_the_simulated_fleet_it_launched(demo):
     assert "stopped 2 launched server(s)" in result.stdout
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_the_demo_shows_the_fleets_progress_in_one_place_and_no_progress_bars(demo):
+    _, _, result = demo
+    assert "run configuration: " in result.stdout and "default.yaml" in result.stdout
+    # Not a terminal: plain lines, each with every shard, no escape codes.
+    progress = [line for line in result.stdout.splitlines() if line.startswith("progress: ")]
+    assert progress and all("shard-00" in line and "shard-01" in line for line in progress)
+    assert "\x1b[" not in result.stdout
+    assert any("/s ETA " in line or " done " in line for line in progress), progress
+    assert any(line.startswith("retries: ") for line in result.stdout.splitlines())
+    # No bar from datasets or tqdm, no per-retry warning, no per-shard progress log line.
+    assert "it/s]" not in result.stderr and "%|" not in result.stderr
+    assert "retry" not in result.stderr.lower()
 
 
 def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_path):
@@ -98,3 +127,140 @@ def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_pat
         event = instance.get_latest_materialization_event(dg.AssetKey("budgeted_prompts"))
         assert event.asset_materialization.metadata["context_length"].value == 4096
         assert "simulated" in event.asset_materialization.metadata["context_length_source"].value
+
+
+#: Values a user edits in the file; the requests the fleet receives must carry them.
+EDITED = {"temperature": 0.41, "max_output_tokens": 320, "chat_template_kwargs": {"enable_thinking": False}}
+
+
+def write_config(path: Path, document: dict) -> Path:
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_run_with_an_edited_file_sends_its_settings_to_its_fleet(tmp_path):
+    fast = SimServerConfig(port=0, max_running_requests=16, ttft_s=0.0, token_latency_s=0.0002, output_median_tokens=60)
+    with SimulatedFleet([fast, fast]) as fleet:
+        config = write_config(tmp_path / "my-run.yaml", {
+            "fleet": {"mode": "attach", "urls": fleet.urls},
+            "storage": {"root": "my-storage"},
+            "generation": {**EDITED, "backoff_initial_s": 0.01, "progress_interval_s": 0.5},
+        })
+        result = subprocess.run([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
+                                capture_output=True, text=True, timeout=540)
+        sent = [fleet.stats(i) for i in range(2)]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"run configuration: {config}" in result.stdout
+    for stats in sent:
+        assert stats["completed"] > 40
+        request = stats["last_chat_request"]
+        assert request["temperature"] == EDITED["temperature"]
+        assert request["chat_template_kwargs"] == EDITED["chat_template_kwargs"]
+        assert 0 < request["max_tokens"] <= EDITED["max_output_tokens"]
+    assert (tmp_path / "my-storage" / "training_set" / "manifest.json").exists()
+    with dg.DagsterInstance.from_config(str(tmp_path / ".dagster_home")) as instance:
+        runs = instance.get_runs()
+        assert len(runs) == 4 and {r.tags["expansion/config_file"] for r in runs} == {str(config)}
+        record = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=["shard-00"]), limit=1
+        ).records[0]
+        effective = record.asset_materialization.metadata["effective_config"].value
+        assert effective["settings"]["temperature"] == EDITED["temperature"]
+        assert effective["fleet_resource"]["urls"] == fleet.urls
+        assert effective["run_configuration"]["file"] == str(config)
+        # The shard's progress reached the instance while it ran, as observations.
+        observed = instance.fetch_observations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=["shard-00"]), limit=1
+        ).records
+        assert observed and observed[0].asset_observation.metadata["total"].value > 0
+
+
+@pytest.mark.parametrize(
+    "document, expected",
+    [
+        ({"generation": {"temprature": 0.5}}, "generation.temprature: unknown key (did you mean 'temperature'?)"),
+        ({"fleet": {"shards": "eight"}}, "fleet.shards: Input should be a valid integer"),
+    ],
+)
+def test_a_bad_file_stops_the_run_naming_the_key_and_the_file(tmp_path, document, expected):
+    config = write_config(tmp_path / "bad.yaml", document)
+    result = subprocess.run([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert str(config) in result.stderr and expected in result.stderr
+    assert not (tmp_path / ".dagster_home").exists()  # nothing ran
+
+
+def test_a_missing_file_is_an_error_not_the_default(tmp_path):
+    result = subprocess.run([EXPANSION_DAG, "run", "--config", "nowhere.yaml"], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "nowhere.yaml': no such file" in result.stderr
+
+
+def slow_simulators(tmp_path: Path, port: int, extra: str = "") -> Path:
+    """The demo's fleet, slowed down (a request takes seconds) so a run is still generating when signalled."""
+    command = ("{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
+               "--context-length {context_length} --max-running-requests 4 --token-latency-ms 100 "
+               "--output-median-tokens 100 " + extra)
+    return write_config(tmp_path / "slow.yaml", {
+        "fleet": {"launch": {"command": command, "base_port": port}},
+        "storage": {"root": str(tmp_path / "storage")},
+        "generation": {"backoff_initial_s": 0.01, "max_attempts": 1},
+    })
+
+
+def launched_pids(tmp_path: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted((tmp_path / "storage" / "fleet").glob("server-*.pid"))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def generating(tmp_path: Path) -> bool:
+    return any(p.stat().st_size for p in (tmp_path / "storage" / "completions").rglob("*.jsonl"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signalled_run_stops_the_servers_it_launched(tmp_path, signum):
+    port = free_port_pair()
+    config = slow_simulators(tmp_path, port)
+    process = subprocess.Popen([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        # The servers are up and the shards are generating on them.
+        while not (len(launched_pids(tmp_path)) == 2 and generating(tmp_path)):
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "the run never started generating"
+            time.sleep(0.5)
+        pids = launched_pids(tmp_path)
+        assert all(alive(pid) for pid in pids)
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signum, output[-3000:]
+    assert f"interrupted by {signal.Signals(signum).name}" in output
+    assert "stopped 2 launched server(s)" in output
+    assert not [pid for pid in pids if alive(pid)]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_a_failed_run_stops_the_servers_it_launched(tmp_path):
+    port = free_port_pair()
+    config = slow_simulators(tmp_path, port, extra="--fail-rate 1.0")  # every generation request fails
+    result = subprocess.run([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 shard(s) failed" in result.stdout
+    assert "stopped 2 launched server(s)" in result.stdout
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health")

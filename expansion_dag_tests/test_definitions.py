@@ -1,5 +1,6 @@
 """The code location loads, as `dagster dev` and the README load it."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,38 @@ def test_dagster_validates_the_workspace():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "All code locations passed validation" in result.stderr + result.stdout
+
+
+def test_launchpad_config_for_a_resource_overrides_only_the_fields_it_names():
+    from expansion_dag.config import parse_config
+    from expansion_dag.definitions import resources_for
+    from expansion_dag.resources.fleet import FleetResource
+    from expansion_dag.resources.settings import GenerationSettings
+
+    urls = ["http://gpu-node:30000", "http://gpu-node:30001"]
+    config = parse_config({"generation": {"temperature": 0.25}}, where="run.yaml",
+                          env={"EXPANSION_PROFILE": "production", "EXPANSION_FLEET_URLS": ",".join(urls)})
+    seen = {}
+
+    @dg.asset
+    def resources_seen(fleet: FleetResource, settings: GenerationSettings):
+        seen.update(fleet=fleet.model_dump(), settings=settings.model_dump())
+
+    run_config = {"resources": {"fleet": {"config": {"slots_override": 16}},
+                                "settings": {"config": {"backoff_initial_s": 0.05}}}}
+    assert dg.materialize([resources_seen], resources=resources_for(config), run_config=run_config).success
+    assert (seen["fleet"]["mode"], seen["fleet"]["urls"], seen["fleet"]["slots_override"]) == ("attach", urls, 16)
+    assert (seen["settings"]["temperature"], seen["settings"]["backoff_initial_s"]) == (0.25, 0.05)
+
+
+def test_every_job_run_carries_the_resolved_configuration_without_secrets(monkeypatch):
+    from expansion_dag.definitions import CONFIG_DIGEST_TAG, CONFIG_TAG, CONFIG_FILE_TAG
+
+    monkeypatch.setenv("SGLANG_API_KEY", "key-that-must-not-leak")
+    for job in ("prepare_job", "generate_job", "training_set_job"):
+        tags = defs.resolve_job_def(job).tags
+        assert tags[CONFIG_FILE_TAG].endswith("default.yaml")
+        assert len(tags[CONFIG_DIGEST_TAG]) == 12
+        recorded = json.loads(tags[CONFIG_TAG])
+        assert recorded["generation"]["temperature"] == 0.7 and recorded["fleet"]["api_key_env"] == "SGLANG_API_KEY"
+        assert "key-that-must-not-leak" not in tags[CONFIG_TAG]

@@ -9,10 +9,14 @@ import pytest
 
 from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
 from expansion_dag.errors import ShardAborted
+from expansion_dag.server_api import VLLM, dialect_for
 from expansion_dag.store import CompletionStore
 
 URL = "http://gpu-0:30000"
-FAST = dict(backoff_initial_s=0.001, backoff_max_s=0.002, backoff_jitter_s=0.0, progress_interval_s=3600)
+# These handlers answer plain JSON bodies; streamed requests are tested in test_engine_streaming.py.
+FAST = dict(
+    backoff_initial_s=0.001, backoff_max_s=0.002, backoff_jitter_s=0.0, progress_interval_s=3600, stop_degenerate=False
+)
 OVERFLOW = (
     "Requested token count exceeds the model's maximum context length of {c} tokens. You requested a total "
     "of {m} tokens: {x} tokens from the input messages and {y} tokens for the completion. Please reduce the "
@@ -54,12 +58,12 @@ def prompt_number(request):
     return int(json.loads(request.content)["messages"][0]["content"].split()[-1])
 
 
-def run(tmp_path, work, handler, *, slots=4, config=None, **kw):
+def run(tmp_path, work, handler, *, slots=4, config=None, dialect=None, **kw):
     store = CompletionStore(tmp_path)
     with store.writer("shard-00") as writer:
         report = generate_shard(
             work,
-            [Server(URL, slots)],
+            [Server(URL, slots) if dialect is None else Server(URL, slots, dialect)],
             writer=writer,
             model="m",
             sampling=kw.pop("sampling", SamplingSettings()),
@@ -149,6 +153,39 @@ def test_queued_prompts_go_to_a_server_reporting_idle_slots_never_to_one_with_a_
     assert report.ok == 300
 
 
+def test_an_older_sglang_is_borrowed_through_get_load_with_its_probed_slots(tmp_path):
+    old = "http://gpu-1:30000"  # SGLang 0.5.7: /get_load counts requests, it has no /v1/loads
+    chats = collections.Counter()
+
+    async def handler(request):
+        if request.url.path == "/get_load":
+            return httpx.Response(200, json=[{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+        if request.url.path == "/v1/loads":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        chats[request.url.host] += 1
+        await asyncio.sleep(0.005)
+        return httpx.Response(200, json=completion())
+
+    helpers = [Server(old, 4, dialect_for("sglang", "0.5.7"))]
+    report, _ = run(tmp_path, items(300), handler, config=EngineConfig(**FAST, spill_poll_s=0.02), helpers=helpers)
+    assert chats["gpu-1"] > 0
+    assert report.helpers[old].requests == chats["gpu-1"] and report.ok == 300
+
+
+def test_a_server_that_cannot_say_its_load_is_never_borrowed(tmp_path):
+    vllm = "http://gpu-1:8000"
+    asked = collections.Counter()
+
+    def handler(request):
+        asked[request.url.host] += 1
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**FAST, spill_poll_s=0.001)
+    report, _ = run(tmp_path, items(100), handler, config=config, helpers=[Server(vllm, 64, VLLM)])
+    assert asked["gpu-1"] == 0 and report.ok == 100
+    assert vllm not in report.helpers
+
+
 def test_a_helper_that_fails_costs_nothing_its_prompts_go_home(tmp_path):
     helper = "http://gpu-1:30000"
     chats = collections.Counter()
@@ -205,6 +242,58 @@ def test_retries_are_bounded_and_the_failure_is_a_record(tmp_path):
     assert failures[0]["message"] == "bad gateway"
     assert failures[0]["error"] == "transient"
     assert report.failures_by_kind == {"transient": 2}
+
+
+def test_an_aborted_answer_is_retried_and_never_kept_as_a_completion(tmp_path):
+    calls = collections.Counter()
+
+    def handler(request):
+        n = prompt_number(request)
+        calls[n] += 1
+        # SGLang answers an aborted request 200 with partial text; prompt 2 is aborted every time.
+        if n == 2 or calls[n] == 1:
+            return httpx.Response(200, json=completion("cut off mid", finish="abort"))
+        return httpx.Response(200, json=completion("the whole answer"))
+
+    config = EngineConfig(**FAST, max_attempts=3, canary=False)
+    report, store = run(tmp_path, items(4), handler, config=config)
+    records = {r["prompt_id"]: r for r in store.records("shard-00")}
+    assert sorted(records) == ["p000", "p001", "p003"]
+    assert {r["content"] for r in records.values()} == {"the whole answer"}
+    assert {r["attempts"] for r in records.values()} == {2}
+    [failure] = store.records("shard-00", status="failed")
+    assert (failure["prompt_id"], failure["error"], failure["attempts"]) == ("p002", "finish_abort", 3)
+    assert "'abort'" in failure["message"]
+    assert report.failures_by_kind == {"finish_abort": 1} and "abort" not in report.finish_reasons
+    assert report.retries_by_kind == {"finish_abort": 3 * 1 + 2}  # one each for three prompts, two for p002
+
+
+def test_vllm_reasoning_is_kept(tmp_path):
+    def handler(request):
+        body = completion("Paris.")
+        body["choices"][0]["message"] = {"role": "assistant", "content": "Paris.", "reasoning": "The capital..."}
+        return httpx.Response(200, json=body)
+
+    _, store = run(tmp_path, items(2), handler, dialect=VLLM)
+    assert {r["reasoning_content"] for r in store.records("shard-00")} == {"The capital..."}
+
+
+def test_the_schedulers_input_limit_is_a_context_length_failure_not_retried(tmp_path):
+    calls = 0
+
+    def handler(request):
+        nonlocal calls
+        calls += 1
+        if prompt_number(request) == 3:
+            message = "Input length (8190 tokens) exceeds the maximum allowed length (8186 tokens). Use a shorter input"
+            return httpx.Response(400, json={"object": "error", "message": message, "type": "BadRequestError", "code": 400})
+        return httpx.Response(200, json=completion())
+
+    report, store = run(tmp_path, items(5), handler)
+    assert calls == 5
+    [failure] = store.records("shard-00", status="failed")
+    assert (failure["prompt_id"], failure["error"], failure["attempts"]) == ("p003", "context_length", 1)
+    assert report.failures_by_kind == {"context_length": 1}
 
 
 def test_other_client_errors_are_not_retried(tmp_path):
@@ -272,7 +361,7 @@ def test_the_breaker_stops_a_shard_whose_requests_start_failing_the_same_way(tmp
         return httpx.Response(401, json={"error": "Unauthorized"})
 
     config = EngineConfig(**FAST, breaker_window=10)
-    with pytest.raises(ShardAborted, match="circuit breaker: .* rejected HTTP 401: Unauthorized"):
+    with pytest.raises(ShardAborted, match="circuit breaker: .* unauthorized HTTP 401: Unauthorized"):
         run(tmp_path, items(1000), handler, slots=4, config=config)
     assert calls < 30
 
@@ -321,6 +410,25 @@ def test_progress_reports_done_rate_in_flight_and_eta(tmp_path):
     assert seen, "no progress line"
     line = str(seen[-1])
     assert "/30 done" in line and "output tok/s" in line and URL in line and "ETA" in line
+    assert "retries [none]" in line
+
+
+def test_progress_sums_the_retries_by_kind(tmp_path):
+    seen = []
+    calls = collections.Counter()
+
+    async def handler(request):
+        n = prompt_number(request)
+        calls[n] += 1
+        await asyncio.sleep(0.01)
+        if calls[n] == 1 and n % 3 == 0:
+            return httpx.Response(503, json={"object": "error", "message": "The request queue is full.", "code": 503})
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**{**FAST, "progress_interval_s": 0.005})
+    report, _ = run(tmp_path, items(30), handler, slots=2, config=config, on_progress=seen.append)
+    assert report.retries_by_kind == {"transient": 10}
+    assert any("retries [transient " in str(p) for p in seen)
 
 
 def test_completion_identity_follows_model_and_sampling():

@@ -1,12 +1,13 @@
 """Provisioning and probing, against the simulator over real sockets and real processes."""
 
+import dataclasses
 import sys
 
 import httpx
 import pytest
 
 from expansion_dag.errors import FleetError, FleetMismatchError, ServerStartError
-from expansion_dag.fleet import probe_fleet, probe_server
+from expansion_dag.fleet import SLOTS_CONFIGURED, SLOTS_FROM_SERVER, FleetInfo, probe_fleet, probe_server
 from expansion_dag.launcher import Launcher, LaunchSpec, wait_ready
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
@@ -22,6 +23,19 @@ def test_probe_reads_context_slots_model_and_version_from_the_server():
     assert info.model_path == "org/model-x"
     assert info.version
     assert info.simulator is True
+    assert info.slots_source == SLOTS_FROM_SERVER
+
+
+def test_probe_exposes_the_longest_prompt_the_scheduler_admits():
+    with SimulatedFleet([SimServerConfig(port=0, context_length=4096)]) as fleet:
+        info = probe_fleet(fleet.urls)
+    # SGLang's max_req_input_len = min(context - 1, kv capacity - 1) - 5; a prompt that long is refused.
+    assert info.servers[0].max_req_input_len == 4090
+    assert info.max_prompt_tokens == 4089
+    # A server whose KV cache is smaller than the context admits less: the fleet's limit is the least.
+    small = dataclasses.replace(info.servers[0], url="http://gpu-1:30000", max_req_input_len=2994)
+    assert FleetInfo((info.servers[0], small)).max_prompt_tokens == 2993
+    assert FleetInfo((dataclasses.replace(small, max_req_input_len=None),)).max_prompt_tokens is None
 
 
 def test_a_fleet_whose_servers_disagree_on_context_length_is_refused_naming_them():
@@ -48,10 +62,24 @@ def test_probing_a_keyed_server_without_the_key_says_so_and_with_it_works():
         assert probe_server(fleet.urls[0], api_key="k-123").context_length == 8192
 
 
-def test_vllm_backend_probe_uses_models_and_the_slot_override():
+def test_a_keyed_fleet_whose_server_answers_without_the_key_is_an_error():
+    with SimulatedFleet([SimServerConfig(port=0)]) as fleet:
+        with pytest.raises(FleetError, match="answers /v1/models without the API key .* runs unauthenticated"):
+            probe_server(fleet.urls[0], api_key="k-123")
+
+
+def test_vllm_backend_probe_uses_models_and_the_slot_override_and_says_so():
     with SimulatedFleet([SimServerConfig(port=0, backend="vllm", context_length=2048)]) as fleet:
         info = probe_server(fleet.urls[0], backend="vllm", slots_override=64)
     assert (info.context_length, info.slots, info.backend) == (2048, 64, "vllm")
+    assert info.slots_source == SLOTS_CONFIGURED
+    assert info.dialect.reasoning_fields[0] == "reasoning"
+
+
+def test_vllm_slots_are_never_guessed():
+    with SimulatedFleet([SimServerConfig(port=0, backend="vllm")]) as fleet:
+        with pytest.raises(FleetError, match="vLLM does not report its running-request slots .* set slots_override"):
+            probe_server(fleet.urls[0], backend="vllm")
 
 
 def test_wait_ready_rides_out_loading_and_warmup():
@@ -79,7 +107,7 @@ def simulator_launcher(tmp_path, ports, extra=""):
     return Launcher(
         state_dir=tmp_path / "fleet",
         command="{python} -m expansion_dag.sim --host {host} --port {port} --context-length {context_length} "
-        "--mem-fraction-static 0.85 --warmup-s 0.3 " + extra,
+        "--mem-fraction-static 0.85 --warmup-s 0.3 --api-key {api_key} " + extra,
         host="127.0.0.1",
         specs=[LaunchSpec(gpu=i, port=p) for i, p in enumerate(ports)],
         values={"python": sys.executable, "context_length": 8192},

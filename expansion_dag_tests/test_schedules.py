@@ -1,40 +1,44 @@
-"""Nightly expansion: each night takes the next quota, re-runs generate nothing twice."""
+"""Nightly expansion from the run configuration file: each night takes the next quota with the
+file's settings, and a re-run generates nothing twice."""
 
 import datetime as dt
 
 import dagster as dg
+import yaml
 
-from expansion_dag import definitions
+from expansion_dag.config import load_config
+from expansion_dag.definitions import build_definitions
 from expansion_dag.ledger import nights
 from expansion_dag.partitions import SHARD_KEYS
-from expansion_dag.schedules import NIGHT_TAG, build_nightly_schedule, build_nightly_sensors
+from expansion_dag.schedules import NIGHT_TAG
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
-from expansion_dag_tests.helpers import resources
 
 QUOTA = 50
-ASSETS = [*definitions.raw_datasets, definitions.prompts, definitions.budgeted_prompts,
-          definitions.shard_prompts, definitions.completions, definitions.training_set]
-schedule = build_nightly_schedule(prepare_job=definitions.prepare_job, raw_assets=definitions.raw_datasets,
-                                  cron="0 2 * * *", timezone="UTC", quota=QUOTA)
-shards_sensor, training_sensor = build_nightly_sensors(
-    prepare_job=definitions.prepare_job, generate_job=definitions.generate_job,
-    training_set_job=definitions.training_set_job,
-)
+#: Values a user edits in the file; the requests the fleet receives must carry them.
+EDITED = {"temperature": 0.33, "max_output_tokens": 300, "chat_template_kwargs": {"enable_thinking": False}}
 
 
-def tick(instance, day):
+def config_file(tmp_path, urls):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "fleet": {"mode": "attach", "urls": urls},
+        "storage": {"root": str(tmp_path / "storage")},
+        "generation": {**EDITED, "backoff_initial_s": 0.01, "progress_interval_s": 1.0},
+        "schedule": {"cron": "0 2 * * *", "timezone": "UTC", "quota": QUOTA},
+    }))
+    return path
+
+
+def tick(defs, instance, day):
     when = dt.datetime(2026, 11, day, 2, 0, tzinfo=dt.timezone.utc)
-    return schedule.evaluate_tick(dg.build_schedule_context(instance=instance, scheduled_execution_time=when)).run_requests[0]
+    context = dg.build_schedule_context(instance=instance, scheduled_execution_time=when)
+    return defs.get_schedule_def("nightly_expansion").evaluate_tick(context).run_requests[0]
 
 
-def run_request(instance, res, request, *, job_name, partition_key=None):
+def run_request(defs, instance, request, *, job_name, partition_key=None):
     """Launch a run request the way the daemon does: the named job, its tags and config."""
-    jobs = dg.Definitions(
-        assets=ASSETS, jobs=[definitions.prepare_job, definitions.generate_job, definitions.training_set_job],
-        resources=res,
-    )
-    result = jobs.resolve_job_def(job_name).execute_in_process(
+    result = defs.resolve_job_def(job_name).execute_in_process(
         instance=instance, partition_key=partition_key, tags=request.tags,
         run_config=request.run_config, asset_selection=request.asset_selection or None,
     )
@@ -42,25 +46,26 @@ def run_request(instance, res, request, *, job_name, partition_key=None):
     return result
 
 
-def run_night(instance, res, day):
-    request = tick(instance, day)
-    prepared = run_request(instance, res, request, job_name="prepare_job")
+def run_night(defs, instance, day):
+    request = tick(defs, instance, day)
+    prepared = run_request(defs, instance, request, job_name="prepare_job")
     # What the daemon would do next: the shard runs, then the training set.
     success = instance.all_logs(prepared.run_id, of_type=dg.DagsterEventType.RUN_SUCCESS)[0]
     context = dg.build_run_status_sensor_context(
         sensor_name="nightly_shards", dagster_instance=instance,
         dagster_run=instance.get_run_by_id(prepared.run_id), dagster_event=success.dagster_event,
     )
-    shard_requests = shards_sensor(context)
+    shard_requests = defs.get_sensor_def("nightly_shards")(context)
     assert [r.partition_key for r in shard_requests] == SHARD_KEYS
     assert {r.tags[NIGHT_TAG] for r in shard_requests} == {request.tags[NIGHT_TAG]}
+    training_sensor = defs.get_sensor_def("nightly_training_set")
     skipped = training_sensor.evaluate_tick(dg.build_sensor_context(instance=instance))
     assert not skipped.run_requests and "waiting for shard-00" in skipped.skip_message
     for r in shard_requests:
-        run_request(instance, res, r, job_name="generate_job", partition_key=r.partition_key)
+        run_request(defs, instance, r, job_name="generate_job", partition_key=r.partition_key)
     [training] = training_sensor.evaluate_tick(dg.build_sensor_context(instance=instance)).run_requests
     assert training.run_key == f"{request.tags[NIGHT_TAG]}:training_set"
-    run_request(instance, res, training, job_name="training_set_job")
+    run_request(defs, instance, training, job_name="training_set_job")
     return request
 
 
@@ -68,36 +73,46 @@ def completions_requests(fleet):
     return sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
 
 
-def test_nights_take_fresh_quotas_and_a_rerun_generates_nothing_twice(tmp_path, instance):
+def test_nights_take_fresh_quotas_with_the_files_settings_and_a_rerun_generates_nothing_twice(tmp_path, instance):
     config = SimServerConfig(port=0, max_running_requests=8, ttft_s=0.0, token_latency_s=0.0001,
                              output_median_tokens=80)
     with SimulatedFleet([config] * len(SHARD_KEYS)) as fleet:
-        res = resources(fleet.urls, tmp_path)
-        first = run_night(instance, res, 27)
-        assert len(first.asset_selection) == len(definitions.raw_datasets) + 2  # nothing loaded yet
+        run_config = load_config(config_file(tmp_path, fleet.urls))
+        defs = build_definitions(run_config)
+        first = run_night(defs, instance, 27)
+        # Every raw dataset (nothing loaded yet), prompts and the budget; not shards nor training set.
+        assert len(first.asset_selection) == len(defs.assets) - 3
         assert completions_requests(fleet) == QUOTA
+        # The schedule's runs sent what the file says, to the servers it names.
+        for i in range(len(SHARD_KEYS)):
+            sent = fleet.stats(i)["last_chat_request"]
+            assert sent["temperature"] == EDITED["temperature"]
+            assert sent["chat_template_kwargs"] == EDITED["chat_template_kwargs"]
+            assert 0 < sent["max_tokens"] <= EDITED["max_output_tokens"]
+        runs = instance.get_runs(filters=dg.RunsFilter(tags={NIGHT_TAG: "2026-11-27"}))
+        assert {r.tags["expansion/config_digest"] for r in runs} == {run_config.digest()}
 
-        second = run_night(instance, res, 28)
+        second = run_night(defs, instance, 28)
         # The sources did not change: the second night does not reload them.
         assert set(second.asset_selection) == {dg.AssetKey("prompts"), dg.AssetKey("budgeted_prompts")}
         assert completions_requests(fleet) == 2 * QUOTA
 
-        taken = nights(tmp_path / "nights")
+        taken = nights(tmp_path / "storage" / "nights")
         assert list(taken) == ["2026-11-27", "2026-11-28"]
         assert len(taken["2026-11-27"]) == len(taken["2026-11-28"]) == QUOTA
         assert not set(taken["2026-11-27"]) & set(taken["2026-11-28"])
 
         # Night 27 again (a re-run): the same prompts, all already generated, so no request.
-        request = tick(instance, 27)
-        run_request(instance, res, request, job_name="prepare_job")
+        request = tick(defs, instance, 27)
+        run_request(defs, instance, request, job_name="prepare_job")
         for shard in SHARD_KEYS:
-            run_request(instance, res, dg.RunRequest(partition_key=shard, tags=request.tags),
+            run_request(defs, instance, dg.RunRequest(partition_key=shard, tags=request.tags),
                         job_name="generate_job", partition_key=shard)
         assert completions_requests(fleet) == 2 * QUOTA
 
-    store = res["storage"].completion_store()
-    assert sum(len(store.scan(s).done) for s in SHARD_KEYS) == 2 * QUOTA
-    assert all(store.scan(s).duplicates == 0 for s in SHARD_KEYS)
+    store = defs.resources["storage"].completion_store()
+    assert len(store.scan().done) == 2 * QUOTA
+    assert store.scan().duplicates == 0
     nightly = instance.get_runs(filters=dg.RunsFilter(tags={NIGHT_TAG: "2026-11-28"}))
     assert len(nightly) == 1 + len(SHARD_KEYS) + 1
     event = instance.get_latest_materialization_event(dg.AssetKey("training_set"))

@@ -3,7 +3,9 @@
 import os
 import time
 
-from expansion_dag.store import FAILED, OK, CompletionStore, completion_key
+import pytest
+
+from expansion_dag.store import FAILED, OK, CompletionStore, Identity, MixedStoreError, completion_key
 
 
 def ok(key, **extra):
@@ -75,6 +77,26 @@ def test_sorted_iteration_spans_shards_and_is_stable(tmp_path):
     assert store.done_keys() == {"a", "b", "c"}
 
 
+def test_one_pass_in_file_order_gives_each_key_once_and_failures_last(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("c"))
+        w.append(failed("a", "first"))
+        w.append(failed("d", "first"))
+        w.append(ok("a"))  # a retry that succeeded: the failure no longer counts
+        w.append(failed("d", "second"))
+        w.append(failed("c"))  # after its completion: an ok record is final
+    with store.writer("shard-01") as w:
+        w.append(ok("b"))
+        w.append(ok("c"))  # the same key completed in another shard: a duplicate
+        path = w.path
+    with open(path, "ab") as fh:
+        fh.write(b'e\tok\t{"key": "e", "content": "torn')
+    records = list(store.latest_records())
+    assert [(r["key"], r["status"]) for r in records] == [("c", OK), ("a", OK), ("b", OK), ("d", FAILED)]
+    assert records[-1]["message"] == "second"
+
+
 def test_a_writer_that_wrote_nothing_leaves_no_file(tmp_path):
     store = CompletionStore(tmp_path)
     with store.writer("shard-00"):
@@ -86,6 +108,60 @@ def test_identity_changes_with_settings_and_prompt():
     assert completion_key("p1", "settings-a") == completion_key("p1", "settings-a")
     assert completion_key("p1", "settings-a") != completion_key("p1", "settings-b")
     assert completion_key("p1", "settings-a") != completion_key("p2", "settings-a")
+
+
+def test_one_scan_finds_completions_whichever_shard_wrote_them(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("a"))
+        w.append(failed("b"))
+        w.append(failed("c"))
+    with store.writer("shard-03") as w:  # a shard of an earlier, larger layout
+        w.append(ok("b"))
+        w.append(ok("a"))
+    scan = store.scan()
+    assert scan.done == {"a", "b"} == store.done_keys()
+    assert scan.failed == {"c"}
+    assert scan.duplicates == 1
+    assert store.scan("shard-00").done == {"a"}
+
+
+REAL = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="f-real", settings={"temperature": 0.7})
+SIM = Identity(model="Qwen/Qwen3-8B (simulator)", simulated=True, fingerprint="f-sim")
+
+
+def test_a_store_never_takes_simulated_and_real_completions(tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    with store.writer("shard-00", identity=SIM) as w:
+        w.append(ok(SIM.key("p1")))
+    with store.writer("shard-01", identity=SIM):  # the same kind again: fine
+        pass
+    with pytest.raises(MixedStoreError) as refused:
+        store.writer("shard-00", identity=REAL)
+    message = str(refused.value)
+    assert str(tmp_path / "completions") in message
+    assert "holds simulated completions (Qwen/Qwen3-8B (simulator))" in message
+    assert "EXPANSION_STORAGE" in message
+    assert len(os.listdir(tmp_path / "completions" / "shard-00")) == 1  # nothing written for the refused run
+    # And the other way round.
+    real_store = CompletionStore(tmp_path / "real")
+    real_store.register(REAL)
+    with pytest.raises(MixedStoreError, match="holds real completions"):
+        real_store.writer("shard-00", identity=SIM)
+
+
+def test_the_identity_registry_names_who_wrote_the_store_and_is_not_a_shard(tmp_path):
+    store = CompletionStore(tmp_path)
+    store.register(REAL)
+    store.register(REAL)
+    other = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="f-cold", settings={"temperature": 0.1})
+    with store.writer("shard-00", identity=other) as w:
+        w.append(ok(other.key("p1"), prompt_id="p1"))
+    assert store.identities() == {"f-real": REAL, "f-cold": other}
+    assert store.identities()["f-cold"].settings == {"temperature": 0.1}
+    assert store.shards() == ["shard-00"]
+    [record] = store.iter_completions_sorted()
+    assert other.owns(record) and not REAL.owns(record)
 
 
 # A remote root (fsspec's in-memory filesystem here; S3 in test_object_storage.py): objects

@@ -13,20 +13,26 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from expansion_dag.store import Identity
 from expansion_dag.tokenizer import bundled_qwen3_path, load_tokenizer, render_prompts
 from expansion_dag.training_set import (
     LEFT_OUT_REASONS,
+    BuildTrace,
     Manifest,
     TrainingSetConfig,
     build_training_set,
     check_round_trip,
     data_files,
+    expected_renders,
     export_conversations_jsonl,
     manifest_markdown,
     sample_rows,
 )
 
 SYSTEM = "You are terse."
+#: The identity every test record is written under unless a test says otherwise.
+MODEL = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="current-settings")
+SIMULATED = Identity(model="Qwen/Qwen3-8B (simulator)", simulated=True, fingerprint="simulated-settings")
 # A ChatML template like Qwen2.5's (no think block), and one that renders reasoning its own way.
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -40,10 +46,10 @@ CHATML_REASONING = (
 )
 
 
-def record(i, *, content=None, reasoning="Let me see.\nFine.", source=None, **fields):
-    """A completion record as store.py writes it."""
+def record(i, *, content=None, reasoning="Let me see.\nFine.", source=None, identity=MODEL, **fields):
+    """A completion record as store.py writes it, under ``identity``."""
     return {
-        "key": f"k{i:04d}",
+        "key": identity.key(f"p{i:04d}"),
         "prompt_id": f"p{i:04d}",
         "source": source or f"src{i % 2}",
         "messages": [
@@ -97,7 +103,7 @@ def tiny():
 
 def build(records, tokenizer, tmp_path, name="ts", **config):
     out = tmp_path / name
-    manifest = build_training_set(records, tokenizer, TrainingSetConfig(**config), out)
+    manifest = build_training_set(records, tokenizer, TrainingSetConfig(**config), out, identity=MODEL)
     return manifest, pq.read_table(data_files(out)).to_pylist()
 
 
@@ -183,7 +189,7 @@ def test_left_out_records_are_counted_by_reason(qwen3, tmp_path):
         record(3, content=" \n "),
         {**record(4, reasoning="only thoughts"), "content": None},
         record(5, content="<think>\nall thinking</think>\n", reasoning=None),
-        {"key": "k6", "prompt_id": "p0006", "source": "src0", "status": "failed", "error": "http"},
+        {"key": MODEL.key("p0006"), "prompt_id": "p0006", "source": "src0", "status": "failed", "error": "http"},
         record(7, content="word " * 400),
         {**record(8, content="ok", reasoning=None), "messages": [{"role": "user", "content": "?"}]},
         record(9),
@@ -191,7 +197,8 @@ def test_left_out_records_are_counted_by_reason(qwen3, tmp_path):
     manifest, rows = build(records, qwen3, tmp_path, max_length=200, min_length=20)
     assert [r["id"] for r in rows] == ["p0000", "p0009"]
     assert manifest.left_out == {
-        "failed": 1, "truncated": 1, "empty": 4, "too_long": 1, "too_short": 1,
+        "other_identity": 0, "failed": 1, "unfinished": 0, "truncated": 1, "empty": 4, "too_long": 1,
+        "too_short": 1,
     }
     assert list(manifest.left_out) == list(LEFT_OUT_REASONS)
     # Kept when asked to; and min_length == max_length leaves only samples of exactly that length.
@@ -200,6 +207,22 @@ def test_left_out_records_are_counted_by_reason(qwen3, tmp_path):
     )
     assert manifest.left_out["truncated"] == 0 and manifest.left_out["too_short"] == 4
     assert manifest.samples == 0 and rows == []
+
+
+def test_manifest_says_what_share_of_the_generated_tokens_reached_the_set(qwen3, tmp_path):
+    records = [
+        record(0, completion_tokens=100),
+        record(1, completion_tokens=300, finish_reason="length"),  # truncated: generated, not kept
+        # A degenerate answer stopped mid-stream: its streamed tokens were generated too.
+        {"key": MODEL.key("p0002"), "prompt_id": "p0002", "source": "src0", "status": "failed",
+         "error": "degenerate", "streamed_chunks": 100},
+        record(3, completion_tokens=999, identity=SIMULATED),  # another identity's: not this set's work
+    ]
+    trace = BuildTrace()
+    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identity=MODEL, trace=trace)
+    assert (manifest.output_tokens, manifest.output_tokens_in_set, manifest.useful_token_share) == (500, 100, 0.2)
+    # The nightly table's figures come from the same pass.
+    assert trace.completion_tokens == {"p0000": 100, "p0001": 300} and trace.failed == {"p0002"}
 
 
 def test_manifest_totals_match_the_rows(qwen3, tmp_path):
@@ -250,35 +273,45 @@ def test_loads_with_datasets_parquet(qwen3, tmp_path):
 def test_round_trip_check_passes_and_catches_corruption(qwen3, tmp_path):
     records = [record(i) for i in range(12)]
     config = TrainingSetConfig(rows_per_file=5, chunk_rows=4)
-    build_training_set(records, qwen3, config, tmp_path / "ts")
+    build_training_set(records, qwen3, config, tmp_path / "ts", identity=MODEL)
     rows = sample_rows(tmp_path / "ts", 6)
     assert [r["id"] for r in rows] == ["p0000", "p0002", "p0004", "p0006", "p0008", "p0010"]
-    result = check_round_trip(rows, iter(records), qwen3, config)
+    expected = expected_renders(iter(records), qwen3, config, identity=MODEL)
+    result = check_round_trip(rows, expected, qwen3)
     assert result.ok and (result.checked, result.passed, result.failing_ids) == (6, 6, [])
+    # The build's own trace holds the same renders: the asset's round trip needs no second pass.
+    trace = BuildTrace()
+    build_training_set(records, qwen3, config, tmp_path / "again", identity=MODEL, trace=trace)
+    assert trace.renders == expected
 
     shifted = dict(rows[1], loss_mask=[0] + rows[1]["loss_mask"][:-1])  # mask one token late
     swapped = dict(rows[2], input_ids=[rows[2]["input_ids"][0] + 1] + rows[2]["input_ids"][1:])
     stranger = dict(rows[3], id="nobody")
     miscounted = dict(rows[4], length=rows[4]["length"] + 1)
-    result = check_round_trip(
-        [rows[0], shifted, swapped, stranger, miscounted], records, qwen3, config
-    )
+    result = check_round_trip([rows[0], shifted, swapped, stranger, miscounted], expected, qwen3)
     assert not result.ok
     assert (result.checked, result.passed, result.failed, result.missing) == (5, 1, 3, 1)
     assert result.failing_ids == ["p0002", "p0004", "nobody", "p0008"]
     # Rendered under other settings, the same rows no longer match.
     dropped = TrainingSetConfig(reasoning="drop")
-    assert check_round_trip(rows, records, qwen3, dropped).failed == 6
+    assert check_round_trip(rows, expected_renders(records, qwen3, dropped, identity=MODEL), qwen3).failed == 6
+    # A row is only right when it comes from the set's own identity.
+    assert check_round_trip(rows, expected_renders(records, qwen3, config, identity=SIMULATED), qwen3).missing == 6
 
 
 def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     records = [record(0), record(1, finish_reason="length"), record(2, content="word " * 400)]
     config = TrainingSetConfig(max_length=200)
-    manifest = build_training_set(records, qwen3, config, tmp_path / "ts")
-    result = export_conversations_jsonl(records, config, tmp_path / "c.jsonl", tokenizer=qwen3)
+    manifest = build_training_set(
+        records, qwen3, config, tmp_path / "ts", identity=MODEL, conversations=tmp_path / "built.jsonl"
+    )
+    result = export_conversations_jsonl(records, config, tmp_path / "c.jsonl", identity=MODEL, tokenizer=qwen3)
     lines = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert result.samples == manifest.samples == len(lines) == 1
     assert result.left_out == manifest.left_out
+    # The build's pass writes the same file as the export on its own.
+    assert (tmp_path / "built.jsonl").read_bytes() == (tmp_path / "c.jsonl").read_bytes()
+    assert not list(tmp_path.glob(".built.jsonl.tmp-*"))
     [line] = lines
     assert line == {
         "id": "p0000",
@@ -295,7 +328,7 @@ def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     rendered = qwen3.apply_chat_template(line["conversations"], tokenize=False)
     assert rendered == decode(qwen3, row["input_ids"])
     # Without a tokenizer the length limit cannot apply; the other reasons still do.
-    result = export_conversations_jsonl(records, config, tmp_path / "c.jsonl")
+    result = export_conversations_jsonl(records, config, tmp_path / "c.jsonl", identity=MODEL)
     assert result.samples == 2 and result.left_out["truncated"] == 1
     assert not list(tmp_path.glob(".c.jsonl.tmp-*"))
 
@@ -453,3 +486,42 @@ def test_config_keeps_its_own_copy_of_the_kwargs():
     config = TrainingSetConfig(chat_template_kwargs=kwargs)
     kwargs["enable_thinking"] = True
     assert config.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_only_the_current_identity_and_finished_answers_are_taken(qwen3, tmp_path):
+    warmer = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="temperature-0.9")
+    records = [
+        record(0),
+        record(0, identity=warmer, content="Another answer to the same prompt."),
+        record(1, identity=SIMULATED),
+        record(2, identity=SIMULATED),
+        record(3, finish_reason="abort"),
+        record(4, finish_reason="unknown"),
+        record(5, finish_reason="length"),
+        {**record(6), "key": "written-by-an-unknown-run"},
+        record(7),
+    ]
+    known = {i.fingerprint: i for i in (MODEL, SIMULATED, warmer)}
+    manifest = build_training_set(
+        records, qwen3, TrainingSetConfig(drop_truncated=False), tmp_path / "ts", identity=MODEL, known=known
+    )
+    rows = pq.read_table(data_files(tmp_path / "ts")).to_pylist()
+    assert [r["id"] for r in rows] == ["p0000", "p0005", "p0007"]  # one answer per prompt
+    assert decode(qwen3, rows[0]["input_ids"]).count("It is 0.") == 1
+    assert manifest.left_out["other_identity"] == 4 and manifest.left_out["unfinished"] == 2
+    assert manifest.other_identities == {
+        SIMULATED.label: 2, warmer.label: 1, "unregistered identity": 1,
+    }
+    assert manifest.identity == MODEL.to_dict() and manifest.simulated is False
+    markdown = manifest_markdown(manifest)
+    assert "Qwen/Qwen3-8B (simulator) [settings simulated-settings] | 2 |" in markdown
+    assert "SIMULATED" not in markdown
+
+
+def test_a_set_built_from_simulated_answers_says_so(qwen3, tmp_path):
+    records = [record(i, identity=SIMULATED) for i in range(3)] + [record(9)]
+    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identity=SIMULATED)
+    assert manifest.samples == 3 and manifest.left_out["other_identity"] == 1
+    assert Manifest.read(tmp_path / "ts").simulated is True
+    assert json.loads((tmp_path / "ts" / "manifest.json").read_text())["identity"]["model"].endswith("(simulator)")
+    assert manifest_markdown(manifest).startswith("**Built from SIMULATED completions**")

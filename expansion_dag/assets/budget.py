@@ -1,4 +1,8 @@
-"""Stage 3: token-budgeted prompts, then one partition of them per shard."""
+"""Stage 3: token-budgeted prompts, then one partition of them per shard.
+
+The shard checks read the shard's file back as stored (the IO manager has written it when the
+``Output`` is yielded) and recompute from it: a sample of prompts is re-counted with the tokenizer.
+"""
 
 import dagster as dg
 import polars as pl
@@ -11,8 +15,13 @@ from expansion_dag.partitions import SHARD_KEYS, shard_partitions
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
+from expansion_dag.store import Identity
+from expansion_dag.tokenizer import count_prompt_tokens
 
 GROUP = "budget"
+FLEET_IDENTITY = "fleet_identity"
+SIMULATED_FLEET = "simulated_fleet"
+FITS_SAMPLE = 64  # shard prompts re-counted by the fits_context check
 
 
 class NightConfig(dg.Config):
@@ -37,13 +46,15 @@ def budgeted_prompts(
         f"probed context length {fleet_info.context_length} and model {fleet_info.model_path} "
         f"from {len(fleet_info.servers)} {'simulated ' if fleet_info.simulated else ''}server(s)"
     )
+    identity = Identity.of(fleet_info.identity, fleet_info.simulated, settings.sampling())
+    # Before any work: simulated and real completions never share a store.
+    storage.completion_store().refuse_other_kind(identity)
     night_metadata: dict = {}
     take = None
     if config.night:
-        sampling = settings.sampling()
 
         def take(fitting: pl.DataFrame) -> pl.DataFrame:
-            keys = pl.Series([sampling.key(p, fleet_info.identity) for p in fitting["prompt_id"].to_list()], dtype=pl.String)
+            keys = pl.Series([identity.key(p) for p in fitting["prompt_id"].to_list()], dtype=pl.String)
             taken = take_night(
                 fitting,
                 keys,
@@ -63,6 +74,7 @@ def budgeted_prompts(
         num_shards=len(SHARD_KEYS),
         config=settings.budget_config(),
         select=take,
+        max_prompt_tokens=fleet_info.max_prompt_tokens,
     )
     set_aside_path = storage.write_parquet(result.set_aside.drop("messages"), "set_aside", "budgeted_prompts.parquet")
     shards = result.shard_stats()
@@ -77,6 +89,9 @@ def budgeted_prompts(
             "context_length": fleet_info.context_length,
             "context_length_source": "probed: /v1/models max_model_len"
             + (" (simulated fleet)" if fleet_info.simulated else ""),
+            # The training set takes the completions of this model (simulated or not).
+            FLEET_IDENTITY: fleet_info.identity,
+            SIMULATED_FLEET: fleet_info.simulated,
             "prompt_tokens": int(result.prompts["prompt_tokens"].sum() or 0),
             "max_tokens_total": int(result.prompts["max_tokens"].sum() or 0),
             "expected_tokens": int(result.prompts["expected_tokens"].sum() or 0),
@@ -105,7 +120,12 @@ CHECK_FITS = "fits_context"
         ),
     ],
 )
-def shard_prompts(context: dg.AssetExecutionContext, budgeted_prompts: pl.DataFrame):
+def shard_prompts(
+    context: dg.AssetExecutionContext,
+    budgeted_prompts: pl.DataFrame,
+    settings: GenerationSettings,
+    storage: StorageResource,
+):
     """The prompts of one shard, the work its GPU server will do."""
     shard = context.partition_key
     rows = budgeted_prompts.filter(pl.col("shard") == shard)
@@ -118,25 +138,41 @@ def shard_prompts(context: dg.AssetExecutionContext, budgeted_prompts: pl.DataFr
             "max_tokens_total": int(rows["max_tokens"].sum() or 0),
         },
     )
-    yield from budget_checks(rows)
+    # Written by now: the checks look at the file the completions will read.
+    stored = storage.read_asset("shard_prompts", shard)
+    yield from shard_checks(stored, settings.load_tokenizer(), settings.template_kwargs(), expected_rows=rows.height)
 
 
-def budget_checks(rows: pl.DataFrame):
-    duplicates = rows.height - rows["prompt_id"].n_unique()
+def shard_checks(stored: pl.DataFrame, tokenizer, chat_template_kwargs: dict, *, expected_rows: int):
+    """The three shard checks over a shard's prompts as stored."""
+    duplicates = stored.height - stored["prompt_id"].n_unique()
     yield dg.AssetCheckResult(
-        check_name=CHECK_IDS_UNIQUE, passed=duplicates == 0, metadata={"duplicate_ids": duplicates}
+        check_name=CHECK_IDS_UNIQUE,
+        passed=duplicates == 0,
+        metadata={"duplicate_ids": duplicates, "rows_stored": stored.height, "rows_assigned": expected_rows},
     )
-    empty = rows.filter(
-        pl.col("messages").list.eval(pl.element().struct.field("content").str.strip_chars().str.len_chars()).list.sum()
-        == 0
-    ).height
+    text = pl.col("messages").list.eval(pl.element().struct.field("content").str.strip_chars().str.len_chars())
+    empty = stored.filter(text.list.sum().fill_null(0) == 0).height
     yield dg.AssetCheckResult(check_name=CHECK_NO_EMPTY, passed=empty == 0, metadata={"empty_prompts": empty})
-    over = rows.filter(pl.col("prompt_tokens") + pl.col("max_tokens") > pl.col("context_length"))
+    over = stored.filter(pl.col("prompt_tokens") + pl.col("max_tokens") > pl.col("context_length"))
+    # An independent count: the stored token counts are only trusted where the tokenizer agrees.
+    sample = stored.gather(sorted({i * stored.height // FITS_SAMPLE for i in range(min(FITS_SAMPLE, stored.height))}))
+    recounted = sample.with_columns(
+        pl.Series("recount", count_prompt_tokens(tokenizer, sample["messages"].to_list(), chat_template_kwargs))
+    )
+    miscounted = recounted.filter(pl.col("recount") != pl.col("prompt_tokens"))
+    over_by_recount = recounted.filter(pl.col("recount") + pl.col("max_tokens") > pl.col("context_length"))
+    failing = pl.concat([over["prompt_id"], miscounted["prompt_id"], over_by_recount["prompt_id"]]).unique(
+        maintain_order=True
+    )
     yield dg.AssetCheckResult(
         check_name=CHECK_FITS,
-        passed=over.height == 0,
+        passed=failing.is_empty(),
         metadata={
             "over_context": over.height,
-            "example_ids": dg.MetadataValue.json(over["prompt_id"].head(5).to_list()),
+            "recounted": recounted.height,
+            "recount_differs": miscounted.height,
+            "over_context_by_recount": over_by_recount.height,
+            "example_ids": dg.MetadataValue.json(failing.head(5).to_list()),
         },
     )

@@ -1,9 +1,11 @@
 """Stage 4: generated completions, one partition per shard, each on its own GPU server.
 
-The asset is a thin shell over ``expansion_dag.engine``: it picks the prompts the store does not
-hold yet, runs them, and turns the shard report into metadata and check results. A shard whose
-failures exceed ``max_failure_rate`` fails its materialization (so "backfill failed partitions"
-picks it up) after every success has been written; the next run sends only what is missing.
+The asset is a thin shell over ``expansion_dag.engine``: it picks the prompts that have no
+completion of the current identity anywhere in the store (whichever shard wrote it: shard
+membership changes with the shard count and the budget's priors), runs them, and turns the shard
+report into metadata and check results. A shard whose failures exceed ``max_failure_rate`` fails
+its materialization (so "backfill failed partitions" picks it up) after every success has been
+written; the next run sends only what is missing.
 """
 
 import json
@@ -12,13 +14,17 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
+from expansion_dag.answer_lengths import Estimate, bucket_label, cell_estimates, learn
 from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.assets.configuration import resource_fields, run_configuration_file
+from expansion_dag.assets.progress import shard_progress_reporter
 from expansion_dag.engine import ShardReport, Server, WorkItem, generate_shard
 from expansion_dag.errors import ShardAborted
 from expansion_dag.partitions import shard_index, shard_partitions
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
+from expansion_dag.store import Identity
 
 GROUP = "generation"
 CHECK_FAILURE_RATE = "failure_rate"
@@ -36,7 +42,7 @@ def _spec(name: str, description: str, blocking: bool = False) -> dg.AssetCheckS
     group_name=GROUP,
     partitions_def=shard_partitions,
     check_specs=[
-        _spec(CHECK_FAILURE_RATE, "Failed prompts stay under settings.max_failure_rate."),
+        _spec(CHECK_FAILURE_RATE, "Failed prompts (answers stopped as loops aside) stay under settings.max_failure_rate."),
         _spec(CHECK_CONTEXT_REJECTIONS, "No request was rejected for exceeding the context length."),
         _spec(CHECK_TRUNCATION, "Answers cut at max_tokens stay under settings.max_truncation_rate (warning)."),
         _spec(CHECK_DRIFT, "The server counts prompt tokens as this project does (warning)."),
@@ -59,16 +65,17 @@ def completions(
     server = fleet_info.server(url)
     # Other servers lend idle slots; vLLM has no /v1/loads to say when they are idle.
     helpers = (
-        [Server(url=s.url, slots=s.slots) for s in fleet_info.servers if s.url != url]
+        [Server(url=s.url, slots=s.slots, dialect=s.dialect) for s in fleet_info.servers if s.url != url]
         if settings.spill_to_idle_servers and fleet.backend == "sglang"
         else []
     )
     sampling = settings.sampling()
-    keys = [sampling.key(pid, fleet_info.identity) for pid in shard_prompts["prompt_id"].to_list()]
+    identity = Identity.of(fleet_info.identity, fleet_info.simulated, sampling)
+    keys = [identity.key(pid) for pid in shard_prompts["prompt_id"].to_list()]
     prompts = shard_prompts.with_columns(pl.Series("key", keys, dtype=pl.String))
 
     store = storage.completion_store()
-    already = store.scan(shard)
+    already = store.scan()  # the whole store in one pass: a prompt may have moved between shards
     todo = prompts.filter(~pl.col("key").is_in(list(already.done)))
     context.log.info(
         f"{shard}: {prompts.height} prompts, {prompts.height - todo.height} already done, "
@@ -94,42 +101,60 @@ def completions(
             (pl.col("expected_tokens") - pl.col("prompt_tokens")).alias("expected_output_tokens"),
         ).iter_rows(named=True)
     ]
+    # Expected answer lengths, learned from this identity's completions in the store (earlier
+    # nights, other shards) and refined by the run: they order the queue, the typed priors only
+    # where nothing was learned.
+    lengths = learn((record for one in store.shards() for record in store.records(one)), identity.owns)
+    learned_from_store = lengths.answers
+    cells = [(i.source, i.prompt_tokens, i.expected_output_tokens) for i in items]
+    estimates_before = cell_estimates(lengths, cells)
     aborted: str | None = None
-    with store.writer(shard) as writer:
+    # Registering the identity refuses a simulated run in a real store (and the reverse) before any request.
+    with store.writer(shard, identity=identity) as writer:
         try:
             report = generate_shard(
                 items,
-                [Server(url=url, slots=server.slots)],
+                [Server(url=url, slots=server.slots, dialect=server.dialect)],
                 writer=writer,
                 model=fleet_info.model,
                 sampling=sampling,
                 config=settings.engine_config(),
                 helpers=helpers,
                 api_key=fleet.api_key(),
-                on_progress=lambda p: context.log.info(f"{shard}: {p}"),
+                lengths=lengths,
+                on_progress=shard_progress_reporter(context, shard),
             )
         except ShardAborted as exc:
             aborted = str(exc)
             report = exc.report if isinstance(exc.report, ShardReport) else ShardReport(total=len(items))
 
-    # The shard's standing across every run, not only this one.
-    final = store.scan(shard)
+    # The shard's standing across every run and every shard folder, not only this one.
+    final = store.scan()
     shard_keys = set(keys)
     done = len(shard_keys & final.done)
     failed = len(shard_keys & final.failed)
     missing = len(shard_keys) - done - failed
-    failure_rate = failed / len(shard_keys) if shard_keys else 0.0
+    # Answers stopped as loops are the model's, not the fleet's: dropped and counted as waste,
+    # they do not fail the shard (a loop share above max_failure_rate is normal for reasoning models).
+    degenerate = len(shard_keys & final.failed & report.degenerate_keys)
+    failure_rate = (failed - degenerate) / len(shard_keys) if shard_keys else 0.0
     effective = {
         "fleet": fleet.effective_config(fleet_info, url),
         "settings": settings.as_metadata(),
+        # The resources as this run configured them (file, variables, launchpad), and the file.
+        "fleet_resource": resource_fields(fleet),
+        "storage_resource": resource_fields(storage),
+        "run_configuration": run_configuration_file(),
     }
     previous = _previous_effective_config(context, shard)
 
-    yield from _checks(report, settings, failure_rate, failed, effective, previous)
-    metadata = _metadata(report, shard, url, fell_back, done, failed, missing, already.done, final, effective)
+    yield from _checks(report, settings, failure_rate, failed - degenerate, effective, previous)
+    metadata = _metadata(report, shard, url, fell_back, done, failed, missing, shard_keys & already.done, final, effective)
+    metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": degenerate}
+    metadata |= _order_metadata(learned_from_store, estimates_before, cell_estimates(lengths, cells))
     if aborted or failure_rate > settings.max_failure_rate or missing:
         reason = aborted or (
-            f"{failed} of {len(shard_keys)} prompts failed ({failure_rate:.1%} > max_failure_rate "
+            f"{failed - degenerate} of {len(shard_keys)} prompts failed ({failure_rate:.1%} > max_failure_rate "
             f"{settings.max_failure_rate:.1%})"
             if failure_rate > settings.max_failure_rate
             else f"{missing} prompts have neither a completion nor a failure record"
@@ -224,6 +249,40 @@ def _checks(
     )
 
 
+def _waste_metadata(report: ShardReport, drop_truncated: bool) -> dict[str, Any]:
+    """What this run generated that the training set will not hold (``drop_truncated``: its setting)."""
+    return {
+        "output_tokens_generated": report.generated_output_tokens,
+        "output_tokens_kept": report.kept_output_tokens(drop_truncated),
+        "useful_token_share": round(report.useful_token_share(drop_truncated), 4),
+        # Send to outcome, queueing at the server included; keyed by finish reason or failure kind.
+        "dropped_slot_seconds_by_reason": dg.MetadataValue.json(report.dropped_slot_seconds(drop_truncated)),
+    }
+
+
+def _order_metadata(
+    learned_from_store: int,
+    before: dict[tuple[str, int], tuple[int, Estimate]],
+    after: dict[tuple[str, int], tuple[int, Estimate]],
+) -> dict[str, Any]:
+    def basis(estimate: Estimate) -> str:
+        return "typed prior" if estimate.basis == "prior" else f"{estimate.answers} answers ({estimate.basis})"
+
+    rows = [
+        (cell[0], bucket_label(cell[1]), n, start.tokens, basis(start), after[cell][1].tokens, basis(after[cell][1]))
+        for cell, (n, start) in before.items()
+    ]
+    return {
+        "answer_lengths_learned_from_store": learned_from_store,
+        "expected_answer_lengths": dg.MetadataValue.md(
+            markdown_table(
+                columns=["source", "prompt tokens", "prompts", "expected at start", "from", "expected at end", "from"],
+                rows=rows,
+            )
+        ),
+    }
+
+
 def _metadata(
     report: ShardReport,
     shard: str,
@@ -288,6 +347,7 @@ def _metadata(
         ),
         "requests_on_idle_servers": sum(s.requests for s in report.helpers.values()),
         "context_retries": report.context_retries,
+        "queue_reorders": report.reorders,
         "effective_config": dg.MetadataValue.json(json.loads(json.dumps(effective, default=str))),
         "aborted": report.aborted or "",
     }

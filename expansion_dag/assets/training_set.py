@@ -1,46 +1,76 @@
-"""Stage 5: the tokenized training set, merged from every shard's completions."""
+"""Stage 5: the tokenized training set, from the completions of the current identity in the store.
+
+The current identity is the model the budget was probed from (simulated or not, as recorded in
+``budgeted_prompts``' metadata) with the current sampling settings and cap; every other record is
+counted and left out. The store is read once, in file order: the build writes the set and the
+conversations export from that pass, and keeps what the round trip (a digest of each row's render)
+and the nightly table (each prompt's outcome) need. The checks read the written Parquet files back
+and recompute from them; an empty set fails, naming what was left out and why.
+"""
+
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 import dagster as dg
 import polars as pl
 import pyarrow.parquet as pq
 
+from expansion_dag.assets.budget import FLEET_IDENTITY, SIMULATED_FLEET
 from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.ledger import nights
+from expansion_dag.resources.settings import GenerationSettings
+from expansion_dag.resources.storage import StorageResource
+from expansion_dag.store import Identity
 from expansion_dag.training_set import (
     MANIFEST_NAME,
+    BuildTrace,
+    Manifest,
+    TrainingSetConfig,
     build_training_set,
     check_round_trip,
     data_files,
-    export_conversations_jsonl,
+    expected_renders,
     manifest_markdown,
     sample_rows,
 )
-from expansion_dag.resources.settings import GenerationSettings
-from expansion_dag.resources.storage import StorageResource
 from expansion_dag.urls import as_upath
 
 GROUP = "training"
+CHECK_NOT_EMPTY = "has_samples"
 CHECK_LOSS_MASK = "loss_mask_not_empty"
 CHECK_LENGTH = "within_context_length"
 CHECK_ROUND_TRIP = "round_trip"
 ROUND_TRIP_SAMPLE = 64
+FIGURES_BATCH_ROWS = 1024
 
 
-def _context_length(context: dg.AssetExecutionContext) -> int:
-    """The context length the prompts were budgeted for, as probed from the fleet then."""
+def _budget_facts(context: dg.AssetExecutionContext) -> tuple[int, str, bool]:
+    """The context length and the model (simulated or not) the prompts were budgeted for."""
     event = context.instance.get_latest_materialization_event(dg.AssetKey("budgeted_prompts"))
-    value = event.asset_materialization.metadata.get("context_length") if event and event.asset_materialization else None
-    if value is None:
-        raise dg.Failure("budgeted_prompts has no recorded context length: materialize it first")
-    return int(value.value)
+    metadata = event.asset_materialization.metadata if event and event.asset_materialization else {}
+    missing = [name for name in ("context_length", FLEET_IDENTITY, SIMULATED_FLEET) if name not in metadata]
+    if missing:
+        raise dg.Failure(
+            f"budgeted_prompts has no recorded {', '.join(missing)}: materialize budgeted_prompts (prepare_job) first"
+        )
+    return (
+        int(metadata["context_length"].value),
+        str(metadata[FLEET_IDENTITY].value),
+        bool(metadata[SIMULATED_FLEET].value),
+    )
 
 
 @dg.asset(
     group_name=GROUP,
     deps=["completions"],
     check_specs=[
+        dg.AssetCheckSpec(CHECK_NOT_EMPTY, asset="training_set", description="The set has samples."),
         dg.AssetCheckSpec(CHECK_LOSS_MASK, asset="training_set", description="Every row trains on some tokens."),
-        dg.AssetCheckSpec(CHECK_LENGTH, asset="training_set", description="No row is longer than the context."),
+        dg.AssetCheckSpec(
+            CHECK_LENGTH,
+            asset="training_set",
+            description="No row is longer than the context; lengths, ids and masks agree.",
+        ),
         dg.AssetCheckSpec(
             CHECK_ROUND_TRIP, asset="training_set", description="Sampled rows decode back to their conversation."
         ),
@@ -50,61 +80,151 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
     """Parquet shards of input_ids and loss_mask, one row per kept completion, plus a manifest."""
     store = storage.completion_store()
     tokenizer = settings.load_tokenizer()
-    config = settings.training_set_config(_context_length(context))
+    context_length, model, simulated = _budget_facts(context)
+    identity = Identity.of(model, simulated, settings.sampling())
+    config = settings.training_set_config(context_length)
     out_dir = storage.path("training_set")
-    with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging:
-        manifest = build_training_set(store.iter_completions_sorted(), tokenizer, config, staging)
     jsonl = storage.path("exports", "conversations.jsonl")
-    with storage.local_staging(jsonl) as staging:
-        export_conversations_jsonl(store.iter_completions_sorted(), config, staging, tokenizer=tokenizer)
+    # One pass over the store, in file order: the set, the export, and (in the trace) what the
+    # round trip and the nightly table need.
+    trace = BuildTrace()
+    with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging, storage.local_staging(jsonl) as lines:
+        manifest = build_training_set(
+            store.latest_records(), tokenizer, config, staging, identity=identity, known=store.identities(),
+            conversations=lines, trace=trace,
+        )
 
-    rows = sample_rows(out_dir, ROUND_TRIP_SAMPLE)
-    empty_masks = _rows_without_loss(out_dir)
-    over = [r["id"] for r in rows if r["length"] > config.max_length]
-    round_trip = check_round_trip(rows, store.iter_completions_sorted(), tokenizer, config)
-    yield dg.AssetCheckResult(
-        check_name=CHECK_LOSS_MASK, passed=empty_masks == 0, metadata={"rows_without_loss": empty_masks}
-    )
-    yield dg.AssetCheckResult(
-        check_name=CHECK_LENGTH,
-        passed=manifest.tokens_per_sample.get("max", 0) <= config.max_length and not over,
-        metadata={"max_tokens_per_sample": manifest.tokens_per_sample.get("max", 0), "context_length": config.max_length},
-    )
-    yield dg.AssetCheckResult(
-        check_name=CHECK_ROUND_TRIP,
-        passed=round_trip.ok or manifest.samples == 0,
-        metadata={
-            "checked": round_trip.checked,
-            "failed": round_trip.failed,
-            "missing": round_trip.missing,
-            "failing_ids": dg.MetadataValue.json(round_trip.failing_ids),
-        },
-    )
+    yield from training_set_checks(out_dir, trace.renders, tokenizer, config, identity)
+    if manifest.samples == 0:
+        raise dg.Failure(
+            description=f"the training set has no samples: {_left_out_text(manifest)}",
+            metadata=_left_out_metadata(manifest),
+        )
     yield dg.MaterializeResult(
         metadata={
             "samples": manifest.samples,
             "tokens": manifest.tokens,
             "assistant_tokens": manifest.assistant_tokens,
+            # Issue 14's figure: the share of generated output tokens that reached the set.
+            "output_tokens": manifest.output_tokens,
+            "output_tokens_in_set": manifest.output_tokens_in_set,
+            "useful_token_share": manifest.useful_token_share,
             "mean_tokens_per_sample": round(manifest.tokens_per_sample.get("mean", 0.0), 1),
-            "left_out": dg.MetadataValue.json(manifest.left_out),
+            # A set of simulator answers says so wherever it is shown.
+            "simulated": manifest.simulated,
+            "model": manifest.identity["model"],
+            "settings_fingerprint": manifest.identity["fingerprint"],
+            **_left_out_metadata(manifest),
             "tokenizer": settings.tokenizer,
             "summary": dg.MetadataValue.md(manifest_markdown(manifest)),
             "path": dg.MetadataValue.path(str(out_dir)),
             "files": dg.MetadataValue.json(data_files(out_dir)),
             "conversations_jsonl": dg.MetadataValue.path(str(jsonl)),
-            **_nights_metadata(storage),
+            **_nights_metadata(storage, trace),
         }
     )
 
 
-def _nights_metadata(storage: StorageResource) -> dict:
-    """Each nightly expansion's figures, so every night stays visible in the UI."""
+def _left_out_metadata(manifest: Manifest) -> dict[str, Any]:
+    return {
+        "left_out": dg.MetadataValue.json(manifest.left_out),
+        "left_out_other_identities": dg.MetadataValue.json(manifest.other_identities),
+    }
+
+
+def _left_out_text(manifest: Manifest) -> str:
+    reasons = ", ".join(f"{reason} {count:,}" for reason, count in manifest.left_out.items() if count)
+    others = "; ".join(f"{label}: {count:,}" for label, count in manifest.other_identities.items())
+    return (
+        f"left out by reason: {reasons or 'nothing (the store holds no completion)'}"
+        + (f"; other identities: {others}" if others else "")
+        + f". Taken: {manifest.identity['model']} with settings {manifest.identity['fingerprint']}."
+    )
+
+
+def training_set_checks(
+    out_dir,
+    expected: Callable[[], Iterable[Mapping[str, Any]]] | Mapping[str, Collection[bytes]],
+    tokenizer,
+    config: TrainingSetConfig,
+    identity: Identity,
+) -> list[dg.AssetCheckResult]:
+    """Every check of a written set, from its files read back.
+
+    The round trip decodes sampled rows against ``expected``: the build's trace of renders, or a
+    callable giving the store's records to render afresh.
+    """
+    manifest = Manifest.read(out_dir)
+    figures = _stored_figures(out_dir, config.max_length)
+    rows = sample_rows(out_dir, ROUND_TRIP_SAMPLE)
+    if callable(expected):
+        expected = expected_renders(expected(), tokenizer, config, identity=identity, ids={r["id"] for r in rows})
+    round_trip = check_round_trip(rows, expected, tokenizer)
+    return [
+        dg.AssetCheckResult(
+            check_name=CHECK_NOT_EMPTY,
+            passed=figures["rows"] > 0,
+            metadata={"rows": figures["rows"], **_left_out_metadata(manifest)},
+            description=None if figures["rows"] else _left_out_text(manifest),
+        ),
+        dg.AssetCheckResult(
+            check_name=CHECK_LOSS_MASK,
+            passed=figures["rows_without_loss"] == 0,
+            metadata={"rows_without_loss": figures["rows_without_loss"]},
+        ),
+        dg.AssetCheckResult(
+            check_name=CHECK_LENGTH,
+            passed=figures["rows_over_context"] == 0 and figures["rows_inconsistent"] == 0,
+            metadata={
+                "max_tokens_per_sample": figures["max_length"],
+                "context_length": config.max_length,
+                "rows_over_context": figures["rows_over_context"],
+                "rows_whose_length_ids_and_mask_disagree": figures["rows_inconsistent"],
+            },
+        ),
+        dg.AssetCheckResult(
+            check_name=CHECK_ROUND_TRIP,
+            passed=round_trip.ok,
+            metadata={
+                "checked": round_trip.checked,
+                "failed": round_trip.failed,
+                "missing": round_trip.missing,
+                "failing_ids": dg.MetadataValue.json(round_trip.failing_ids),
+            },
+        ),
+    ]
+
+
+def _stored_figures(out_dir, max_length: int) -> dict[str, int]:
+    """Row counts and lengths recomputed from the Parquet files, one row group at a time.
+
+    Through fsspec (any storage root), not polars' own cloud readers.
+    """
+    figures = {"rows": 0, "rows_without_loss": 0, "rows_over_context": 0, "rows_inconsistent": 0, "max_length": 0}
+    for url in data_files(out_dir):
+        with as_upath(url).open("rb") as fh:
+            # Small batches: a file holds up to rows_per_file rows of thousands of tokens each.
+            batches = pq.ParquetFile(fh).iter_batches(batch_size=FIGURES_BATCH_ROWS, columns=["input_ids", "loss_mask", "length"])
+            for batch in batches:
+                ids = pl.col("input_ids").list.len()
+                row = pl.from_arrow(batch).select(
+                    pl.len().alias("rows"),
+                    (pl.col("loss_mask").list.sum().fill_null(0) == 0).sum().alias("rows_without_loss"),
+                    (ids > max_length).sum().alias("rows_over_context"),
+                    ((ids != pl.col("loss_mask").list.len()) | (ids != pl.col("length"))).sum().alias("rows_inconsistent"),
+                    ids.max().fill_null(0).alias("max_length"),
+                ).row(0, named=True)
+                for name, value in row.items():
+                    figures[name] = max(figures[name], value) if name == "max_length" else figures[name] + value
+    return figures
+
+
+def _nights_metadata(storage: StorageResource, trace: BuildTrace) -> dict:
+    """Each nightly expansion's figures (completions of the set's identity, as the build's pass saw them)."""
     taken = nights(storage.path("nights"))
     if not taken:
         return {}
-    store = storage.completion_store()
-    tokens = {r["prompt_id"]: r.get("completion_tokens") or 0 for r in store.iter_completions_sorted()}
-    failed = {r["prompt_id"] for shard in store.shards() for r in store.latest_failures(shard)}
+    tokens, failed = trace.completion_tokens, trace.failed
     rows = [
         (
             night,
@@ -120,16 +240,3 @@ def _nights_metadata(storage: StorageResource) -> dict:
             markdown_table(columns=["night", "prompts taken", "completions", "failures", "output tokens"], rows=rows)
         )
     }
-
-
-def _rows_without_loss(out_dir) -> int:
-    """Rows whose loss mask has no 1, over the whole set, read one row group at a time.
-
-    Through fsspec (any storage root), not polars' own cloud readers.
-    """
-    empty = 0
-    for url in data_files(out_dir):
-        with as_upath(url).open("rb") as fh:
-            for batch in pq.ParquetFile(fh).iter_batches(columns=["loss_mask"]):
-                empty += pl.from_arrow(batch).select((pl.col("loss_mask").list.sum() == 0).sum()).item()
-    return empty

@@ -14,7 +14,8 @@ from expansion_dag.fleet import FleetInfo, probe_fleet
 from expansion_dag.launcher import Launcher, LaunchSpec, is_healthy
 
 #: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
-#: so the whole command is configuration, not code.
+#: so the whole command is configuration, not code. With an API key set, ``--api-key {api_key}`` is
+#: added (see ``FleetResource.command``): SGLang reads its key from that flag only.
 SGLANG_LAUNCH_COMMAND = (
     "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port} "
     "--context-length {context_length}"
@@ -36,7 +37,8 @@ class FleetResource(dg.ConfigurableResource):
     launch_command: str = Field(
         default=SGLANG_LAUNCH_COMMAND,
         description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
-        "{context_length} {max_running_requests} {python} {api_key}.",
+        "{context_length} {max_running_requests} {python} {api_key}. With an API key set and no "
+        "{api_key} in it, '--api-key {api_key}' is appended.",
     )
     model_path: str = "Qwen/Qwen3-8B"
     context_length: int = Field(
@@ -67,6 +69,12 @@ class FleetResource(dg.ConfigurableResource):
     def api_key(self) -> Optional[str]:
         return os.environ.get(self.api_key_env) or None
 
+    def command(self) -> str:
+        """The launch command template; a keyed fleet's servers get the key by ``--api-key``."""
+        if self.api_key() and "{api_key}" not in self.launch_command:
+            return self.launch_command + " --api-key {api_key}"
+        return self.launch_command
+
     def launcher(self) -> Launcher:
         if self.launch_scope not in ("fleet", "run"):
             raise FleetError(f"launch_scope must be 'fleet' or 'run', got {self.launch_scope!r}")
@@ -75,7 +83,7 @@ class FleetResource(dg.ConfigurableResource):
             gpus = gpus[:1]  # the one GPU this run's pod was given
         return Launcher(
             state_dir=self.state_dir or os.path.join(os.getcwd(), "storage", "fleet"),
-            command=self.launch_command,
+            command=self.command(),
             host=self.host,
             specs=[LaunchSpec(gpu=g, port=self.base_port + i) for i, g in enumerate(gpus)],
             values={
@@ -143,8 +151,11 @@ class FleetResource(dg.ConfigurableResource):
             "model": info.model,
             "model_path": info.model_path,
             "server_version": info.version,
+            "server_dialect": info.dialect.name,
             "context_length": info.context_length,
+            "max_req_input_len": info.max_req_input_len,
             "slots": info.slots,
+            "slots_source": info.slots_source,
             "simulator": info.simulator,
-            "launch_command": self.launch_command if self.mode == "launch" else None,
+            "launch_command": self.command() if self.mode == "launch" else None,
         }

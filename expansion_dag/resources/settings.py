@@ -1,66 +1,35 @@
 """Generation settings shared by budgeting, generation and the training set.
 
 One resource, so the chat template arguments that count prompt tokens are the ones sent with the
-requests and the ones that render the training set.
+requests and the ones that render the training set. Its fields are the run configuration's
+``generation`` section (``expansion_dag/config.py``), plus the tokenizer (``model.tokenizer``).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
 from expansion_dag.budget import BudgetConfig
+from expansion_dag.config import GenerationConfig
 from expansion_dag.engine import EngineConfig, SamplingSettings
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from expansion_dag.training_set import TrainingSetConfig
 
 
-class GenerationSettings(dg.ConfigurableResource):
+class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
     """How prompts are budgeted, sampled, retried and turned into training samples."""
 
     tokenizer: str = Field(
         default=DEFAULT_TOKENIZER,
         description="Tokenizer of the served model: a local folder, a hub id, or the bundled Qwen3 one.",
     )
-    max_output_tokens: int = Field(default=8192, description="Cap on max_tokens; each prompt's budget is computed.")
-    min_output_tokens: int = Field(default=256, description="Prompts leaving less room are set aside.")
-    margin: int = Field(default=16, description="Tokens kept free against tokenizer disagreement.")
-    expected_output_tokens: int = Field(default=1024, description="Prior answer length for balancing and ordering.")
-    expected_output_by_source: dict[str, int] = {}
-    temperature: float = 0.7
-    top_p: float = 0.8
-    top_k: int = 20
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: Optional[int] = None
-    chat_template_kwargs: str = Field(
-        default="{}", description='JSON object passed to the chat template, e.g. {"enable_thinking": false}.'
-    )
-    request_timeout_s: float = 1800.0
-    max_attempts: int = 5
-    backoff_initial_s: float = 1.0
-    max_failure_rate: float = Field(default=0.01, description="A shard fails above this failure rate.")
-    max_truncation_rate: float = Field(default=0.2, description="Warn above this rate of finish_reason length.")
-    progress_interval_s: float = 15.0
-    spill_to_idle_servers: bool = Field(
-        default=True,
-        description="Send queued prompts to other fleet servers while they report idle slots (end-of-run balance).",
-    )
-    drop_truncated: bool = True
-    reasoning: str = Field(default="keep", description="'keep' reasoning in the assistant turn or 'drop' it.")
-    min_sample_tokens: int = 16
 
     def template_kwargs(self) -> dict[str, Any]:
-        try:
-            value = json.loads(self.chat_template_kwargs or "{}")
-        except ValueError as exc:
-            raise ValueError(f"chat_template_kwargs is not JSON: {self.chat_template_kwargs!r}") from exc
-        if not isinstance(value, dict):
-            raise ValueError(f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
-        return value
+        return json.loads(self.chat_template_kwargs)
 
     def load_tokenizer(self):
         return load_tokenizer(self.tokenizer)
@@ -83,7 +52,7 @@ class GenerationSettings(dg.ConfigurableResource):
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
-            chat_template_kwargs_json=json.dumps(self.template_kwargs(), sort_keys=True),
+            chat_template_kwargs_json=self.chat_template_kwargs,
             max_output_tokens=self.max_output_tokens,
         )
 
@@ -97,6 +66,11 @@ class GenerationSettings(dg.ConfigurableResource):
             context_margin=self.margin,
             min_output_tokens=self.min_output_tokens,
             progress_interval_s=self.progress_interval_s,
+            stop_degenerate=self.stop_degenerate,
+            loop_min_span_chars=self.loop_min_span_chars,
+            loop_min_repeats=self.loop_min_repeats,
+            loop_min_chars=self.loop_min_chars,
+            loop_window_chars=self.loop_window_chars,
         )
 
     def training_set_config(self, context_length: int) -> TrainingSetConfig:

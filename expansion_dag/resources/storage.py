@@ -17,8 +17,19 @@ import pyarrow.parquet as pq
 from pydantic import Field
 from upath import UPath
 
+from expansion_dag.assets.configuration import run_configuration_metadata
 from expansion_dag.store import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, CompletionStore
 from expansion_dag.urls import as_upath, default_local_dir, is_local, local_path, upload_after, write_atomically
+
+
+ASSETS = "assets"  # where the IO manager keeps asset files: <root>/assets/<asset>[/<partition>].parquet
+
+
+def _read_parquet(path: UPath) -> pl.DataFrame:
+    # Through pyarrow: raw rows may hold invalid UTF-8 on purpose (extraction quarantines them),
+    # which polars' own reader refuses outright.
+    with path.open("rb") as fh:
+        return pl.from_arrow(pq.read_table(fh))
 
 
 def default_storage_root() -> str:
@@ -67,6 +78,11 @@ class StorageResource(dg.ConfigurableResource):
         with upload_after(target, scratch=Path(self.local_dir, "staging"), last=last) as path:
             yield path
 
+    def read_asset(self, asset: str, partition: str | None = None) -> pl.DataFrame:
+        """An asset's file as the IO manager stored it, read back (checks verify what was written)."""
+        name = f"{partition or asset}.parquet"
+        return _read_parquet(self.path(ASSETS, asset, name) if partition else self.path(ASSETS, name))
+
     def write_parquet(self, frame: pl.DataFrame, *parts: str) -> UPath:
         """Write a frame under the root, whole or not at all; returns where."""
         target = self.path(*parts)
@@ -89,7 +105,7 @@ class ParquetIOManager(dg.ConfigurableIOManagerFactory):
     root: str = Field(default_factory=default_storage_root)
 
     def create_io_manager(self, context: dg.InitResourceContext) -> _PolarsParquetIOManager:
-        return _PolarsParquetIOManager(as_upath(self.root) / "assets")
+        return _PolarsParquetIOManager(as_upath(self.root) / ASSETS)
 
 
 class _PolarsParquetIOManager(dg.UPathIOManager):
@@ -102,14 +118,11 @@ class _PolarsParquetIOManager(dg.UPathIOManager):
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pl.DataFrame:
         try:
-            fh = path.open("rb")
+            return _read_parquet(path)
         except FileNotFoundError as exc:
             missing = f"{path} is missing: materialize {context.asset_key.to_user_string()} first"
             raise FileNotFoundError(missing) from exc
-        # Through pyarrow: raw rows may hold invalid UTF-8 on purpose (extraction quarantines
-        # them), which polars' own reader refuses outright.
-        with fh:
-            return pl.from_arrow(pq.read_table(fh))
 
     def get_metadata(self, context: dg.OutputContext, obj: pl.DataFrame) -> dict[str, dg.MetadataValue]:
-        return {"rows": dg.MetadataValue.int(obj.height)}
+        # Every stored asset shows the run configuration it was made under, as the shards do.
+        return {"rows": dg.MetadataValue.int(obj.height), **run_configuration_metadata()}

@@ -11,16 +11,21 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import sys
 
-from expansion_dag.sim.config import BACKENDS, REASONING_PARSERS, SimServerConfig
+from expansion_dag.sim.config import (
+    BACKENDS,
+    OLDEST_SGLANG_VERSION,
+    REASONING_PARSERS,
+    SGLANG_VERSION,
+    VLLM_VERSION,
+    SimServerConfig,
+)
 from expansion_dag.sim.server import SimServer
 
 logger = logging.getLogger("expansion_dag.sim")
 
-API_KEY_ENV = "SGLANG_API_KEY"
 _DEFAULTS = SimServerConfig()
 
 
@@ -60,10 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--context-length", type=int, default=_DEFAULTS.context_length)
     sg.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)
     sg.add_argument("--max-queued-requests", type=int, default=None)
+    # Like SGLang, only the flag sets a key: SGLang reads no environment variable for it.
+    sg.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     sg.add_argument(
-        "--api-key",
-        default=None,
-        help=f"default: ${API_KEY_ENV}, which keeps the key out of process listings",
+        "--max-total-tokens", type=int, default=None, help="KV cache tokens (default: slots x context)"
     )
     sg.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None)
     sg.add_argument("--random-seed", "--seed", dest="seed", type=int, default=_DEFAULTS.seed)
@@ -80,6 +85,14 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--backend", choices=BACKENDS, default=_DEFAULTS.backend, help="whose HTTP behaviour to simulate"
     )
+    sim.add_argument(
+        "--emulate-version",
+        default=None,
+        help=(
+            f"the server version whose HTTP surface to emulate: SGLang {OLDEST_SGLANG_VERSION} to "
+            f"{SGLANG_VERSION} (default), or vLLM {VLLM_VERSION}"
+        ),
+    )
     sim.add_argument("--ttft-ms", type=float, default=_DEFAULTS.ttft_s * 1000)
     sim.add_argument(
         "--token-latency-ms", type=float, default=_DEFAULTS.token_latency_s * 1000, help="per output token"
@@ -87,6 +100,20 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--output-median-tokens", type=int, default=_DEFAULTS.output_median_tokens)
     sim.add_argument(
         "--output-sigma", type=float, default=_DEFAULTS.output_sigma, help="lognormal sigma of output lengths"
+    )
+    sim.add_argument(
+        "--output-median-by-marker",
+        action="append",
+        type=_marker_median,
+        default=[],
+        metavar="MARKER=TOKENS",
+        help="median answer length of prompts containing MARKER (repeatable; the first match wins)",
+    )
+    sim.add_argument(
+        "--output-prompt-exponent",
+        type=float,
+        default=_DEFAULTS.output_prompt_exponent,
+        help="answer medians scale as (prompt tokens / 64) ** this",
     )
     sim.add_argument(
         "--reasoning-share",
@@ -107,8 +134,27 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--fail-status", type=int, default=_DEFAULTS.fail_status)
     sim.add_argument("--die-after-requests", type=int, default=None)
     sim.add_argument("--hang-rate", type=float, default=_DEFAULTS.hang_rate)
+    sim.add_argument(
+        "--abort-rate",
+        type=float,
+        default=_DEFAULTS.abort_rate,
+        help='share of answers cut halfway with finish_reason "abort" (HTTP 200, partial text)',
+    )
+    sim.add_argument(
+        "--loop-rate",
+        type=float,
+        default=_DEFAULTS.loop_rate,
+        help="share of answers that degenerate into a loop repeating one span until the cap",
+    )
     sim.add_argument("--prompt-token-skew", type=int, default=_DEFAULTS.prompt_token_skew)
     return p
+
+
+def _marker_median(text: str) -> tuple[str, int]:
+    marker, sep, tokens = text.rpartition("=")
+    if not sep or not marker or not tokens.isdigit():
+        raise argparse.ArgumentTypeError(f"expected MARKER=TOKENS, got {text!r}")
+    return marker, int(tokens)
 
 
 def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
@@ -122,21 +168,27 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
-        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or None,  # an empty --api-key sets no key, as on SGLang
+        max_total_tokens=args.max_total_tokens,
         reasoning_parser=args.reasoning_parser,
         backend=args.backend,
+        version=args.emulate_version,
         startup_delay_s=args.startup_delay_s,
         warmup_s=args.warmup_s,
         ttft_s=args.ttft_ms / 1000,
         token_latency_s=args.token_latency_ms / 1000,
         output_median_tokens=args.output_median_tokens,
         output_sigma=args.output_sigma,
+        output_median_by_marker=tuple(args.output_median_by_marker),
+        output_prompt_exponent=args.output_prompt_exponent,
         reasoning_share=args.reasoning_share,
         seed=args.seed,
         fail_rate=args.fail_rate,
         fail_status=args.fail_status,
         die_after_requests=args.die_after_requests,
         hang_rate=args.hang_rate,
+        abort_rate=args.abort_rate,
+        loop_rate=args.loop_rate,
         prompt_token_skew=args.prompt_token_skew,
     )
     return [dataclasses.replace(base, port=port) for port in ports]
@@ -179,9 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     if ignored:
         logger.info("simulator ignores flags it does not model: %s", " ".join(ignored))
     logger.info(
-        "SGLang fleet SIMULATOR (no model runs): %d %s server(s) on %s, %d slots each",
+        "SGLang fleet SIMULATOR (no model runs): %d %s %s server(s) on %s, %d slots each",
         len(configs),
         configs[0].backend,
+        configs[0].server_version,
         ", ".join(f"{c.host}:{c.port}" for c in configs),
         configs[0].max_running_requests,
     )

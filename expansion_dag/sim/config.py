@@ -23,6 +23,21 @@ DEFAULT_SEED = 0
 BACKENDS = ("sglang", "vllm")
 REASONING_PARSERS = ("qwen3",)
 
+#: The server versions whose surfaces are simulated, read from their PyPI wheels (see
+#: expansion_dag_tests/contract/fixtures). SGLang can be emulated back to OLDEST_SGLANG_VERSION.
+SGLANG_VERSION = "0.5.23"
+OLDEST_SGLANG_VERSION = "0.5.4"
+VLLM_VERSION = "0.33.0"
+DEFAULT_VERSIONS = {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}
+
+
+def version_tuple(version: str) -> tuple[int, ...] | None:
+    """``"0.5.7"`` -> ``(0, 5, 7)``; None for anything that is not dotted numbers."""
+    parts = version.split(".")
+    if not all(part.isdigit() for part in parts):
+        return None
+    return tuple(int(part) for part in parts)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SimServerConfig:
@@ -30,11 +45,22 @@ class SimServerConfig:
 
     A request holds a slot for ``ttft_s + completion_tokens * token_latency_s``. Output lengths are
     lognormal around ``output_median_tokens`` with ``output_sigma``, drawn deterministically from
-    the rendered prompt, the request's ``seed`` and ``seed`` here. Fault injection is
+    the rendered prompt, the request's ``seed`` and ``seed`` here. Answer lengths depend on the
+    prompt as real ones do: ``output_median_by_marker`` gives the median of answers whose rendered
+    prompt contains a marker (the first that matches, e.g. a source's instruction text), and the
+    median scales as ``(prompt_tokens / 64) ** output_prompt_exponent``. Fault injection is
     deterministic by request counter: ``fail_rate`` answers that share of generation requests
     with ``fail_status``, ``hang_rate`` leaves that share of the rest unanswered until the client
     disconnects, ``die_after_requests`` kills the server after that many completions, and
-    ``prompt_token_skew`` is added to every prompt count the server reports.
+    ``prompt_token_skew`` is added to every prompt count the server reports. ``abort_rate`` answers
+    that share of generation requests as SGLang answers an aborted one: HTTP 200, partial text,
+    ``finish_reason: "abort"``. ``loop_rate`` makes that share of answers degenerate: a few words,
+    then one span repeated until the cap (``finish_reason: "length"``).
+
+    ``version`` is the server version whose HTTP surface is emulated (None: the newest read,
+    :data:`SGLANG_VERSION` or :data:`VLLM_VERSION`). ``max_total_tokens`` is the KV cache in tokens
+    (SGLang's ``--max-total-tokens``; None: ``max_running_requests * context_length``); it bounds
+    ``max_req_input_len`` as on a real server.
     """
 
     host: str = DEFAULT_HOST
@@ -48,18 +74,24 @@ class SimServerConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     reasoning_parser: str | None = None
     backend: str = "sglang"
+    version: str | None = None
+    max_total_tokens: int | None = None
     startup_delay_s: float = 0.0
     warmup_s: float = 0.0
     ttft_s: float = DEFAULT_TTFT_S
     token_latency_s: float = DEFAULT_TOKEN_LATENCY_S
     output_median_tokens: int = DEFAULT_OUTPUT_MEDIAN_TOKENS
     output_sigma: float = DEFAULT_OUTPUT_SIGMA
+    output_median_by_marker: tuple[tuple[str, int], ...] = ()
+    output_prompt_exponent: float = 0.0
     reasoning_share: float = DEFAULT_REASONING_SHARE
     seed: int = DEFAULT_SEED
     fail_rate: float = 0.0
     fail_status: int = DEFAULT_FAIL_STATUS
     die_after_requests: int | None = None
     hang_rate: float = 0.0
+    abort_rate: float = 0.0
+    loop_rate: float = 0.0
     prompt_token_skew: int = 0
 
     def __post_init__(self) -> None:
@@ -71,6 +103,26 @@ class SimServerConfig:
     def model_name(self) -> str:
         """The name served in ``/v1/models`` and echoed by the server."""
         return self.served_model_name or self.model_path
+
+    @property
+    def server_version(self) -> str:
+        """The emulated server version."""
+        return self.version or DEFAULT_VERSIONS[self.backend]
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the simulated KV cache holds."""
+        return self.max_total_tokens or self.max_running_requests * self.context_length
+
+    @property
+    def max_req_len(self) -> int:
+        """SGLang's longest request, prompt and output (``tp_worker.get_worker_info``)."""
+        return min(self.context_length - 1, self.kv_capacity - 1)
+
+    @property
+    def max_req_input_len(self) -> int:
+        """SGLang's longest prompt the scheduler admits: five tokens under ``max_req_len``."""
+        return self.max_req_len - 5
 
 
 def _problems(c: SimServerConfig):
@@ -94,15 +146,25 @@ def _problems(c: SimServerConfig):
         yield f"reasoning_parser must be None or one of {REASONING_PARSERS}, got {c.reasoning_parser!r}"
     if c.backend not in BACKENDS:
         yield f"backend must be one of {BACKENDS}, got {c.backend!r}"
+    elif c.version is not None:
+        yield from _version_problems(c.backend, c.version)
+    if c.max_total_tokens is not None and c.max_total_tokens < 8:
+        # Below 8 tokens SGLang's max_req_input_len (capacity - 6) admits no prompt at all.
+        yield f"max_total_tokens must be None or >= 8, got {c.max_total_tokens}"
     for name in ("startup_delay_s", "warmup_s", "ttft_s", "token_latency_s", "output_sigma"):
         value = getattr(c, name)
         if not (math.isfinite(value) and value >= 0):
             yield f"{name} must be a finite number >= 0, got {value}"
     if c.output_median_tokens < 1:
         yield f"output_median_tokens must be >= 1, got {c.output_median_tokens}"
+    for marker, tokens in c.output_median_by_marker:
+        if not marker or type(tokens) is not int or tokens < 1:
+            yield f"output_median_by_marker needs non-empty markers and medians >= 1, got {(marker, tokens)!r}"
+    if not (math.isfinite(c.output_prompt_exponent) and abs(c.output_prompt_exponent) <= 4):
+        yield f"output_prompt_exponent must be within [-4, 4], got {c.output_prompt_exponent}"
     if not 0 < c.reasoning_share < 1:
         yield f"reasoning_share must be strictly between 0 and 1, got {c.reasoning_share}"
-    for name in ("fail_rate", "hang_rate"):
+    for name in ("fail_rate", "hang_rate", "abort_rate", "loop_rate"):
         value = getattr(c, name)
         if not 0 <= value <= 1:
             yield f"{name} must be in [0, 1], got {value}"
@@ -110,3 +172,16 @@ def _problems(c: SimServerConfig):
         yield f"fail_status must be an HTTP error status (400..599), got {c.fail_status}"
     if c.die_after_requests is not None and c.die_after_requests < 1:
         yield f"die_after_requests must be None or >= 1, got {c.die_after_requests}"
+
+
+def _version_problems(backend: str, version: str):
+    if backend == "vllm":
+        if version != VLLM_VERSION:
+            yield f"version must be None or {VLLM_VERSION!r} for backend 'vllm', got {version!r}"
+        return
+    numbers = version_tuple(version)
+    if numbers is None or not version_tuple(OLDEST_SGLANG_VERSION) <= numbers <= version_tuple(SGLANG_VERSION):
+        yield (
+            f"version must be None or an SGLang version from {OLDEST_SGLANG_VERSION} to "
+            f"{SGLANG_VERSION}, got {version!r}"
+        )

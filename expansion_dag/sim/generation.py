@@ -18,6 +18,7 @@ import hashlib
 import math
 import random
 import statistics
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,6 +33,8 @@ _STREAM_PERIOD_WORDS = 4096
 # Fixed so that the stream, and so every answer, is the same across runs and machines.
 _STREAM_SEED = 20240601
 _NORMAL = statistics.NormalDist()
+#: The prompt length at which ``prompt_exponent`` leaves the median unchanged.
+PROMPT_REFERENCE_TOKENS = 64
 
 _CANDIDATE_WORDS = """
 the of and to in is that for it as was with be by on not he this are or his from at which but
@@ -53,7 +56,7 @@ class Completion:
     reasoning_content: str | None
     completion_tokens: int
     reasoning_tokens: int
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop" or "length"; the server may turn it into "abort"
 
 
 class WordStream:
@@ -108,10 +111,14 @@ class OutputModel:
         sigma: float,
         reasoning_share: float,
         seed: int,
+        median_by_marker: Sequence[tuple[str, int]] = (),
+        prompt_exponent: float = 0.0,
     ) -> None:
         self._stream = word_stream(tokenizer_spec, _STREAM_PERIOD_WORDS + max_length)
         self._max_length = max_length
         self._log_median = math.log(median_tokens)
+        self._log_medians = [(marker, math.log(tokens)) for marker, tokens in median_by_marker]
+        self._prompt_exponent = prompt_exponent
         self._sigma = sigma
         self._reasoning_share = reasoning_share
         self._key = seed.to_bytes(16, "little", signed=True)
@@ -124,8 +131,14 @@ class OutputModel:
         cap: int,
         thinking: bool,
         split_reasoning: bool,
+        prompt_tokens: int = PROMPT_REFERENCE_TOKENS,
     ) -> Completion:
         """The completion for a prompt, cut at ``cap`` tokens if it does not end before.
+
+        Its length is lognormal around a median that depends on the prompt, as real answers do:
+        the median of the first marker of ``median_by_marker`` found in the prompt (e.g. a
+        source's instruction), else ``median_tokens``, scaled by ``(prompt_tokens / 64) **
+        prompt_exponent``.
 
         An answer of ``cap`` tokens or more finishes with ``length``: its end-of-sequence token
         would be one more. ``split_reasoning`` is the reasoning parser at work: thinking goes to
@@ -137,7 +150,10 @@ class OutputModel:
         uniform = (int.from_bytes(digest[:8], "little") + 0.5) / 2.0**64
         start = int.from_bytes(digest[8:], "little") % _STREAM_PERIOD_WORDS
         z = _NORMAL.inv_cdf(uniform)
-        length = min(self._max_length, max(1, round(math.exp(self._log_median + self._sigma * z))))
+        log_median = next((m for marker, m in self._log_medians if marker in rendered_prompt), self._log_median)
+        if self._prompt_exponent:
+            log_median += self._prompt_exponent * math.log(max(1, prompt_tokens) / PROMPT_REFERENCE_TOKENS)
+        length = min(self._max_length, max(1, round(math.exp(log_median + self._sigma * z))))
         if not thinking:
             n = min(length, cap)
             return Completion(

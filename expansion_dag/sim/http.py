@@ -6,7 +6,9 @@ httpx) keeps the protocol correct: keep-alive, Content-Length and chunked bodies
 
 A handler receives each complete request with its connection and answers with
 :meth:`HttpConnection.respond`, at once or later. Until it answers, it may set
-:attr:`HttpConnection.on_abort`, which is called if the client goes away first.
+:attr:`HttpConnection.on_abort`, which is called if the client goes away first. A streamed answer
+is :meth:`HttpConnection.start_stream`, any number of :meth:`HttpConnection.send_event`, then
+:meth:`HttpConnection.end_stream`.
 """
 
 from __future__ import annotations
@@ -90,6 +92,32 @@ class HttpConnection(asyncio.Protocol):
             data += conn.send(h11.Data(data=body))
         data += conn.send(h11.EndOfMessage())
         self._transport.write(data)
+        self._next_cycle()
+
+    def start_stream(self, status: int = 200) -> None:
+        """Send the head of a streamed answer (server-sent events, chunked); events follow."""
+        if self._transport is None:
+            return
+        head = h11.Response(
+            status_code=status, headers=[("content-type", "text/event-stream")], reason=_REASONS.get(status, b"")
+        )
+        self._transport.write(self._h11.send(head))
+
+    def send_event(self, data: bytes) -> None:
+        """One piece of a streamed answer; a no-op once the client is gone."""
+        if self._transport is not None:
+            self._transport.write(self._h11.send(h11.Data(data=data)))
+
+    def end_stream(self) -> None:
+        """End a streamed answer."""
+        self.on_abort = None
+        if self._transport is None:
+            return
+        self._transport.write(self._h11.send(h11.EndOfMessage()))
+        self._next_cycle()
+
+    def _next_cycle(self) -> None:
+        conn = self._h11
         self._awaiting_response = False
         if conn.our_state is h11.MUST_CLOSE:
             self._transport.close()

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import datetime
 import json
 import logging
 import math
+import os
+import re
 import socket
 import sys
 import time
@@ -20,25 +23,48 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from expansion_dag.sim.config import SimServerConfig
-from expansion_dag.sim.generation import Completion, OutputModel, supports_thinking
+from expansion_dag.sim.config import SimServerConfig, version_tuple
+from expansion_dag.sim.generation import Completion, OutputModel, supports_thinking, word_stream
 from expansion_dag.sim.http import HttpConnection, HttpRequest
 from expansion_dag.tokenizer import count_tokens, load_tokenizer, render_prompts
 
 logger = logging.getLogger(__name__)
 
-#: The SGLang version whose surface is simulated (see /work/shared/reference/sglang-api.md).
-SGLANG_VERSION = "0.5.23"
 READY_LINE = "The server is fired up and ready to roll!"
 
 _BACKLOG = 4096
-_AUTH_EXEMPT = ("/health", "/ready", "/metrics")
 _NOT_FOUND = b'{"detail":"Not Found"}'
 _METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNAUTHORIZED = b'{"error":"Unauthorized"}'
 # What the simulated GPU reports; only the shape matters to clients.
 _WEIGHT_GB = 16.4
 _KV_CACHE_GB = 60.0
+_STARTUP_AVAILABLE_GB = 139.8
+#: SGLang 0.5.23 reports graph-capture memory per phase (model_executor/graph_memory_usage.py).
+_GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
+
+#: SGLang paths that appeared or went away between versions, read from the 0.5.4 to 0.5.23 wheels'
+#: entrypoints/http_server.py: (path, first version serving it, first version without it).
+_SGLANG_ROUTE_VERSIONS = (
+    ("/server_info", "0.5.6", None),
+    ("/model_info", "0.5.6", None),
+    ("/v1/loads", "0.5.8", None),
+    ("/get_load", None, "0.5.21"),
+    ("/ready", "0.5.21", None),  # absent in 0.5.8, present in 0.5.21; versions between were not read
+)
+#: From this version the scheduler reports its effective slots per DP rank, and (as in 0.5.23) the
+#: memory usage with graph memory per phase; before it, as 0.5.4 and 0.5.7 do.
+_EFFECTIVE_SLOTS_SINCE = (0, 5, 8)
+#: /get_load answers carry a timestamp from this version.
+_GET_LOAD_TIC_SINCE = (0, 5, 7)
+
+#: Tokens a streamed answer sends per timer tick: one event per token, as the servers send them, but
+#: written in batches so that a simulated fleet costs few timers.
+_STREAM_TICK_TOKENS = 16
+#: A looping answer (``loop_rate``): this many words, then a span of ``_LOOP_SPAN_WORDS`` repeated.
+_LOOP_PREFIX_WORDS = 40
+_LOOP_SPAN_WORDS = 12
+_TOKEN_PIECES = re.compile(r"\s*\S+|\s+")
 
 _LOADING, _WARMING, _READY, _STOPPED = "loading", "warming", "ready", "stopped"
 _WAITING, _RUNNING, _DONE = 0, 1, 2
@@ -62,9 +88,40 @@ class _RequestError(Exception):
 
 
 class _Dialect:
-    """What differs between the SGLang and the vLLM server: error bodies, context rules, answers."""
+    """What differs between the SGLang and the vLLM server: errors, context rules, answers, auth.
+
+    The texts and shapes are SGLang 0.5.23's (``entrypoints/openai/protocol.py``,
+    ``serving_chat.py``, ``managers/tokenizer_manager.py``, ``managers/scheduler.py``); the
+    contract suite compares them with the fixtures recorded from that source.
+    """
 
     owned_by = "sglang"
+    #: Where a streamed chunk carries the thinking.
+    reasoning_delta = "reasoning_content"
+
+    def __init__(self, config: SimServerConfig) -> None:
+        self.config = config
+
+    def stream_event(
+        self, job: _Job, delta: dict[str, Any] | None, finish_reason: str | None = None, usage: dict | None = None
+    ) -> bytes:
+        """One ``data:`` event of a streamed answer: a delta, the finish, or (no choices) the usage."""
+        choices = []
+        if delta is not None:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if self.owned_by == "sglang":
+                choice["matched_stop"] = None
+            choices.append(choice)
+        chunk: dict[str, Any] = {
+            "id": job.chunk_id,
+            "object": "chat.completion.chunk",
+            "created": job.created,
+            "model": job.model if self.owned_by == "sglang" else self.config.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return b"data: " + _dumps(chunk) + b"\n\n"
 
     def error(
         self, message: str, *, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
@@ -82,21 +139,32 @@ class _Dialect:
             ("header", "content-type"), "Unsupported Media Type: Only 'application/json' is allowed"
         )
 
-    def completion_cap(self, prompt_tokens: int, max_tokens: int | None, context: int) -> int:
-        """How many tokens the request may generate, or the context error SGLang answers."""
-        if max_tokens is not None and max_tokens > context:
+    def requires_key(self, path: str) -> bool:
+        """SGLang guards every path but health, readiness and metrics (``utils/auth.py``)."""
+        return not path.startswith(("/health", "/ready", "/metrics"))
+
+    def check_model(self, model: object) -> None:
+        """SGLang does not check the requested model against the served one."""
+
+    def max_tokens(self, max_tokens: int | None, max_completion_tokens: int | None) -> tuple[str, int | None]:
+        # SGLang takes `max_completion_tokens or max_tokens`: a 0 falls back to the other field.
+        return "max_completion_tokens", max_completion_tokens or max_tokens
+
+    def completion_cap(self, prompt_tokens: int, field: str, max_tokens: int | None) -> int:
+        """How many tokens the request may generate, or the error SGLang answers, in its order."""
+        c = self.config
+        context = c.context_length
+        if max_tokens and max_tokens > context:  # serving_chat._validate_request
             raise self.error(
                 f"max_completion_tokens is too large: {max_tokens}."
                 f"This model supports at most {context} completion tokens."
             )
-        if prompt_tokens >= context:
+        if prompt_tokens >= context:  # tokenizer_manager._validate_one_request
             raise self.error(
                 f"The input ({prompt_tokens} tokens) is longer than the "
                 f"model's context length ({context} tokens)."
             )
-        if max_tokens is None:
-            return context - prompt_tokens
-        if prompt_tokens + max_tokens > context:
+        if max_tokens is not None and prompt_tokens + max_tokens > context:
             raise self.error(
                 "Requested token count exceeds the model's maximum context length "
                 f"of {context} tokens. You requested a total of {prompt_tokens + max_tokens} "
@@ -104,11 +172,30 @@ class _Dialect:
                 f"{max_tokens} tokens for the completion. Please reduce the number "
                 "of tokens in the input messages or the completion to fit within the limit."
             )
-        return max_tokens
+        if prompt_tokens >= c.max_req_input_len:  # the scheduler: managers/utils.validate_input_length
+            raise self.error(
+                f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length "
+                f"({c.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate."
+            )
+        # The scheduler silently lowers max_new_tokens to fit (scheduler.init_req_max_new_tokens).
+        room = c.max_req_len - prompt_tokens - 1
+        return max(0, room if max_tokens is None else min(max_tokens, room))
+
+    def model_card(self, created: int) -> dict[str, Any]:
+        name = self.config.model_name
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.config.context_length,
+        }
 
     def completion_body(self, job: _Job, eos_token_id: int | None) -> dict[str, Any]:
         c = job.completion
-        stopped = c.finish_reason == "stop"
+        reasoning_tokens = c.reasoning_tokens
         return {
             "id": job.request_id or uuid.uuid4().hex,
             "object": "chat.completion",
@@ -124,67 +211,8 @@ class _Dialect:
                     },
                     "logprobs": None,
                     "finish_reason": c.finish_reason,
-                    "matched_stop": eos_token_id if stopped else None,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": job.prompt_tokens,
-                "completion_tokens": c.completion_tokens,
-                "total_tokens": job.prompt_tokens + c.completion_tokens,
-                "reasoning_tokens": c.reasoning_tokens,
-            },
-        }
-
-
-class _VllmDialect(_Dialect):
-    owned_by = "vllm"
-
-    def error(
-        self, message: str, *, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
-    ) -> _RequestError:
-        body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-        return _RequestError(status, _dumps(body))
-
-    def validation_error(self, loc: tuple[str | int, ...], message: str) -> _RequestError:
-        return self.error(f"{loc[-1]}: {message}", param=str(loc[-1]))
-
-    def completion_cap(self, prompt_tokens: int, max_tokens: int | None, context: int) -> int:
-        if max_tokens is not None and max_tokens > context:
-            raise self.error(
-                f"max_tokens={max_tokens} cannot be greater than max_model_len={context}. "
-                "Please request fewer output tokens.",
-                param="max_tokens",
-            )
-        if prompt_tokens >= context:
-            raise self.error(
-                f"This model's maximum context length is {context} tokens. However, your prompt "
-                f"contains at least {prompt_tokens} input tokens. "
-                "Please reduce the length of the input prompt.",
-                param="input_tokens",
-            )
-        # vLLM lets prompt + max_tokens run past the context and stops the output at the edge.
-        room = context - prompt_tokens
-        return room if max_tokens is None else min(max_tokens, room)
-
-    def completion_body(self, job: _Job, eos_token_id: int | None) -> dict[str, Any]:
-        c = job.completion
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": job.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": c.content,
-                        "reasoning_content": c.reasoning_content,
-                        "tool_calls": [],
-                    },
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": None,
+                    # The end-of-sequence token a stop matched; a length or an abort matched none.
+                    "matched_stop": eos_token_id if c.finish_reason == "stop" else None,
                 }
             ],
             "usage": {
@@ -192,11 +220,149 @@ class _VllmDialect(_Dialect):
                 "total_tokens": job.prompt_tokens + c.completion_tokens,
                 "completion_tokens": c.completion_tokens,
                 "prompt_tokens_details": None,
+                "reasoning_tokens": reasoning_tokens,
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens} if reasoning_tokens else None,
             },
+            "metadata": {"weight_version": "default"},
         }
 
 
-_DIALECTS = {"sglang": _Dialect(), "vllm": _VllmDialect()}
+class _VllmDialect(_Dialect):
+    """vLLM 0.33.0: ``entrypoints/openai/chat_completion``, ``renderers/params.py``,
+    ``entrypoints/serve/exception_handling``, ``entrypoints/serve/middleware/authenticate.py``."""
+
+    owned_by = "vllm"
+    reasoning_delta = "reasoning"
+    #: Paths the API key guards; /health, /version, /tokenize are open.
+    _GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+    def error(
+        self, message: str, *, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+    ) -> _RequestError:
+        body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+        return _RequestError(status, _dumps(body))
+
+    def validation_failed(self, message: str, param: str, value: int) -> _RequestError:
+        """A VLLMValidationError: its text ends with the parameter and value it names."""
+        return self.error(f"{message} (parameter={param}, value={value})", param=param)
+
+    def validation_error(self, loc: tuple[str | int, ...], message: str) -> _RequestError:
+        return self.error(f"{loc[-1]}: {message}", param=str(loc[-1]))
+
+    def requires_key(self, path: str) -> bool:
+        return path.startswith(self._GUARDED)
+
+    def check_model(self, model: object) -> None:
+        if model and model != self.config.model_name:
+            raise self.error(
+                f"The model `{model}` does not exist.", status=404, err_type="NotFoundError", param="model"
+            )
+
+    def max_tokens(self, max_tokens: int | None, max_completion_tokens: int | None) -> tuple[str, int | None]:
+        if max_completion_tokens is not None:
+            return "max_completion_tokens", max_completion_tokens
+        return "max_tokens", max_tokens
+
+    def completion_cap(self, prompt_tokens: int, field: str, max_tokens: int | None) -> int:
+        context = self.config.context_length
+        if max_tokens is not None and max_tokens > context:  # TokenizeParams.__post_init__
+            raise self.validation_failed(
+                f"{field}={max_tokens} cannot be greater than max_model_len={context}. "
+                "Please request fewer output tokens.",
+                field,
+                max_tokens,
+            )
+        if prompt_tokens > context:  # TokenizeParams._token_len_check
+            qualifier = "at least " if prompt_tokens == context + 1 else ""
+            raise self.validation_failed(
+                f"This model's maximum context length is {context} tokens. However, your prompt "
+                f"contains {qualifier}{prompt_tokens} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt.",
+                "input_tokens",
+                prompt_tokens,
+            )
+        # get_max_tokens: prompt + max_tokens may run past the context; the output stops at the edge.
+        room = context - prompt_tokens
+        cap = room if max_tokens is None else min(max_tokens, room)
+        if cap < 1:  # SamplingParams._verify_args
+            raise self.validation_failed(f"max_tokens must be at least 1, got {cap}.", "max_tokens", cap)
+        return cap
+
+    def model_card(self, created: int) -> dict[str, Any]:
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": self.config.model_path,
+            "parent": None,
+            "max_model_len": self.config.context_length,
+            "permission": [permission],
+        }
+
+    def completion_body(self, job: _Job, eos_token_id: int | None) -> dict[str, Any]:
+        c = job.completion
+        parsed = self.config.reasoning_parser is not None
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.config.model_name,  # vLLM names the served model, not the requested one
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        # vLLM's reasoning parser leaves no content (null) when the answer never started.
+                        "content": c.content if c.content or c.reasoning_content is None else None,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "reasoning": c.reasoning_content,
+                    },
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": None,
+                    "token_ids": None,
+                    "routed_experts": None,
+                    "weight_versions": None,
+                }
+            ],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {
+                "prompt_tokens": job.prompt_tokens,
+                "total_tokens": job.prompt_tokens + c.completion_tokens,
+                "completion_tokens": c.completion_tokens,
+                "prompt_tokens_details": None,
+                # Present, even at 0, whenever the server runs a reasoning parser.
+                "completion_tokens_details": {"reasoning_tokens": c.reasoning_tokens} if parsed else None,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+
+_DIALECTS: dict[str, type[_Dialect]] = {"sglang": _Dialect, "vllm": _VllmDialect}
 
 
 class _Job:
@@ -212,6 +378,11 @@ class _Job:
         "state",
         "started_at",
         "timer",
+        "stream_usage",
+        "pieces",
+        "sent",
+        "chunk_id",
+        "created",
     )
 
     def __init__(
@@ -233,6 +404,13 @@ class _Job:
         self.state = _WAITING
         self.started_at = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        #: None: answered in one body; else streamed, with a usage chunk when True.
+        self.stream_usage: bool | None = None
+        #: A streamed answer's deltas, (field, text), about one token each, and how many were sent.
+        self.pieces: list[tuple[str, str]] = []
+        self.sent = 0
+        self.chunk_id = uuid.uuid4().hex
+        self.created = int(time.time())
 
 
 class SimServer:
@@ -245,7 +423,8 @@ class SimServer:
 
     def __init__(self, config: SimServerConfig) -> None:
         self.config = config
-        self._dialect = _DIALECTS[config.backend]
+        self._dialect = _DIALECTS[config.backend](config)
+        self._version = version_tuple(config.server_version)
         self._tokenizer = load_tokenizer(config.tokenizer)
         self._thinking_model = supports_thinking(self._tokenizer)
         self._eos_token_id = self._tokenizer.eos_token_id
@@ -256,10 +435,12 @@ class SimServer:
             sigma=config.output_sigma,
             reasoning_share=config.reasoning_share,
             seed=config.seed,
+            median_by_marker=config.output_median_by_marker,
+            prompt_exponent=config.output_prompt_exponent,
         )
         self._bearer = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         self._slots = config.max_running_requests
-        self._max_total_tokens = config.max_running_requests * config.context_length
+        self._max_total_tokens = config.kv_capacity
         self._routes = self._build_routes()
         self._connections: set[HttpConnection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -271,6 +452,7 @@ class SimServer:
         self._stopped: asyncio.Future | None = None
         self._state = _LOADING
         self._created = int(time.time())
+        self._started_at = time.time()
         self.port = config.port
         # slots and queue
         self._running: set[_Job] = set()
@@ -284,10 +466,12 @@ class SimServer:
         self._by_status: collections.Counter[int] = collections.Counter()
         self._completed = 0
         self._aborted = 0
+        self._abort_finishes = 0
         self._hung = 0
         self._prompt_tokens_total = 0
         self._completion_tokens_total = 0
         self._max_requested_tokens = 0
+        self._last_chat_request: dict[str, Any] | None = None  # what a test checks the client sent
         self._context_exceeded = 0
         self._generation_requests = 0  # fault-injection counters
         self._survivors = 0
@@ -399,24 +583,29 @@ class SimServer:
             "/v1/chat/completions": {"POST": self._chat_completions},
             "/sim/stats": {"GET": self._sim_stats},
         }
-        if self.config.backend == "sglang":
-            routes |= {
-                "/ready": {"GET": self._health},
-                "/server_info": {"GET": self._server_info},
-                "/get_server_info": {"GET": self._server_info},
-                "/model_info": {"GET": self._model_info},
-                "/get_model_info": {"GET": self._model_info},
-                "/v1/loads": {"GET": self._loads},
-            }
-        else:
+        if self.config.backend == "vllm":
             routes["/tokenize"] = {"POST": self._tokenize}
+            routes["/version"] = {"GET": self._vllm_version}
+            return routes
+        routes |= {
+            "/ready": {"GET": self._health},
+            "/server_info": {"GET": self._server_info},
+            "/get_server_info": {"GET": self._server_info},
+            "/model_info": {"GET": self._model_info},
+            "/get_model_info": {"GET": self._model_info},
+            "/v1/loads": {"GET": self._loads},
+            "/get_load": {"GET": self._get_load},
+        }
+        for path, since, until in _SGLANG_ROUTE_VERSIONS:
+            if (since and self._version < version_tuple(since)) or (until and self._version >= version_tuple(until)):
+                del routes[path]
         return routes
 
     def _dispatch(self, request: HttpRequest, conn: HttpConnection) -> None:
         path = request.path
         if (
             self._bearer is not None
-            and not path.startswith(_AUTH_EXEMPT)
+            and self._dialect.requires_key(path)
             and request.headers.get(b"authorization") != self._bearer
         ):
             conn.respond(401, _UNAUTHORIZED)
@@ -437,17 +626,11 @@ class SimServer:
         conn.respond(200 if self._state == _READY else 503)
 
     def _models(self, request: HttpRequest, conn: HttpConnection) -> None:
-        name = self.config.model_name
-        card = {
-            "id": name,
-            "object": "model",
-            "created": self._created,
-            "owned_by": self._dialect.owned_by,
-            "root": name,
-            "parent": None,
-            "max_model_len": self.config.context_length,
-        }
+        card = self._dialect.model_card(self._created)
         conn.respond(200, _dumps({"object": "list", "data": [card]}))
+
+    def _vllm_version(self, request: HttpRequest, conn: HttpConnection) -> None:
+        conn.respond(200, _dumps({"version": self.config.server_version}))
 
     def _gen_throughput(self) -> float:
         # Every running request emits one token per token_latency_s.
@@ -464,8 +647,32 @@ class SimServer:
         return used
 
     def _server_info(self, request: HttpRequest, conn: HttpConnection) -> None:
+        """The server arguments the client may read, the scheduler's figures and one internal state.
+
+        A real body carries every ServerArgs field (hundreds); the simulator sends the ones recorded
+        in the contract fixtures, as a server launched with ``--context-length`` and
+        ``--max-running-requests`` reports them.
+        """
         c = self.config
-        used = self._used_tokens(time.monotonic())
+        share = self._used_tokens(time.monotonic()) / self._max_total_tokens
+        state: dict[str, Any] = {"last_gen_throughput": self._gen_throughput()}
+        if self._version >= _EFFECTIVE_SLOTS_SINCE:
+            state["effective_max_running_requests_per_dp"] = self._slots
+            state["memory_usage"] = {
+                "weight": _WEIGHT_GB,
+                "kvcache": round(_KV_CACHE_GB * share, 3),
+                "startup_available": _STARTUP_AVAILABLE_GB,
+                "token_capacity": self._max_total_tokens,
+                "token_capacity_swa": None,
+                "graph": dict.fromkeys(_GRAPH_PHASES, 0.0),
+            }
+        else:
+            state["memory_usage"] = {
+                "weight": _WEIGHT_GB,
+                "kvcache": round(_KV_CACHE_GB * share, 2),
+                "token_capacity": self._max_total_tokens,
+                "graph": 0.0,
+            }
         info = {
             "model_path": c.model_path,
             "tokenizer_path": c.tokenizer,
@@ -475,28 +682,19 @@ class SimServer:
             "context_length": c.context_length,
             "max_running_requests": c.max_running_requests,
             "max_queued_requests": c.max_queued_requests,
+            "max_total_tokens": c.max_total_tokens,
             "tp_size": 1,
             "dp_size": 1,
             "pp_size": 1,
             "reasoning_parser": c.reasoning_parser,
             "random_seed": c.seed,
             "schedule_policy": "fcfs",
-            "status": "Up" if self._state == _READY else "Starting",
+            # The scheduler's handshake; the HTTP server only starts once it is in.
+            "status": "ready",
             "max_total_num_tokens": self._max_total_tokens,
-            "max_req_input_len": min(c.context_length - 1, self._max_total_tokens - 1) - 5,
-            "internal_states": [
-                {
-                    "effective_max_running_requests_per_dp": self._slots,
-                    "last_gen_throughput": self._gen_throughput(),
-                    "memory_usage": {
-                        "weight": _WEIGHT_GB,
-                        "kvcache": round(_KV_CACHE_GB * used / self._max_total_tokens, 2),
-                        "token_capacity": self._max_total_tokens,
-                        "graph": 0,
-                    },
-                }
-            ],
-            "version": SGLANG_VERSION,
+            "max_req_input_len": c.max_req_input_len,
+            "internal_states": [state],
+            "version": c.server_version,
             "simulator": True,
         }
         conn.respond(200, _dumps(info))
@@ -518,37 +716,69 @@ class SimServer:
         conn.respond(200, _dumps(info))
 
     def _loads(self, request: HttpRequest, conn: HttpConnection) -> None:
+        """``/v1/loads`` (0.5.8+): one LoadSnapshot per DP rank, as ``managers/load_snapshot.py``."""
         used = self._used_tokens(time.monotonic())
         running = len(self._running)
         load = {
-            "dp_rank": 0,
             "timestamp": time.time(),
+            "dp_rank": 0,
             "num_running_reqs": running,
             "num_waiting_reqs": self._num_waiting,
+            "num_waiting_uncached_tokens": self._waiting_prompt_tokens,
             "num_used_tokens": used,
             "num_total_tokens": used + self._waiting_prompt_tokens,
+            "num_active_tokens": used + self._waiting_prompt_tokens,
+            "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": self._max_total_tokens,
-            "token_usage": used / self._max_total_tokens,
-            "gen_throughput": self._gen_throughput(),
-            "cache_hit_rate": 0.0,
-            "utilization": running / self._slots,
             "max_running_requests": self._slots,
+            "token_usage": round(used / self._max_total_tokens, 4),
+            "gen_throughput": round(self._gen_throughput(), 2),
+            "cache_hit_rate": 0.0,
+            "utilization": round(running / self._slots, 4),
+            "total_prefill_uncached_tokens": self._prompt_tokens_total,
+            "total_prefill_busy_us": 0,
+            "decode_moments": None,
             "memory": {
                 "weight_gb": _WEIGHT_GB,
                 "kv_cache_gb": _KV_CACHE_GB,
                 "graph_gb": 0.0,
                 "token_capacity": self._max_total_tokens,
             },
-            "queues": {"waiting": self._num_waiting, "grammar": 0, "paused": 0, "retracted": 0},
+            "disaggregation": {
+                "mode": "null",
+                "prefill_bootstrap_queue_reqs": 0,
+                "prefill_inflight_queue_reqs": 0,
+                "decode_prealloc_queue_reqs": 0,
+                "decode_transfer_queue_reqs": 0,
+                "decode_retracted_queue_reqs": 0,
+                "kv_transfer_speed_gb_s": 0.0,
+                "kv_transfer_latency_ms": 0.0,
+            },
+            "queues": {"waiting": self._num_waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
         }
         body = {
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "version": SGLANG_VERSION,
+            "version": self.config.server_version,
             "accelerator": "simulated",
             "num_accelerators": 1,
             "loads": [load],
         }
         conn.respond(200, _dumps(body))
+
+    def _get_load(self, request: HttpRequest, conn: HttpConnection) -> None:
+        """``/get_load`` (before 0.5.21): per DP rank, requests running or waiting, and their tokens."""
+        used = self._used_tokens(time.monotonic())
+        load: dict[str, Any] = {
+            "rid": None,
+            "http_worker_ipc": None,
+            "dp_rank": 0,
+            "num_reqs": len(self._running) + self._num_waiting,
+            "num_waiting_reqs": self._num_waiting,
+            "num_tokens": used + self._waiting_prompt_tokens,
+        }
+        if self._version >= _GET_LOAD_TIC_SINCE:
+            load["ts_tic"] = time.perf_counter()
+        conn.respond(200, _dumps([load]))
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters since start; the busy integral and elapsed time since ready."""
@@ -558,6 +788,8 @@ class SimServer:
         c = self.config
         return {
             "simulator": True,
+            "pid": os.getpid(),  # a launcher tells the simulator it started from a server already on the port
+            "last_chat_request": self._last_chat_request,
             "backend": c.backend,
             "url": self.url,
             "state": self._state,
@@ -571,6 +803,7 @@ class SimServer:
             "chat_requests_by_status": {str(k): v for k, v in sorted(self._by_status.items())},
             "completed": self._completed,
             "aborted": self._aborted,
+            "abort_finishes": self._abort_finishes,
             "hung": self._hung,
             "prompt_tokens_total": self._prompt_tokens_total,
             "completion_tokens_total": self._completion_tokens_total,
@@ -635,15 +868,15 @@ class SimServer:
         """Validate a chat request as the server would and turn it into a job, or raise."""
         d, c = self._dialect, self.config
         body = self._parse_json(request)
-        if body.get("stream"):
-            raise d.error("The simulator answers only non-streaming requests (stream=false).")
+        self._last_chat_request = body
         if body.get("n") not in (None, 1):
             raise d.error("The simulator supports only n=1.")
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
-            raise d.validation_error(("body", "max_tokens"), "Input should be a non-negative integer")
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = body.get(field)
+            if value is not None and (type(value) is not int or value < 0):
+                raise d.validation_error(("body", field), "Input should be a non-negative integer")
+        field, max_tokens = d.max_tokens(body.get("max_tokens"), body.get("max_completion_tokens"))
+        d.check_model(body.get("model"))
         request_seed = body.get("seed")
         rendered, kwargs = self._render(body)
         prompt_tokens = self._reported(count_tokens(self._tokenizer, [rendered])[0])
@@ -652,7 +885,7 @@ class SimServer:
         self._max_requested_tokens = max(self._max_requested_tokens, requested)
         if prompt_tokens >= c.context_length or requested > c.context_length:
             self._context_exceeded += 1
-        cap = d.completion_cap(prompt_tokens, max_tokens, c.context_length)
+        cap = d.completion_cap(prompt_tokens, field, max_tokens)
 
         n = self._generation_requests
         self._generation_requests += 1
@@ -668,25 +901,62 @@ class SimServer:
             and self._num_waiting >= c.max_queued_requests
         ):
             raise d.error("The request queue is full.", status=503, err_type="503")
-        hang = _evenly_spaced_hit(self._survivors, c.hang_rate)
+        survivor = self._survivors
         self._survivors += 1
+        hang = _evenly_spaced_hit(survivor, c.hang_rate)
 
-        completion = self._output.generate(
-            rendered,
-            request_seed=request_seed if type(request_seed) is int else None,
-            cap=cap,
-            thinking=self._thinking_model and kwargs.get("enable_thinking", True) is not False,
-            split_reasoning=c.reasoning_parser is not None
-            and body.get("separate_reasoning", True) is not False,
-        )
+        def generate(limit: int) -> Completion:
+            return self._output.generate(
+                rendered,
+                request_seed=request_seed if type(request_seed) is int else None,
+                cap=limit,
+                thinking=self._thinking_model and kwargs.get("enable_thinking", True) is not False,
+                split_reasoning=c.reasoning_parser is not None
+                and body.get("separate_reasoning", True) is not False,
+                prompt_tokens=prompt_tokens,
+            )
+
+        completion = generate(cap)
+        if _evenly_spaced_hit(survivor, c.loop_rate):
+            completion = self._looping(rendered, cap, split=c.reasoning_parser is not None)
+        elif not hang and _evenly_spaced_hit(survivor, c.abort_rate):
+            # Aborted halfway (/abort_request, abort_all): SGLang answers 200 with the partial text.
+            completion = dataclasses.replace(generate(completion.completion_tokens // 2), finish_reason="abort")
         rid = body.get("rid")
-        return _Job(
+        job = _Job(
             conn,
             request_id=rid if isinstance(rid, str) else None,
             model=body.get("model") if isinstance(body.get("model"), str) else "default",
             prompt_tokens=prompt_tokens,
             completion=completion,
             duration_s=None if hang else c.ttft_s + completion.completion_tokens * c.token_latency_s,
+        )
+        if body.get("stream"):
+            # Both servers send the usage chunk only when asked (should_include_usage).
+            options = body.get("stream_options")
+            job.stream_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+            job.pieces = [
+                (name, piece)
+                for name, text in ((d.reasoning_delta, completion.reasoning_content), ("content", completion.content))
+                if text
+                for piece in _TOKEN_PIECES.findall(text)
+            ]
+        return job
+
+    def _looping(self, rendered: str, cap: int, *, split: bool) -> Completion:
+        """A degenerate answer: a few words, then one span repeated until the cap (one token a word)."""
+        words = word_stream(self.config.tokenizer, 4096 + self.config.context_length)
+        start = sum(rendered.encode()) % 4000
+        prefix = words.words(start, _LOOP_PREFIX_WORDS).split()
+        span = words.words(start + _LOOP_PREFIX_WORDS, _LOOP_SPAN_WORDS).split()
+        body = (prefix + span * (cap // _LOOP_SPAN_WORDS + 1))[:cap]
+        text = " ".join(body)
+        return Completion(
+            content="" if split else text,
+            reasoning_content=text if split else None,
+            completion_tokens=len(body),
+            reasoning_tokens=len(body) if split else 0,
+            finish_reason="length",
         )
 
     def _account_busy(self, now: float) -> None:
@@ -701,8 +971,24 @@ class SimServer:
         job.started_at = now
         if job.duration_s is None:
             self._hung += 1
+        elif job.stream_usage is not None:
+            job.timer = self._loop.call_later(self.config.ttft_s, self._stream_tick, job)
         else:
             job.timer = self._loop.call_later(job.duration_s, self._finish, job)
+
+    def _stream_tick(self, job: _Job) -> None:
+        """Send the next tokens of a streamed answer; finish once all are sent."""
+        d = self._dialect
+        if job.sent == 0:
+            job.conn.start_stream()
+            job.conn.send_event(d.stream_event(job, {"role": "assistant", "content": ""}))
+        batch = job.pieces[job.sent : job.sent + _STREAM_TICK_TOKENS]
+        job.sent += len(batch)
+        if batch:
+            job.conn.send_event(b"".join(d.stream_event(job, {name: text}) for name, text in batch))
+        delay = max(len(batch), 1) * self.config.token_latency_s
+        then = self._stream_tick if job.sent < len(job.pieces) else self._finish
+        job.timer = self._loop.call_later(delay, then, job)
 
     def _release(self, job: _Job) -> None:
         """Free the job's slot and hand it to the next waiting request."""
@@ -720,9 +1006,20 @@ class SimServer:
         self._release(job)
         self._completed += 1
         self._by_status[200] += 1
+        if job.completion.finish_reason == "abort":
+            self._abort_finishes += 1
         self._prompt_tokens_total += job.prompt_tokens
         self._completion_tokens_total += job.completion.completion_tokens
-        job.conn.respond(200, _dumps(self._dialect.completion_body(job, self._eos_token_id)))
+        body = self._dialect.completion_body(job, self._eos_token_id)
+        if job.stream_usage is None:
+            job.conn.respond(200, _dumps(body))
+        else:
+            d = self._dialect
+            events = d.stream_event(job, {}, finish_reason=job.completion.finish_reason)
+            if job.stream_usage:
+                events += d.stream_event(job, None, usage=body["usage"])
+            job.conn.send_event(events + b"data: [DONE]\n\n")
+            job.conn.end_stream()
         limit = self.config.die_after_requests
         if limit is not None and self._completed >= limit:
             self.stop(f"died after {limit} completed requests (die_after_requests)")

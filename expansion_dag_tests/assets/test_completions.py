@@ -4,14 +4,18 @@ import collections
 
 import dagster as dg
 import polars as pl
+import pyarrow.parquet as pq
 
 from expansion_dag.assets.budget import budgeted_prompts, shard_prompts
 from expansion_dag.assets.completions import completions
+from expansion_dag.assets.training_set import training_set
 from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.resources.storage import StorageResource
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.store import Identity
 from expansion_dag.tokenizer import count_prompt_tokens, load_tokenizer
+from expansion_dag.training_set import data_files
 from expansion_dag_tests.helpers import prompt_frame, resources
 
 
@@ -23,9 +27,10 @@ def prompts_asset(frame: pl.DataFrame) -> dg.AssetsDefinition:
     return prompts
 
 
-def run_pipeline(frame, urls, root, instance, **settings):
+def run_pipeline(frame, urls, root, instance, *, training=False, **settings):
+    """Prepare, every shard, and (``training``) the training set; returns the shards' and the set's results."""
     res = resources(urls, root, **settings)
-    assets = [prompts_asset(frame), budgeted_prompts, shard_prompts, completions]
+    assets = [prompts_asset(frame), budgeted_prompts, shard_prompts, completions, training_set]
     assert dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"]).success
     results = {
         key: dg.materialize(
@@ -34,6 +39,10 @@ def run_pipeline(frame, urls, root, instance, **settings):
         )
         for key in SHARD_KEYS
     }
+    if training:
+        results["training_set"] = dg.materialize(
+            assets, resources=res, instance=instance, selection=["training_set"], raise_on_error=False
+        )
     return results, res
 
 
@@ -106,7 +115,8 @@ def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, i
         run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.7)
         first = latest_check(instance, "configuration_unchanged", "shard-00")
         sent_before = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
-        results, res = run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.3)
+        results, res = run_pipeline(frame, fleet.urls, tmp_path, instance, training=True, temperature=0.3,
+                                    drop_truncated=False)
         sent_after = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
     assert first.passed
     drift = latest_check(instance, "configuration_unchanged", "shard-00")
@@ -116,6 +126,34 @@ def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, i
     # The new temperature answers every prompt again: nothing old was silently reused.
     assert sent_after - sent_before == frame.height
     assert all(r.success for r in results.values())
+    # The training set takes the new answers only, one per prompt, and names the old ones it left out.
+    out_dir = res["storage"].path("training_set")
+    ids = pq.read_table(data_files(out_dir), columns=["id"])["id"].to_pylist()
+    assert sorted(ids) == frame["prompt_id"].to_list()
+    [materialization] = results["training_set"].asset_materializations_for_node("training_set")
+    assert materialization.metadata["left_out"].value["other_identity"] == frame.height
+    [(label, count)] = materialization.metadata["left_out_other_identities"].value.items()
+    assert count == frame.height and label.startswith("Qwen/Qwen3-8B (simulator) [settings ")
+    assert materialization.metadata["simulated"].value is True
+    assert "SIMULATED" in materialization.metadata["summary"].value
+
+
+def test_a_simulated_run_is_refused_in_a_store_of_real_completions(tmp_path, instance):
+    real = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="production-settings")
+    res = resources([], tmp_path)
+    res["storage"].completion_store().register(real)  # what a production run leaves behind
+    with SimulatedFleet([SimServerConfig(**FAST_SIM)] * len(SHARD_KEYS)) as fleet:
+        res = resources(fleet.urls, tmp_path)
+        assets = [prompts_asset(small_frame()), budgeted_prompts, shard_prompts, completions]
+        result = dg.materialize(assets, resources=res, instance=instance, raise_on_error=False,
+                                selection=["prompts", "budgeted_prompts"])
+        sent = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
+    assert not result.success and sent == 0
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    error = failure.event_specific_data.error.cause
+    message = error.message
+    assert error.cls_name == "MixedStoreError"
+    assert str(tmp_path / "completions") in message and "holds real completions (Qwen/Qwen3-8B)" in message
 
 
 def test_the_api_key_reaches_the_servers_but_never_logs_or_metadata(tmp_path, instance, monkeypatch):
@@ -171,3 +209,49 @@ def test_a_shard_still_queued_borrows_idle_servers_and_lists_them(tmp_path, inst
     assert served[False].keys() == {fleet.urls[0]}
     assert len(served[True]) > 1, "the idle servers were not used"
     assert sum(served[True].values()) == sum(served[False].values())
+
+
+def test_waste_figures_and_the_learned_order_are_in_each_shards_metadata(tmp_path, instance):
+    """Night 1 on a fleet that loops on a quarter of its answers: the shards say what was generated,
+    kept and wasted. Night 2, new prompts, no typed priors: the order comes from night 1's answers."""
+    looping = SimServerConfig(**{**FAST_SIM, "output_median_tokens": 100}, loop_rate=0.25, output_sigma=0.2,
+                              output_median_by_marker=(("[long]", 300), ("[short]", 20)))
+
+    def night(n):
+        sources = ["long", "short"] * 12
+        texts = [f"[{s}] Night {n}: explain topic number {i} in a few words." for i, s in enumerate(sources)]
+        return prompt_frame(texts, sources).with_columns(pl.format("n{}-{}", pl.lit(n), "prompt_id").alias("prompt_id"))
+
+    with SimulatedFleet([looping] * len(SHARD_KEYS)) as fleet:
+        first, res = run_pipeline(night(1), fleet.urls, tmp_path, instance)
+        metadata = [r.asset_materializations_for_node("completions")[0].metadata for r in first.values()]
+        records = completion_records(res)
+        second, _ = run_pipeline(night(2), fleet.urls, tmp_path, instance)
+        learned = [r.asset_materializations_for_node("completions")[0].metadata for r in second.values()]
+
+    def total(name):
+        return sum(m[name].value for m in metadata)
+
+    stopped = sum(m["requests_by_outcome"].value.get("degenerate", 0) for m in metadata)
+    assert stopped == 6  # a quarter of 24 answers looped, each stopped and recorded
+    # Loops are the model's doing: far above max_failure_rate (1%), they fail no shard.
+    assert all(r.success for r in first.values())
+    assert sum(m["degenerate_total"].value for m in metadata) == 6
+    assert total("output_tokens_kept") == sum(r["completion_tokens"] for r in records) > 0
+    assert total("output_tokens_generated") > total("output_tokens_kept")
+    for m in metadata:
+        generated, kept = m["output_tokens_generated"].value, m["output_tokens_kept"].value
+        assert m["useful_token_share"].value == round(kept / generated, 4)
+        dropped = m["dropped_slot_seconds_by_reason"].value
+        assert set(dropped) == ({"degenerate"} if m["requests_by_outcome"].value.get("degenerate") else set())
+    # The first shard of the first night has nothing to learn from (later ones learn from it).
+    assert metadata[0]["answer_lengths_learned_from_store"].value == 0
+    assert "typed prior" in metadata[0]["expected_answer_lengths"].value
+
+    # Night 2 starts from night 1's 18 kept answers: long prompts expected long, short ones short.
+    assert learned[0]["answer_lengths_learned_from_store"].value == 18
+    rows = [line.split(" | ") for m in learned for line in m["expected_answer_lengths"].value.splitlines()[2:]]
+    assert rows and all("answers (source" in row[4] for row in rows)
+    expected = {row[0].strip("| "): int(row[3]) for row in rows}
+    # The typed prior (the same for both) is only where the estimates started.
+    assert expected["long"] > 2 * expected["short"]

@@ -51,7 +51,8 @@ class UIPipeline:
     """What the user saw while running the pipeline from the UI, and the instance left behind."""
 
     dev: DagsterDev
-    urls: list[str]  # the simulated servers, in shard order
+    fleet: SimulatedFleet  # the simulated servers, in shard order
+    urls: list[str]
     storage: Path
     done_at_kill: int  # completions of the killed shard when its server died
     first_backfill: dict[str, Any]
@@ -118,6 +119,7 @@ def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
             training_status = wait_for("training_set_job to finish", lambda: _run_finished(dev, training), 180)
             yield UIPipeline(
                 dev=dev,
+                fleet=fleet,
                 urls=fleet.urls,
                 storage=storage,
                 done_at_kill=done_at_kill,

@@ -223,17 +223,37 @@ class DagsterDev:
             raise AssertionError(f"{answer['__typename']}: {answer.get('message')}\n{self.log_tail()}")
         return answer
 
-    def launch_run(self, job: str, run_config: dict[str, Any] | None = None) -> str:
-        """The Launchpad's "Launch run"."""
+    def launch_run(self, job: str, run_config: dict[str, Any] | None = None, partition: str | None = None) -> str:
+        """The Launchpad's "Launch run" (of one partition, when given)."""
+        tags = [{"key": "dagster/partition", "value": partition}] if partition else []
         data = self.graphql(
             "mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename "
             "... on LaunchRunSuccess { run { runId } } ... on Error { message } } }",
             p={
                 "selector": {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY, "jobName": job},
                 "runConfigData": run_config or {},
+                "executionMetadata": {"tags": tags},
             },
         )
         return self._ok(data["launchRun"], "LaunchRunSuccess")["run"]["runId"]
+
+    def terminate(self, run_id: str) -> None:
+        """The run page's "Terminate"."""
+        self.graphql("mutation($id: String!) { terminateRun(runId: $id) { __typename } }", id=run_id)
+
+    def latest_observation(self, asset: str, partition: str) -> tuple[str, dict[str, Any]] | None:
+        """The asset partition's latest observation: its run, and its metadata (numbers; others None)."""
+        data = self.graphql(
+            "query($k: AssetKeyInput!, $p: [String!]) { assetOrError(assetKey: $k) { ... on Asset { "
+            "assetObservations(partitions: $p, limit: 1) { runId metadataEntries { label "
+            "... on IntMetadataEntry { intValue } ... on FloatMetadataEntry { floatValue } } } } } }",
+            k={"path": [asset]}, p=[partition],
+        )
+        observations = data["assetOrError"]["assetObservations"]
+        if not observations:
+            return None
+        entries = observations[0]["metadataEntries"]
+        return observations[0]["runId"], {e["label"]: e.get("intValue", e.get("floatValue")) for e in entries}
 
     def run_status(self, run_id: str) -> str:
         data = self.graphql("query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }", id=run_id)

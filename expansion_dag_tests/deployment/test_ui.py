@@ -2,13 +2,15 @@
 fixture): what a user sees. Each page is saved to test-artifacts/ui/ for a person to look at.
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
-from expansion_dag_tests.deployment.support import ROOT
+from expansion_dag_tests.deployment.conftest import SLOW_SERVER
+from expansion_dag_tests.deployment.support import ROOT, wait_for
 
 pytestmark = pytest.mark.timeout(600)  # the first test pays for the pipeline fixture
 
@@ -119,3 +121,36 @@ def test_the_training_set_summary_shows_its_histogram_as_an_image(page: Page):
     expect(image).to_be_visible()
     assert image.evaluate("img => img.complete && img.naturalWidth") > 0  # decoded, not a broken icon
     snap(page, "training-set-summary")
+
+
+def test_a_running_shard_shows_its_progress(page: Page, ui_pipeline):
+    """Last in this file: it slows shard-00's server and ends with a terminated run."""
+    dev, fleet = ui_pipeline.dev, ui_pipeline.fleet
+    # A slower server (seconds a request) and another temperature (a new identity: every prompt is
+    # sent again, in the same store): the shard runs for a while.
+    fleet.restart(0, config=dataclasses.replace(SLOW_SERVER, token_latency_s=0.1))
+    settings = {"temperature": 0.5, "progress_interval_s": 1.0, "spill_to_idle_servers": False}
+    run_config = {"execution": {"config": {"in_process": {}}}, "resources": {"settings": {"config": settings}}}
+    run_id = dev.launch_run("generate_job", run_config, partition="shard-00")
+
+    def progress_of_this_run():
+        status = dev.run_status(run_id)
+        assert status in ("QUEUED", "NOT_STARTED", "STARTING", "STARTED"), f"the run ended {status}:\n{dev.log_tail()}"
+        observed = dev.latest_observation("completions", "shard-00")
+        # Some answers in, most still to come.
+        return observed[1] if observed and observed[0] == run_id and 0 < observed[1]["done"] < 80 else None
+
+    try:
+        figures = wait_for("the shard's progress to be reported", progress_of_this_run, 180)
+        assert figures["total"] > figures["done"] and figures["requests_per_s"] > 0 and figures["eta_s"] > 0
+        page.goto(f"/runs/{run_id}")
+        # The run's event log shows the shard's figures as they come: done, total, rate, ETA.
+        for label in ("done", "total", "requests_per_s", "eta_s", "retries"):
+            expect(page.get_by_text(label, exact=True).first).to_be_visible()
+        expect(page.get_by_text(str(figures["total"]), exact=True).first).to_be_visible()
+        snap(page, "shard-progress-while-running")
+        assert dev.run_status(run_id) == "STARTED"  # the screenshot shows a run in progress
+    finally:
+        dev.terminate(run_id)
+        wait_for("the run to end", lambda: dev.run_status(run_id) in ("CANCELED", "FAILURE", "SUCCESS"), 120)
+        fleet.restart(0, config=SLOW_SERVER)

@@ -2,7 +2,8 @@
 
 import sys
 
-from expansion_dag.resources.fleet import SIMULATOR_LAUNCH_COMMAND, FleetResource
+from expansion_dag.fleet import SLOTS_FROM_SERVER
+from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, FleetResource
 from expansion_dag_tests.helpers import free_ports
 
 
@@ -21,11 +22,12 @@ def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp
         assert len(fleet.stop()) == 1
 
 
-def test_the_launch_command_is_recorded_as_a_template_never_filled_with_the_key(tmp_path, monkeypatch):
+def test_a_keyed_fleet_launches_its_servers_with_api_key_and_records_no_key(tmp_path, monkeypatch):
+    # SGLang reads its key only from --api-key: the probe fails if a launched server runs keyless.
     monkeypatch.setenv("SGLANG_API_KEY", "sk-never-in-metadata")
     [port] = free_ports(1)
     fleet = FleetResource(
-        mode="launch", launch_command=SIMULATOR_LAUNCH_COMMAND + " --api-key {api_key}", num_servers=1,
+        mode="launch", launch_command=SIMULATOR_LAUNCH_COMMAND, num_servers=1,
         base_port=port, state_dir=str(tmp_path), startup_timeout_s=60,
     )
     try:
@@ -36,4 +38,16 @@ def test_the_launch_command_is_recorded_as_a_template_never_filled_with_the_key(
     assert config["launch_command"].endswith("--api-key {api_key}")
     assert "sk-never-in-metadata" not in repr(config)
     assert config["simulator"] is True and config["slots"] == 16
+    assert config["slots_source"] == SLOTS_FROM_SERVER
     assert sys.executable not in repr(config)
+
+
+def test_the_sglang_command_names_a_key_only_when_one_is_set(monkeypatch):
+    fleet = FleetResource(mode="launch", launch_command=SGLANG_LAUNCH_COMMAND, api_key_env="FLEET_TEST_KEY")
+    monkeypatch.delenv("FLEET_TEST_KEY", raising=False)
+    assert "--api-key" not in fleet.command()
+    monkeypatch.setenv("FLEET_TEST_KEY", "k")
+    assert fleet.command() == SGLANG_LAUNCH_COMMAND + " --api-key {api_key}"
+    # A command that places the key itself is left as written.
+    placed = FleetResource(mode="launch", launch_command="serve --key={api_key}", api_key_env="FLEET_TEST_KEY")
+    assert placed.command() == "serve --key={api_key}"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from expansion_dag.sim import READY_LINE
-from expansion_dag.sim.cli import main
+from expansion_dag.sim.cli import _configs, _parser, main
 
 STARTUP_TIMEOUT_S = 60
 
@@ -104,13 +104,14 @@ def test_one_process_serves_several_ports_with_sglang_flags_and_stops_on_sigterm
         "8",
         "--token-latency-ms",
         "0.1",
-        env={"SGLANG_API_KEY": "from-env"},
+        "--api-key",
+        "from-flag",
     )
     sim.wait_ready(3)
     ignored = "--mem-fraction-static 0.9 --attention-backend fa3 --enable-metrics"
     assert f"simulator ignores flags it does not model: {ignored}" in sim.output
     assert "SIMULATOR" in sim.output
-    key = {"Authorization": "Bearer from-env"}
+    key = {"Authorization": "Bearer from-flag"}
     with httpx.Client(timeout=10) as client:
         for port in (first, second, third):
             url = f"http://127.0.0.1:{port}"
@@ -132,6 +133,24 @@ def test_one_process_serves_several_ports_with_sglang_flags_and_stops_on_sigterm
     assert sim.proc.wait(timeout=10) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{first}/health")
+
+
+def test_like_sglang_no_environment_variable_sets_a_key(simulators):
+    (port,) = free_ports(1)
+    sim = simulators("--port", str(port), env={"SGLANG_API_KEY": "ignored"})
+    sim.wait_ready(1)
+    assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+
+
+def test_an_older_sglang_version_serves_only_its_paths(simulators):
+    (port,) = free_ports(1)
+    sim = simulators("--port", str(port), "--emulate-version", "0.5.4")
+    sim.wait_ready(1)
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(timeout=10) as client:
+        assert [client.get(f"{url}{path}").status_code for path in ("/server_info", "/v1/loads")] == [404, 404]
+        assert client.get(f"{url}/get_server_info").json()["version"] == "0.5.4"
+        assert client.get(f"{url}/get_load").json()[0]["num_reqs"] == 0
 
 
 def test_the_process_exits_when_its_only_server_dies(simulators):
@@ -173,6 +192,7 @@ def test_help_calls_it_a_simulator_and_lists_sglang_flag_names(capsys):
         (["--fail-rate", "2"], "fail_rate must be in [0, 1], got 2.0"),
         (["--ports", "30010-30001"], "empty port range '30010-30001'"),
         (["--backend", "tgi"], "invalid choice: 'tgi'"),
+        (["--output-median-by-marker", "[math]"], "expected MARKER=TOKENS, got '[math]'"),
     ],
 )
 def test_invalid_flags_exit_with_a_clear_message(args, message, capsys):
@@ -180,3 +200,11 @@ def test_invalid_flags_exit_with_a_clear_message(args, message, capsys):
         main(args)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_answer_length_flags_reach_the_server_config():
+    args = _parser().parse_args(["--output-median-by-marker", "[math]=3000", "--output-median-by-marker",
+                                 "a=b=20", "--output-prompt-exponent", "0.5"])
+    [config] = _configs(args)
+    assert config.output_median_by_marker == (("[math]", 3000), ("a=b", 20))
+    assert config.output_prompt_exponent == 0.5

@@ -31,6 +31,10 @@ from expansion_dag.sim import SimServerConfig
         ("hang_rate", -0.5, "hang_rate must be in [0, 1], got -0.5"),
         ("fail_status", 200, "fail_status must be an HTTP error status (400..599), got 200"),
         ("die_after_requests", 0, "die_after_requests must be None or >= 1, got 0"),
+        ("abort_rate", 2.0, "abort_rate must be in [0, 1], got 2.0"),
+        ("max_total_tokens", 7, "max_total_tokens must be None or >= 8, got 7"),
+        ("version", "0.5.3", "version must be None or an SGLang version from 0.5.4 to 0.5.23, got '0.5.3'"),
+        ("version", "latest", "version must be None or an SGLang version from 0.5.4 to 0.5.23, got 'latest'"),
     ],
 )
 def test_each_invalid_field_is_named_in_the_error(field, value, message):
@@ -66,3 +70,15 @@ def test_config_is_frozen_and_keyword_only():
         config.port = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         SimServerConfig("0.0.0.0")  # type: ignore[misc]
+
+
+def test_vllm_is_emulated_at_one_version_only():
+    with pytest.raises(ValueError, match="version must be None or '0.33.0' for backend 'vllm', got '0.32.0'"):
+        SimServerConfig(backend="vllm", version="0.32.0")
+    assert SimServerConfig(backend="vllm").server_version == "0.33.0"
+
+
+def test_max_req_input_len_is_sglangs_own_formula():
+    # min(context - 1, kv capacity - 1) - 5, the capacity defaulting to slots x context
+    assert SimServerConfig(context_length=4096, max_running_requests=8).max_req_input_len == 4090
+    assert SimServerConfig(context_length=4096, max_total_tokens=1000).max_req_input_len == 994

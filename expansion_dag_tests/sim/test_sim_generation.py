@@ -4,6 +4,7 @@ import statistics
 
 import pytest
 
+from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER, count_tokens
 
@@ -82,3 +83,27 @@ def test_lengths_are_lognormal_around_the_median():
     ]
     assert statistics.median(lengths) == pytest.approx(200, rel=0.1)
     assert max(lengths) > 10 * 200  # the long tail is there
+
+
+def test_answer_lengths_depend_on_the_source_marker_and_the_prompt_length():
+    m = model(median_tokens=100, sigma=0.3, max_length=100_000,
+              median_by_marker=(("[proof]", 1600), ("[chat]", 50)), prompt_exponent=1.0)
+
+    def median(prefix, prompt_tokens=64):
+        return statistics.median(
+            m.generate(f"{prefix} question {i}", request_seed=None, cap=100_000, thinking=False,
+                       split_reasoning=False, prompt_tokens=prompt_tokens).completion_tokens
+            for i in range(400)
+        )
+
+    assert median("[proof]") == pytest.approx(1600, rel=0.1)
+    assert median("[chat]") == pytest.approx(50, rel=0.1)
+    assert median("[other]") == pytest.approx(100, rel=0.1)
+    # Twice the prompt, twice the answer at exponent 1.
+    assert median("[chat]", prompt_tokens=128) == pytest.approx(100, rel=0.1)
+
+
+def test_a_bad_marker_median_is_refused():
+    with pytest.raises(ValueError, match="output_median_by_marker"):
+        SimServerConfig(output_median_by_marker=(("", 10),))
+    assert SimServerConfig(output_median_by_marker=(("[a]", 10),)).output_median_by_marker == (("[a]", 10),)

@@ -49,7 +49,8 @@ def test_startup_refuses_then_warms_up_then_is_ready(start_fleet, fast, client, 
     wait_for(lambda: _connects(client, url))
     assert client.get(f"{url}/health").status_code == 503
     assert client.get(f"{url}/health_generate").status_code == 503
-    assert client.get(f"{url}/server_info").json()["status"] == "Starting"
+    # The scheduler's handshake says "ready" before the HTTP server starts: not a readiness signal.
+    assert client.get(f"{url}/server_info").json()["status"] == "ready"
     models = client.get(f"{url}/v1/models")  # answers during warmup: not a readiness signal
     assert models.status_code == 200 and models.json()["data"][0]["max_model_len"] == 8192
     ready = wait_for(lambda: client.get(f"{url}/health").status_code == 200)
@@ -85,7 +86,7 @@ def test_probe_endpoints_have_the_sglang_shapes(start_fleet, fast, client):
     }
     info = client.get(f"{url}/server_info").json()
     assert client.get(f"{url}/get_server_info").json().keys() == info.keys()
-    assert info["simulator"] is True and info["status"] == "Up" and info["version"] == "0.5.23"
+    assert info["simulator"] is True and info["status"] == "ready" and info["version"] == "0.5.23"
     assert (
         info["model_path"],
         info["context_length"],
@@ -117,7 +118,7 @@ def test_unknown_paths_and_methods(start_fleet, fast, client):
     assert client.get(f"{url}/v1/chat/completions").status_code == 405
 
 
-def test_api_key_guards_everything_but_health(start_fleet, fast, client, chat):
+def test_sglang_api_key_guards_everything_but_health(start_fleet, fast, client, chat):
     url = start_fleet(fast(api_key="sekrit")).urls[0]
     for response in (
         client.get(f"{url}/v1/models"),
@@ -143,7 +144,7 @@ def test_response_has_the_sglang_shape_and_counts(start_fleet, fast, chat, promp
     body = chat(
         url, POEM, max_tokens=500, rid="req-1", chat_template_kwargs={"enable_thinking": False}
     ).json()
-    assert body.keys() == {"id", "object", "created", "model", "choices", "usage"}
+    assert body.keys() == {"id", "object", "created", "model", "choices", "usage", "metadata"}
     assert (body["id"], body["object"], body["model"]) == ("req-1", "chat.completion", "m")
     choice = body["choices"][0]
     assert choice.keys() == {"index", "message", "logprobs", "finish_reason", "matched_stop"}
@@ -154,7 +155,7 @@ def test_response_has_the_sglang_shape_and_counts(start_fleet, fast, chat, promp
     assert usage["prompt_tokens"] == prompt_tokens(POEM, {"enable_thinking": False})
     assert usage["completion_tokens"] == count_tokens(tokenizer, [choice["message"]["content"]])[0]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert usage["reasoning_tokens"] == 0
+    assert (usage["reasoning_tokens"], usage["completion_tokens_details"]) == (0, None)
 
 
 @pytest.mark.parametrize(
@@ -212,12 +213,15 @@ def test_max_tokens_cuts_with_finish_reason_length(start_fleet, fast, chat, toke
     assert whole["choices"][0]["message"]["content"].startswith(choice["message"]["content"])
 
 
-def test_without_max_tokens_generation_runs_until_the_context_is_full(start_fleet, fast, chat, prompt_tokens):
+def test_without_max_tokens_generation_runs_until_the_context_is_nearly_full(
+    start_fleet, fast, chat, prompt_tokens
+):
     url = start_fleet(fast(context_length=256, output_median_tokens=10_000, output_sigma=0.0)).urls[0]
     body = chat(url, POEM, chat_template_kwargs={"enable_thinking": False}).json()
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"]["completion_tokens"] == 256 - prompt_tokens(POEM, {"enable_thinking": False})
-    assert body["usage"]["total_tokens"] == 256
+    # SGLang's scheduler caps the output at max_req_len - prompt - 1, max_req_len = context - 1.
+    assert body["usage"]["completion_tokens"] == 256 - 2 - prompt_tokens(POEM, {"enable_thinking": False})
+    assert body["usage"]["total_tokens"] == 254
 
 
 def test_context_errors_have_the_exact_sglang_texts(start_fleet, fast, chat, prompt_tokens):
@@ -253,6 +257,28 @@ def test_context_errors_have_the_exact_sglang_texts(start_fleet, fast, chat, pro
     assert exactly_full.status_code == 200
 
 
+def test_prompts_over_max_req_input_len_get_the_scheduler_text(start_fleet, fast, client, chat, prompt_tokens):
+    # A KV cache of 100 tokens: max_req_len = min(512 - 1, 100 - 1) = 99, max_req_input_len = 94.
+    url = start_fleet(
+        fast(context_length=512, max_total_tokens=100, output_median_tokens=10_000, output_sigma=0.0)
+    ).urls[0]
+    assert client.get(f"{url}/server_info").json()["max_req_input_len"] == 94
+    long_prompt = [{"role": "user", "content": "tell me more " * 30}]
+    n = prompt_tokens(long_prompt)
+    assert 94 <= n < 512
+    rejected = chat(url, long_prompt, max_tokens=1)
+    assert (rejected.status_code, rejected.json()["message"]) == (
+        400,
+        f"Input length ({n} tokens) exceeds the maximum allowed length (94 tokens). "
+        "Use a shorter input or enable --allow-auto-truncate.",
+    )
+    # Within the context but not within the KV cache: the scheduler cuts the output at
+    # max_req_len - prompt - 1 without a word.
+    p = prompt_tokens(POEM, {"enable_thinking": False})
+    cut = chat(url, POEM, max_tokens=200, chat_template_kwargs={"enable_thinking": False}).json()
+    assert (cut["choices"][0]["finish_reason"], cut["usage"]["completion_tokens"]) == ("length", 99 - p - 1)
+
+
 def test_request_validation_errors(start_fleet, fast, client, chat):
     url = start_fleet(fast()).urls[0]
     not_json = client.post(
@@ -266,7 +292,6 @@ def test_request_validation_errors(start_fleet, fast, client, chat):
     assert broken.status_code == 400 and "JSON decode error" in broken.json()["message"]
     assert chat(url, []).json()["message"] == "Messages cannot be empty."
     assert chat(url, POEM, n=2).json()["message"] == "The simulator supports only n=1."
-    assert chat(url, POEM, stream=True).status_code == 400
     assert chat(url, POEM, max_tokens=-1).status_code == 400
 
 
@@ -407,7 +432,7 @@ def test_stats_report_context_pressure(start_fleet, fast, client, chat, prompt_t
 
 
 def test_servers_in_one_fleet_keep_separate_state(start_fleet, fast, client, chat):
-    fleet = start_fleet(fast(), fast(backend="vllm"))
+    fleet = start_fleet(fast(), fast(backend="vllm", served_model_name="m"))
     assert len(set(fleet.urls)) == 2
     chat(fleet.urls[0])
     chat(fleet.urls[0])
@@ -437,12 +462,14 @@ def test_keep_alive_and_pipelined_requests_on_one_socket(start_fleet, fast):
 
 def test_vllm_backend_differences(start_fleet, fast, client, chat, prompt_tokens):
     url = start_fleet(
-        fast(backend="vllm", context_length=64, output_median_tokens=1000, output_sigma=0.0)
+        fast(backend="vllm", served_model_name="m", context_length=64, output_median_tokens=1000, output_sigma=0.0)
     ).urls[0]
     p = prompt_tokens(POEM)
-    for path in ("/server_info", "/get_server_info", "/model_info", "/v1/loads"):
+    for path in ("/server_info", "/get_server_info", "/model_info", "/v1/loads", "/get_load"):
         assert client.get(f"{url}{path}").status_code == 404
-    assert client.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 64
+    card = client.get(f"{url}/v1/models").json()["data"][0]
+    assert (card["id"], card["root"], card["max_model_len"], card["owned_by"]) == ("m", "Qwen/Qwen3-8B", 64, "vllm")
+    assert client.get(f"{url}/version").json() == {"version": "0.33.0"}
     tokenized = client.post(f"{url}/tokenize", json={"model": "m", "messages": POEM}).json()
     assert (tokenized["count"], len(tokenized["tokens"]), tokenized["max_model_len"]) == (p, p, 64)
 
@@ -457,7 +484,7 @@ def test_vllm_backend_differences(start_fleet, fast, client, chat, prompt_tokens
         {
             "error": {
                 "message": "max_tokens=65 cannot be greater than max_model_len=64. "
-                "Please request fewer output tokens.",
+                "Please request fewer output tokens. (parameter=max_tokens, value=65)",
                 "type": "BadRequestError",
                 "param": "max_tokens",
                 "code": 400,
@@ -465,12 +492,30 @@ def test_vllm_backend_differences(start_fleet, fast, client, chat, prompt_tokens
         },
     )
     long_prompt = [{"role": "user", "content": "tell me more " * 30}]
+    n = prompt_tokens(long_prompt)
     too_long = chat(url, long_prompt, max_tokens=1)
-    assert too_long.status_code == 400
-    assert too_long.json()["error"]["message"].startswith(
-        "This model's maximum context length is 64 tokens. "
-        f"However, your prompt contains at least {prompt_tokens(long_prompt)} input tokens"
+    assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "input_tokens")
+    assert too_long.json()["error"]["message"] == (
+        f"This model's maximum context length is 64 tokens. However, your prompt contains {n} input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of "
+        f"the input prompt. (parameter=input_tokens, value={n})"
     )
+
+
+def test_vllm_checks_the_model_name_and_guards_only_its_api_paths(start_fleet, fast, client, chat):
+    url = start_fleet(fast(backend="vllm", api_key="sekrit", served_model_name="qwen")).urls[0]
+    key = {"Authorization": "Bearer sekrit"}
+    assert chat(url).status_code == 401
+    assert client.get(f"{url}/version").status_code == 200  # outside /v1: not guarded
+    unknown = client.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": POEM}, headers=key)
+    assert (unknown.status_code, unknown.json()["error"]) == (
+        404,
+        {"message": "The model `m` does not exist.", "type": "NotFoundError", "param": "model", "code": 404},
+    )
+    served = client.post(f"{url}/v1/chat/completions", json={"model": "qwen", "messages": POEM}, headers=key)
+    assert served.status_code == 200 and served.json()["model"] == "qwen"
+    unnamed = client.post(f"{url}/v1/chat/completions", json={"messages": POEM, "max_tokens": 2}, headers=key)
+    assert unnamed.status_code == 200
 
 
 # fault injection
@@ -537,3 +582,17 @@ def test_prompt_token_skew_shifts_every_reported_count(start_fleet, fast, chat, 
     over = chat(url, max_tokens=64 - p)  # fits by the local count, not by the server's
     assert over.status_code == 400
     assert f"{p + 7} tokens from the input messages" in over.json()["message"]
+
+
+def test_abort_rate_answers_200_with_partial_text_and_finish_reason_abort(start_fleet, fast, chat, tokenizer):
+    fleet = start_fleet(fast(abort_rate=0.5, output_median_tokens=40, output_sigma=0.0))
+    url = fleet.urls[0]
+    off = {"enable_thinking": False}
+    bodies = [chat(url, max_tokens=100, chat_template_kwargs=off).json() for _ in range(4)]
+    finishes = [b["choices"][0]["finish_reason"] for b in bodies]
+    assert finishes == ["stop", "abort", "stop", "abort"]
+    whole, cut = bodies[0]["choices"][0], bodies[1]["choices"][0]
+    assert (cut["matched_stop"], bodies[1]["usage"]["completion_tokens"]) == (None, 20)  # halfway
+    assert whole["message"]["content"].startswith(cut["message"]["content"])
+    assert count_tokens(tokenizer, [cut["message"]["content"]]) == [20]
+    assert fleet.stats(0)["abort_finishes"] == 2

@@ -1,0 +1,381 @@
+"""The run configuration: one YAML file a user edits (``configs/default.yaml`` documents every field).
+
+It names the fleet, the model and tokenizer, the catalog, the storage root, the generation
+settings and the nightly schedule. ``load_config`` reads it, applies the environment overrides
+(``ENV_OVERRIDES``: the ``EXPANSION_*`` variables of earlier versions, for deployments) and
+validates everything together: an unknown key or a bad value is a ``ConfigError`` naming the key
+and the file (or the variable). ``current_config`` is the one the code location and
+``expansion-dag run`` use: the file named by ``$EXPANSION_CONFIG``, else the bundled default,
+which reproduces the demo. No Dagster here: the Dagster layer builds its resources from this.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import importlib.resources
+import json
+import os
+import re
+import urllib.parse
+import zoneinfo
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from expansion_dag.tokenizer import DEFAULT_TOKENIZER
+
+CONFIG_ENV = "EXPANSION_CONFIG"
+DEFAULT_CONFIG = "default"
+MASK = "***"
+
+
+class ConfigError(ValueError):
+    """The run configuration is invalid; the message names the file (or variable) and the key."""
+
+
+def bundled_config_path(name: str = DEFAULT_CONFIG) -> Path:
+    return Path(str(importlib.resources.files("expansion_dag") / "configs" / f"{name}.yaml"))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GenerationConfig(BaseModel):
+    """How prompts are budgeted, sampled, retried and turned into training samples.
+
+    The ``generation`` section of the file; the Dagster ``settings`` resource has these fields too.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_output_tokens: int = Field(default=8192, ge=1, description="Cap on max_tokens; each prompt's budget is computed.")
+    min_output_tokens: int = Field(default=256, ge=1, description="Prompts leaving less room are set aside.")
+    margin: int = Field(default=16, ge=0, description="Tokens kept free against tokenizer disagreement.")
+    expected_output_tokens: int = Field(
+        default=1024, ge=1, description="Prior answer length for balancing and ordering."
+    )
+    expected_output_by_source: dict[str, int] = Field(
+        default={}, description="Per-source prior answer lengths, overriding expected_output_tokens."
+    )
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    top_p: float = Field(default=0.8, gt=0.0, le=1.0)
+    top_k: int = Field(default=20, ge=-1, description="-1 turns top-k off.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: Optional[int] = None
+    chat_template_kwargs: str = Field(
+        default="{}",
+        description='JSON object passed to the chat template, e.g. {"enable_thinking": false}; '
+        "a mapping in the file.",
+    )
+    request_timeout_s: float = Field(default=1800.0, gt=0)
+    max_attempts: int = Field(default=5, ge=1)
+    backoff_initial_s: float = Field(default=1.0, ge=0)
+    max_failure_rate: float = Field(default=0.01, ge=0.0, le=1.0, description="A shard fails above this failure rate.")
+    max_truncation_rate: float = Field(
+        default=0.2, ge=0.0, le=1.0, description="Warn above this rate of finish_reason length."
+    )
+    progress_interval_s: float = Field(default=5.0, gt=0, description="Seconds between a shard's progress reports.")
+    spill_to_idle_servers: bool = Field(
+        default=True,
+        description="Send queued prompts to other fleet servers while they report idle slots (end-of-run balance).",
+    )
+    drop_truncated: bool = Field(default=True, description="Leave answers cut at max_tokens out of the training set.")
+    reasoning: Literal["keep", "drop"] = Field(
+        default="keep", description="'keep' reasoning in the assistant turn or 'drop' it."
+    )
+    min_sample_tokens: int = Field(default=16, ge=0, description="Shorter training samples are left out.")
+    stop_degenerate: bool = Field(
+        default=True,
+        description="Stream each answer and end it as soon as it loops (a 'degenerate' failure, text kept); "
+        "false sends plain requests and never stops an answer.",
+    )
+    loop_min_span_chars: int = Field(default=1, ge=1, description="Shortest repeated span that counts as a loop.")
+    loop_min_repeats: int = Field(default=4, ge=2, description="Back-to-back repeats of the span that make a loop.")
+    loop_min_chars: int = Field(default=1200, ge=1, description="Characters the repeats must cover together.")
+    loop_window_chars: int = Field(default=8192, ge=1, description="How far back from the end a loop is looked for.")
+
+    @pydantic.field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_as_json(cls, value: Any) -> str:
+        """A mapping (the file) or JSON object text (the launchpad), kept as canonical JSON text."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value or "{}")
+            except ValueError:
+                raise ValueError(f"not JSON: {value!r}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"must be a mapping (a JSON object), got {value!r}")
+        return json.dumps(dict(value), sort_keys=True)
+
+
+class LaunchConfig(_Section):
+    command: Optional[str] = None
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=30000, ge=1, le=65535)
+    gpus: list[int] = []
+    scope: Literal["fleet", "run"] = "fleet"
+    context_length: int = Field(default=8192, ge=2)
+    max_running_requests: int = Field(default=16, ge=1)
+    startup_timeout_s: Optional[float] = Field(default=None, gt=0)
+    run_tags_file: Optional[str] = None
+
+
+class FleetConfig(_Section):
+    mode: Literal["simulate", "attach", "launch"] = "simulate"
+    shards: int = Field(default=2, ge=1, le=999)
+    urls: list[str] = []
+    backend: Literal["sglang", "vllm"] = "sglang"
+    slots: Optional[int] = Field(default=None, ge=1)
+    api_key_env: str = Field(default="SGLANG_API_KEY", min_length=1)
+    fallback_to_healthy: bool = True
+    launch: LaunchConfig = LaunchConfig()
+
+    @pydantic.field_validator("urls")
+    @classmethod
+    def _urls_are_http(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parsed = urllib.parse.urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        return [u.rstrip("/") for u in urls]
+
+    @pydantic.model_validator(mode="after")
+    def _attach_has_a_server_per_shard(self) -> FleetConfig:
+        if self.mode == "attach" and len(self.urls) < self.shards:
+            raise ValueError(
+                f"attach mode needs one URL per shard: {len(self.urls)} URL(s) in urls for {self.shards} shard(s)"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    path: str = Field(default="Qwen/Qwen3-8B", min_length=1)
+    tokenizer: str = Field(default=DEFAULT_TOKENIZER, min_length=1)
+
+
+class StorageConfig(_Section):
+    root: str = Field(default="./storage", min_length=1)
+    local_dir: Optional[str] = None
+
+
+class ScheduleConfig(_Section):
+    cron: str = "0 2 * * *"
+    timezone: str = "UTC"
+    quota: int = Field(default=1000, ge=1)
+
+    @pydantic.field_validator("cron")
+    @classmethod
+    def _five_fields(cls, cron: str) -> str:
+        if len(cron.split()) != 5 or not re.fullmatch(r"[\d*/,\-\sA-Za-z]+", cron):
+            raise ValueError(f"must be a cron expression of five fields, got {cron!r}")
+        return cron
+
+    @pydantic.field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, name: str) -> str:
+        try:
+            zoneinfo.ZoneInfo(name)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {name!r}") from None
+        return name
+
+
+class RunConfig(_Section):
+    """The whole file, resolved: every field has its value, from the file, a variable or a default."""
+
+    fleet: FleetConfig = FleetConfig()
+    model: ModelConfig = ModelConfig()
+    catalog: str = Field(default="samples", min_length=1)
+    storage: StorageConfig = StorageConfig()
+    generation: GenerationConfig = GenerationConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    #: Where it was read from (not a key of the file).
+    source: str = Field(default="", exclude=True)
+
+    def storage_root(self) -> str:
+        """The root as an absolute path (relative to the working directory) or a URL as written."""
+        root = self.storage.root
+        return root if "://" in root else os.path.abspath(os.path.expanduser(root))
+
+    def masked(self) -> dict[str, Any]:
+        """The resolved configuration as plain data, with any password in a URL masked."""
+        data = self.model_dump(mode="json")
+        data["fleet"]["urls"] = [mask_url(u) for u in data["fleet"]["urls"]]
+        data["storage"]["root"] = mask_url(data["storage"]["root"])
+        data["generation"]["chat_template_kwargs"] = json.loads(data["generation"]["chat_template_kwargs"])
+        return data
+
+    def digest(self) -> str:
+        """A short hash of the masked configuration: equal digests, equal configurations."""
+        canonical = json.dumps(self.masked(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def mask_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:{MASK}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _flag(value: str) -> bool:
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected 1 or 0, got {value!r}")
+
+
+def _urls(value: str) -> list[str]:
+    return [u.strip() for u in value.split(",") if u.strip()]
+
+
+#: Variables that override single fields: variable -> (dotted key, parser). Documented in the file.
+ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "EXPANSION_SHARDS": ("fleet.shards", int),
+    "EXPANSION_FLEET_URLS": ("fleet.urls", _urls),
+    "EXPANSION_BACKEND": ("fleet.backend", str),
+    "EXPANSION_FLEET_FALLBACK": ("fleet.fallback_to_healthy", _flag),
+    "EXPANSION_LAUNCH_SCOPE": ("fleet.launch.scope", str),
+    "EXPANSION_GPU_RUN_TAGS": ("fleet.launch.run_tags_file", str),
+    "EXPANSION_SIM_BASE_PORT": ("fleet.launch.base_port", int),
+    "EXPANSION_SIM_CONTEXT_LENGTH": ("fleet.launch.context_length", int),
+    "EXPANSION_SIM_SLOTS": ("fleet.launch.max_running_requests", int),
+    "EXPANSION_MODEL_PATH": ("model.path", str),
+    "EXPANSION_SIM_MODEL_PATH": ("model.path", str),
+    "EXPANSION_TOKENIZER": ("model.tokenizer", str),
+    "EXPANSION_CATALOG": ("catalog", str),
+    "EXPANSION_STORAGE": ("storage.root", str),
+    "EXPANSION_LOCAL_DIR": ("storage.local_dir", str),
+    "EXPANSION_NIGHTLY_CRON": ("schedule.cron", str),
+    "EXPANSION_NIGHTLY_TIMEZONE": ("schedule.timezone", str),
+    "EXPANSION_NIGHTLY_QUOTA": ("schedule.quota", int),
+}
+#: ``local``: a simulated fleet; ``production``: real servers, attached when URLs are known, else launched.
+PROFILE_ENV = "EXPANSION_PROFILE"
+PROFILES = ("local", "production")
+
+
+def _set(document: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = document
+    for part in parents:
+        child = node.get(part)
+        node[part] = child = dict(child) if isinstance(child, Mapping) else {}
+        node = child
+    node[leaf] = value
+
+
+def _get(document: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = document
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _apply_environment(document: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """Apply the override variables that are set (and not empty); returns key -> variable."""
+    applied: dict[str, str] = {}
+    for variable, (key, parse) in ENV_OVERRIDES.items():
+        raw = env.get(variable, "")
+        if not raw.strip():
+            continue
+        try:
+            value = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"${variable} (overrides {key}): {exc}") from None
+        _set(document, key, value)
+        applied[key] = variable
+    profile = env.get(PROFILE_ENV, "").strip()
+    if profile:
+        if profile not in PROFILES:
+            raise ConfigError(f"${PROFILE_ENV} must be one of {PROFILES}, got {profile!r}")
+        mode = _get(document, "fleet.mode") or "simulate"
+        if profile == "local":
+            mode = "simulate"
+        elif mode == "simulate":
+            mode = "attach" if _get(document, "fleet.urls") else "launch"
+        _set(document, "fleet.mode", mode)
+        applied["fleet.mode"] = PROFILE_ENV
+    if "fleet.urls" in applied:
+        # Servers named by URL are attached, whatever the file's mode.
+        _set(document, "fleet.mode", "attach")
+        applied["fleet.mode"] = applied["fleet.urls"]
+    return applied
+
+
+def _unknown_key_message(key: str, known: list[str]) -> str:
+    hint = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+    return "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else f"; known keys: {', '.join(known)}")
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys allowed where ``loc`` points (for the message on an unknown key)."""
+    for part in loc[:-1]:
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else model
+    return [name for name, f in model.model_fields.items() if not f.exclude]
+
+
+def _describe(error: Any, where: str, applied: Mapping[str, str]) -> str:
+    loc = tuple(error["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        return f"{where}: {key}: {_unknown_key_message(key, _known_keys(RunConfig, loc))}"
+    source = f"${applied[key]} (overrides {key} of {where})" if key in applied else f"{where}: {key}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{source}: {message} (got {error['input']!r})" if error["type"] != "missing" else f"{source}: {message}"
+
+
+def parse_config(document: Any, *, where: str, env: Mapping[str, str] | None = None) -> RunConfig:
+    """Validate a parsed YAML document (with the environment's overrides) into a ``RunConfig``."""
+    if document is None:
+        document = {}
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{where}: must be a mapping of sections (fleet, model, catalog, ...), got {document!r:.80}")
+    resolved = json.loads(json.dumps(document, default=str))  # a deep, plain copy
+    applied = _apply_environment(resolved, os.environ if env is None else env)
+    try:
+        return RunConfig.model_validate({**resolved, "source": where})
+    except pydantic.ValidationError as exc:
+        problems = [_describe(e, where, applied) for e in exc.errors()]
+        raise ConfigError("invalid run configuration:\n  " + "\n  ".join(problems)) from None
+
+
+def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None) -> RunConfig:
+    """Read, override from the environment and validate one run configuration file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run configuration {str(path)!r}: no such file")
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(document, where=str(path.resolve()), env=env)
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    """``$EXPANSION_CONFIG``, else the bundled default file."""
+    named = (os.environ if env is None else env).get(CONFIG_ENV, "").strip()
+    return Path(named).expanduser().resolve() if named else bundled_config_path()
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: Path, overrides: tuple[tuple[str, str], ...]) -> RunConfig:
+    return load_config(path, env=dict(overrides))
+
+
+def current_config() -> RunConfig:
+    """The configuration of this process: read once per file and set of overriding variables."""
+    names = {*ENV_OVERRIDES, PROFILE_ENV}
+    overrides = tuple(sorted((k, v) for k, v in os.environ.items() if k in names))
+    return _cached(config_path(), overrides)

@@ -1,0 +1,833 @@
+"""The one unit that speaks to inference servers: requests, retries, answers, errors and dialects.
+
+Everything the client knows about a server's HTTP surface lives here, so that a difference between
+servers is one row of :data:`DIALECTS` and a misreading is fixed in one place:
+
+- probing: :func:`read_server_facts` reads ``/v1/models`` and the server's own description
+  (``/server_info``, or ``/get_server_info`` before SGLang 0.5.6), checks the version floor and
+  picks the dialect; :func:`serves_without_key` tells whether a keyed server really wants its key;
+- generation: :func:`chat_request` builds a request and :func:`generate` sends it, retries
+  transient errors and unfinished answers with backoff (stamina), retries a context-length 400 once
+  with the server's own prompt count, and returns an :class:`Exchange`; a streamed request is read
+  by :class:`ChatStream` into the same :class:`Answer`, and one whose text loops is cut off
+  (:class:`DegenerateError`, see ``expansion_dag.degeneration``);
+- loads: :func:`read_idle_slots` reads ``/v1/loads`` (``/get_load`` before SGLang 0.5.8);
+- classification: :func:`parse_chat_completion`, :func:`finish_error` and :func:`error_from_status`
+  turn bodies into an :class:`Answer` or one of ``expansion_dag.errors``' request errors.
+
+Facts come from the servers' source (SGLang 0.5.4, 0.5.7 and 0.5.23, vLLM 0.33.0 wheels); see
+``/work/shared/reference/server-contracts.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pydantic_core
+import stamina
+
+from expansion_dag.degeneration import Loop, LoopDetector, LoopThresholds
+from expansion_dag.errors import (
+    AuthError,
+    BadResponseError,
+    ContextLengthError,
+    ContextOverflow,
+    FleetError,
+    FleetMismatchError,
+    InputTooLong,
+    RejectedError,
+    RequestError,
+    ServerUnreachableError,
+    TransientError,
+    UnfinishedError,
+    error_from_exception,
+)
+
+if TYPE_CHECKING:
+    from expansion_dag.engine import SamplingSettings
+
+#: The oldest SGLang whose surface is read here (``/get_server_info``, ``/get_load``, ``/v1/models``
+#: with ``max_model_len``); older servers are refused with this version named.
+SGLANG_MIN_VERSION = "0.5.4"
+
+#: Statuses that say "try again later": the request may succeed on a retry.
+RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+#: Finish reasons of a complete answer; anything else (``abort``, ...) is partial text.
+COMPLETE_FINISHES = frozenset({"stop", "length"})
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """One row of the table of differences between servers."""
+
+    name: str
+    backend: str
+    #: The oldest version this row describes (None: any version of the backend).
+    since: str | None
+    #: The server's description of itself (context, slots, max_req_input_len, version); None: none.
+    server_info_path: str | None
+    #: Live load per rank; None when the server has none (then it is never borrowed).
+    loads_path: str | None
+    #: ``/v1/loads`` carries each rank's slots; ``/get_load`` only counts requests.
+    loads_carry_slots: bool
+    #: Where the thinking is, first match wins.
+    reasoning_fields: tuple[str, ...]
+    #: Where the version is when the server has no ``server_info_path``.
+    version_path: str | None
+
+    @property
+    def has_loads(self) -> bool:
+        return self.loads_path is not None
+
+
+SGLANG = Dialect(
+    name="sglang",
+    backend="sglang",
+    since="0.5.8",
+    server_info_path="/server_info",
+    loads_path="/v1/loads",
+    loads_carry_slots=True,
+    reasoning_fields=("reasoning_content",),
+    version_path=None,
+)
+VLLM = Dialect(
+    name="vllm",
+    backend="vllm",
+    since=None,
+    server_info_path=None,
+    loads_path=None,
+    loads_carry_slots=False,
+    # ``reasoning_content`` was renamed ``reasoning`` in January 2026; older vLLMs still send it.
+    reasoning_fields=("reasoning", "reasoning_content"),
+    version_path="/version",
+)
+#: Newest first within a backend: :func:`dialect_for` takes the first row the version reaches.
+DIALECTS: tuple[Dialect, ...] = (
+    SGLANG,
+    # /server_info arrived in 0.5.6, /v1/loads in 0.5.8 (0.5.7 still has only /get_load).
+    replace(SGLANG, name="sglang-0.5.6", since="0.5.6", loads_path="/get_load", loads_carry_slots=False),
+    replace(
+        SGLANG,
+        name="sglang-0.5.4",
+        since=SGLANG_MIN_VERSION,
+        server_info_path="/get_server_info",
+        loads_path="/get_load",
+        loads_carry_slots=False,
+    ),
+    VLLM,
+)
+BACKENDS = tuple(dict.fromkeys(d.backend for d in DIALECTS))
+
+
+def version_tuple(version: str) -> tuple[int, ...] | None:
+    """The release numbers of a version string (``0.5.10rc1`` -> (0, 5, 10)); None if there are none.
+
+    A source build without version metadata calls itself ``0.0.0.dev0``: that says nothing either.
+    """
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
+    if match is None:
+        return None
+    numbers = tuple(int(n) for n in match[1].split("."))
+    return None if not any(numbers) else numbers
+
+
+def dialect_for(backend: str, version: str | None = None) -> Dialect:
+    """The dialect a server of ``backend`` at ``version`` speaks (unknown version: the newest).
+
+    Raises FleetError for an unknown backend or an SGLang older than :data:`SGLANG_MIN_VERSION`.
+    """
+    rows = [d for d in DIALECTS if d.backend == backend]
+    if not rows:
+        raise FleetError(f"unknown server backend {backend!r}; known: {', '.join(BACKENDS)}")
+    numbers = version_tuple(version) if version else None
+    if numbers is None:
+        return rows[0]
+    for row in rows:
+        if row.since is None or numbers >= version_tuple(row.since):  # type: ignore[operator]
+            return row
+    floor = rows[-1].since
+    raise FleetError(
+        f"{backend} {version} is older than {floor}, the oldest version this project supports; "
+        f"upgrade the server"
+    )
+
+
+# --- answers -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One chat completion as the client reads it."""
+
+    content: str
+    reasoning: str | None
+    #: Exactly as the server said ("unknown" if absent).
+    finish_reason: str
+    #: The server's own ``usage.prompt_tokens``.
+    prompt_tokens: int | None
+    completion_tokens: int
+
+
+def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
+    """Read a 200 body; BadResponseError when it is not a chat completion."""
+    try:
+        choice = body["choices"][0]  # type: ignore[index]
+        message = choice["message"]
+        content = message["content"]
+        completion_tokens = int(body["usage"]["completion_tokens"])  # type: ignore[index]
+        prompt_tokens = body["usage"].get("prompt_tokens")  # type: ignore[index]
+        reasoning = next((message[f] for f in dialect.reasoning_fields if message.get(f) is not None), None)
+        return Answer(
+            content=content or "",
+            reasoning=reasoning,
+            finish_reason=choice.get("finish_reason") or "unknown",
+            prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
+            completion_tokens=completion_tokens,
+        )
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise BadResponseError(f"not a chat completion: {_quote(body, 200)}", status=200) from exc
+
+
+def finish_error(answer: Answer) -> RequestError | None:
+    """None for a complete answer; an error of kind ``finish_<reason>`` for partial text."""
+    if answer.finish_reason in COMPLETE_FINISHES:
+        return None
+    return UnfinishedError(
+        f"the server ended the answer with finish_reason {answer.finish_reason!r} after "
+        f"{answer.completion_tokens} tokens: partial text is never kept",
+        finish_reason=answer.finish_reason,
+    )
+
+
+# --- streamed answers ----------------------------------------------------------------------------
+
+
+class DegenerateError(RequestError):
+    """The answer fell into a loop and was stopped: its text is kept for inspection, never trained on.
+
+    Not retried: with the same prompt and settings the model is likely to loop again, and each try
+    would cost the decode the early stop saved.
+    """
+
+    kind = "degenerate"
+
+    def __init__(self, message: str, *, content: str, reasoning: str | None, loop: Loop, chunks: int):
+        super().__init__(message, status=200)
+        self.content = content
+        self.reasoning = reasoning
+        self.loop = loop
+        #: Content and reasoning deltas received: about one token each (both servers stream every
+        #: decoded token by default), the only count of a stopped answer's tokens there is.
+        self.chunks = chunks
+
+
+class ChatStream:
+    """Reads one streamed chat completion, SSE line by line, into the same :class:`Answer`.
+
+    Chunks carry ``choices[0].delta`` (content and the dialect's reasoning field) and, on the last
+    choice chunk, ``finish_reason``; the usage comes in a final chunk with no choices. An error in
+    the stream (SGLang's flat ``{"object": "error", ...}``, vLLM's ``{"error": {...}}``) raises the
+    error its ``code`` says. With ``thresholds``, the content and the reasoning each feed a loop
+    detector; :meth:`feed_line` returns the loop once one of them ends in one.
+    """
+
+    def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None):
+        self._dialect = dialect
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._finish: str | None = None
+        self._usage: Any = None
+        self._done = False
+        self.chunks = 0
+        self._detectors = (LoopDetector(thresholds), LoopDetector(thresholds)) if thresholds else None
+        #: The unfinished last line of the text fed so far.
+        self._partial = ""
+
+    def feed_text(self, text: str) -> Loop | None:
+        """Feed the stream's text as it arrives, cut anywhere; ``end`` once it is over.
+
+        One call per network read rather than per line: a streamed answer has two lines a
+        token, and a per-line async iterator costs more CPU than the parsing.
+        """
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line:
+                loop = self.feed_line(line)
+                if loop is not None:
+                    return loop
+        return None
+
+    def end(self) -> Loop | None:
+        """Feed the last line if the stream did not end with a newline."""
+        line, self._partial = self._partial, ""
+        return self.feed_line(line) if line else None
+
+    def feed_line(self, line: str) -> Loop | None:
+        if not line.startswith("data:"):
+            return None  # blank separators, comments, ``event:`` names
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self._done = True
+            return None
+        try:
+            # A streamed answer is one chunk per token: pydantic's Rust parser costs a third of
+            # json.loads per chunk, and parsing is most of the client's CPU per streamed request.
+            chunk = pydantic_core.from_json(data)
+        except ValueError as exc:
+            raise BadResponseError(f"not a chat completion chunk: {data[:200]}", status=200) from exc
+        if not isinstance(chunk, dict):
+            raise BadResponseError(f"not a chat completion chunk: {data[:200]}", status=200)
+        if chunk.get("error") or chunk.get("object") == "error":
+            error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
+            code = error.get("code")
+            raise error_from_status(code if isinstance(code, int) and code >= 400 else 500, data)
+        if isinstance(chunk.get("usage"), dict):
+            self._usage = chunk["usage"]
+        choices = chunk.get("choices")
+        if not choices:
+            return None
+        try:
+            choice = choices[0]
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            reasoning = next((delta[f] for f in self._dialect.reasoning_fields if delta.get(f)), None)
+            finish = choice.get("finish_reason")
+        except (AttributeError, IndexError, KeyError, TypeError) as exc:
+            raise BadResponseError(f"not a chat completion chunk: {data[:200]}", status=200) from exc
+        if finish:
+            self._finish = finish
+        loop = None
+        if content:
+            self._content.append(content)
+            self.chunks += 1
+            if self._detectors:
+                loop = self._detectors[0].feed(content)
+        if reasoning:
+            self._reasoning.append(reasoning)
+            self.chunks += 1
+            if self._detectors:
+                loop = self._detectors[1].feed(reasoning) or loop
+        return loop
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self._reasoning) if self._reasoning else None
+
+    def answer(self) -> Answer:
+        """The whole answer; BadResponseError when the stream ended without its usage."""
+        usage = self._usage
+        try:
+            completion_tokens = int(usage["completion_tokens"])
+            prompt_tokens = usage.get("prompt_tokens")
+            prompt_tokens = None if prompt_tokens is None else int(prompt_tokens)
+        except (KeyError, TypeError, ValueError) as exc:
+            ended = "after [DONE]" if self._done else "without [DONE]"
+            raise BadResponseError(
+                f"the stream ended {ended} and without a usage chunk: the server ignored "
+                f"stream_options.include_usage",
+                status=200,
+            ) from exc
+        return Answer(
+            content=self.content,
+            reasoning=self.reasoning,
+            finish_reason=self._finish or "unknown",
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
+
+    def degenerate(self, loop: Loop) -> DegenerateError:
+        return DegenerateError(
+            f"stopped a degenerate answer after {self.chunks} streamed chunks: a span of "
+            f"{len(loop.span)} characters repeated {loop.repeats} times back to back "
+            f"({_quote(loop.span, 80)})",
+            content=self.content,
+            reasoning=self.reasoning,
+            loop=loop,
+            chunks=self.chunks,
+        )
+
+
+def parse_chat_stream(lines: Iterable[str], dialect: Dialect, thresholds: LoopThresholds | None = None) -> Answer:
+    """:class:`ChatStream` over a whole stream's lines: the answer, or the DegenerateError of its loop."""
+    stream = ChatStream(dialect, thresholds)
+    for line in lines:
+        loop = stream.feed_line(line)
+        if loop is not None:
+            raise stream.degenerate(loop)
+    return stream.answer()
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+_OVERFLOW = re.compile(
+    r"maximum context length of (?P<c>\d+) tokens\. You requested a total of (?P<m>\d+) tokens: "
+    r"(?P<x>\d+) tokens from the input messages and (?P<y>\d+) tokens for the completion"
+)
+#: Texts that mean "the prompt alone is over a limit", with the prompt's size and the limit.
+_INPUT_TOO_LONG = (
+    # SGLang tokenizer manager: prompt >= context.
+    re.compile(r"The input \((?P<n>\d+) tokens\) is longer than the model's context length \((?P<m>\d+) tokens\)"),
+    # SGLang scheduler: prompt >= max_req_input_len = min(context - 1, kv capacity - 1) - 5.
+    re.compile(r"Input length \((?P<n>\d+) tokens\) exceeds the maximum allowed length \((?P<m>\d+) tokens\)"),
+    # vLLM renderer.
+    re.compile(
+        r"maximum context length is (?P<m>\d+) tokens\. However, your prompt contains (?:at least )?"
+        r"(?P<n>\d+) input tokens"
+    ),
+    # vLLM serving utilities.
+    re.compile(r"Input length \((?P<n>\d+)\) exceeds model's maximum context length \((?P<m>\d+)\)"),
+)
+#: Other texts that mean "over the context" but carry no numbers a retry could use.
+_CONTEXT_OTHER = re.compile(
+    r"max_completion_tokens is too large"  # SGLang, with an explicit --context-length
+    r"|cannot be greater than max_model_len"  # vLLM: max_tokens over the context
+    r"|longer than the maximum model length of \d+"  # vLLM engine input check
+    r"|maximum context length is \d+ tokens"  # vLLM: a prompt counted in characters
+)
+
+
+def parse_context_error(message: str) -> ContextOverflow | None:
+    """The numbers of SGLang's prompt + max_tokens overflow message, or None for other texts."""
+    match = _OVERFLOW.search(message)
+    if match is None:
+        return None
+    return ContextOverflow(
+        context_length=int(match["c"]),
+        requested_total=int(match["m"]),
+        prompt_tokens=int(match["x"]),
+        completion_tokens=int(match["y"]),
+    )
+
+
+def server_message(body_text: str) -> str:
+    """The error text a server put in its body: SGLang's flat shape, vLLM's nested one, or raw text."""
+    try:
+        body = json.loads(body_text)
+    except ValueError:
+        return body_text[:500]
+    if isinstance(body, dict):
+        message = body.get("message")
+        error = body.get("error")
+        if message is None and isinstance(error, dict):
+            message = error.get("message")
+        if message is None and isinstance(error, str):
+            message = error
+        if message is None:
+            message = body.get("detail")  # FastAPI's own errors (a 404 route, a validation error)
+        if message is not None:
+            return str(message)[:2000]
+    return body_text[:500]
+
+
+def error_from_status(status: int, body_text: str) -> RequestError:
+    """Classify an error response by its status and, for a 400, the server's words."""
+    message = server_message(body_text) or f"HTTP {status}"
+    if status in RETRYABLE_STATUSES:
+        return TransientError(message, status=status)
+    if status == 401:
+        return AuthError(message, status=status)
+    if status == 400:
+        overflow = parse_context_error(message)
+        if overflow is not None:
+            return ContextLengthError(message, status=status, overflow=overflow)
+        for pattern in _INPUT_TOO_LONG:
+            match = pattern.search(message)
+            if match is not None:
+                too_long = InputTooLong(input_tokens=int(match["n"]), max_input_tokens=int(match["m"]))
+                return ContextLengthError(message, status=status, input_too_long=too_long)
+        if _CONTEXT_OTHER.search(message):
+            return ContextLengthError(message, status=status)
+    return RejectedError(message, status=status)
+
+
+# --- loads ---------------------------------------------------------------------------------------
+
+
+def parse_idle_slots(body: object, dialect: Dialect, slots: int | None = None) -> int | None:
+    """Slots free beyond the queue, summed over ranks (negative when it queues); None if unknown.
+
+    ``/v1/loads`` says each rank's slots; ``/get_load`` counts only requests, so ``slots`` (the
+    probed figure) is needed to read it.
+    """
+    try:
+        if dialect.loads_carry_slots:
+            ranks = body["loads"]  # type: ignore[index]
+            if not ranks:
+                return None
+            return sum(
+                int(r["max_running_requests"]) - int(r["num_running_reqs"]) - int(r["num_waiting_reqs"])
+                for r in ranks
+            )
+        if dialect.loads_path is None or slots is None or not body:
+            return None
+        # ``num_reqs`` already counts the waiting requests.
+        return slots - sum(int(r["num_reqs"]) for r in body)  # type: ignore[union-attr]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+async def read_idle_slots(
+    client: httpx.AsyncClient, url: str, dialect: Dialect, *, slots: int | None, timeout_s: float
+) -> int | None:
+    """:func:`parse_idle_slots` of the server's load now; None when it cannot say (never an error)."""
+    if dialect.loads_path is None:
+        return None
+    try:
+        response = await client.get(url + dialect.loads_path, timeout=timeout_s)
+        if response.status_code != 200:
+            return None
+        return parse_idle_slots(response.json(), dialect, slots)
+    except (httpx.HTTPError, ValueError):
+        return None  # a helper that cannot say is simply not used
+
+
+# --- probing -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What a server says about itself."""
+
+    model: str
+    model_path: str
+    context_length: int
+    #: Running-request slots; None when the server does not say (vLLM, SGLang < 0.5.8 on auto).
+    slots: int | None
+    #: The longest prompt the scheduler admits (SGLang); None when unknown.
+    max_req_input_len: int | None
+    version: str | None
+    simulator: bool
+    dialect: Dialect
+
+
+def parse_server_facts(models: object, server_info: object | None, dialect: Dialect) -> ServerFacts:
+    """Read ``/v1/models`` and the server's description; FleetError naming what is missing."""
+    try:
+        entry = models["data"][0]  # type: ignore[index]
+        model = str(entry["id"])
+        context_length = int(entry["max_model_len"])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise FleetError(f"/v1/models: no served model with max_model_len in {_quote(models, 300)}") from exc
+    info: Mapping[str, Any] = server_info if isinstance(server_info, Mapping) else {}
+    declared = info.get("context_length")
+    if declared is not None and int(declared) != context_length:
+        raise FleetMismatchError(
+            f"/v1/models says max_model_len {context_length} but {dialect.server_info_path} says "
+            f"context_length {declared}"
+        )
+    return ServerFacts(
+        model=model,
+        model_path=str(info.get("model_path") or entry.get("root") or model),
+        context_length=context_length,
+        slots=_slots(info),
+        max_req_input_len=_positive_int(info.get("max_req_input_len")),
+        version=info.get("version"),
+        simulator=bool(info.get("simulator", entry.get("simulator", False))),
+        dialect=dialect,
+    )
+
+
+def _slots(info: Mapping[str, Any]) -> int | None:
+    """The scheduler's effective slots summed over DP ranks (0.5.8+), else the launch flag."""
+    states = info.get("internal_states") or []
+    effective = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
+    if effective and all(_positive_int(n) for n in effective):
+        return sum(effective)
+    return _positive_int(info.get("max_running_requests"))
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class _NotFound(FleetError):
+    """A path the server does not serve (an older version)."""
+
+
+def _get_json(client: httpx.Client, url: str, path: str) -> Any:
+    try:
+        response = client.get(url + path)
+    except httpx.HTTPError as exc:
+        raise ServerUnreachableError(f"{url}{path}: cannot reach the server ({type(exc).__name__}: {exc})") from exc
+    if response.status_code == 401:
+        raise FleetError(f"{url}{path}: 401 Unauthorized: set the API key environment variable the fleet names")
+    if response.status_code == 404:
+        raise _NotFound(f"{url}{path}: HTTP 404: {response.text[:300]}")
+    if response.status_code != 200:
+        raise FleetError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise FleetError(f"{url}{path}: not JSON: {response.text[:200]}") from exc
+
+
+def read_server_facts(client: httpx.Client, url: str, backend: str) -> ServerFacts:
+    """Ask one server what it is; the version picks the dialect (SGLang's paths moved over time)."""
+    newest = dialect_for(backend)
+    models = _get_json(client, url, "/v1/models")
+    info: Any = None
+    version: str | None = None
+    if newest.server_info_path is not None:
+        # Every row's path, newest first: an older server answers 404 to the newer path.
+        paths = list(dict.fromkeys(d.server_info_path for d in DIALECTS if d.backend == backend))
+        for path in paths:
+            try:
+                info = _get_json(client, url, path)  # type: ignore[arg-type]
+                break
+            except _NotFound:
+                if path == paths[-1]:
+                    raise FleetError(
+                        f"{url}: none of {', '.join(paths)} is served: not an SGLang server "
+                        f"{SGLANG_MIN_VERSION} or newer"
+                    ) from None
+        version = info.get("version") if isinstance(info, Mapping) else None
+    elif newest.version_path is not None:
+        try:
+            version = _get_json(client, url, newest.version_path).get("version")
+        except (FleetError, AttributeError):
+            version = None  # optional across releases
+    try:
+        dialect = dialect_for(backend, version)
+        facts = parse_server_facts(models, info, dialect)
+    except FleetMismatchError as exc:
+        raise FleetMismatchError(f"{url}: {exc}") from None
+    except FleetError as exc:
+        raise FleetError(f"{url}: {exc}") from None
+    return facts if facts.version is not None else replace(facts, version=version)
+
+
+#: A route every dialect protects with the API key.
+PROTECTED_PATH = "/v1/models"
+
+
+def serves_without_key(url: str, *, timeout_s: float) -> bool:
+    """Whether the server answers a protected route to a request with no key (it has none set)."""
+    try:
+        return httpx.get(url + PROTECTED_PATH, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError as exc:
+        raise ServerUnreachableError(f"{url}{PROTECTED_PATH}: cannot reach the server ({exc})") from exc
+
+
+# --- generation ----------------------------------------------------------------------------------
+
+
+def make_client(
+    *,
+    timeout_s: float,
+    connect_timeout_s: float,
+    tls: ssl.SSLContext,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> httpx.AsyncClient:
+    """One worker's client: a single keep-alive connection, so checkout costs nothing.
+
+    ``tls`` is shared by all workers: building one loads the CA bundle (~20 ms of CPU each).
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(
+        verify=tls,
+        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None),
+        headers=headers,
+        transport=transport,
+    )
+
+
+def chat_request(
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+    max_tokens: int,
+    sampling: SamplingSettings,
+    *,
+    stream: bool = False,
+) -> dict[str, Any]:
+    """The body of ``POST /v1/chat/completions`` (the fields SGLang and vLLM both read).
+
+    ``stream``: server-sent events, with the usage in a last chunk (``include_usage``: both SGLang's
+    and vLLM's ``should_include_usage`` read it from ``stream_options``).
+    """
+    request: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty,
+    }
+    if sampling.seed is not None:
+        request["seed"] = sampling.seed
+    if sampling.stop:
+        request["stop"] = list(sampling.stop)
+    template_kwargs = sampling.chat_template_kwargs
+    if template_kwargs:
+        request["chat_template_kwargs"] = template_kwargs
+    if stream:
+        request["stream"] = True
+        request["stream_options"] = {"include_usage": True}
+    return request
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How often one prompt is tried on one server."""
+
+    attempts: int = 5
+    wait_initial_s: float = 1.0
+    wait_max_s: float = 30.0
+    wait_jitter_s: float = 1.0
+    #: Retry a context-length 400 once, with max_tokens from the server's own prompt count.
+    context_retry: bool = True
+    #: Tokens kept free when max_tokens is recomputed.
+    context_margin: int = 16
+    min_output_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What became of one prompt on one server: an answer or the last error, never both."""
+
+    answer: Answer | None
+    error: RequestError | None
+    attempts: int
+    #: The max_tokens of the last attempt (lower than asked after a context retry).
+    max_tokens: int
+
+
+async def send_chat(
+    client: httpx.AsyncClient,
+    url: str,
+    request: Mapping[str, Any],
+    dialect: Dialect,
+    thresholds: LoopThresholds | None = None,
+) -> Answer:
+    """One attempt: the complete answer, or the RequestError that says why there is none.
+
+    A streamed request (``request["stream"]``) is read chunk by chunk; with ``thresholds``, a
+    loop ends it at once: leaving the ``client.stream`` block with the body unread closes the
+    connection, which is how both servers learn to stop decoding (SGLang's streaming response
+    aborts the request by ``rid`` once the client is gone, ``create_abort_task``; vLLM's generator
+    is cancelled on disconnect and ``AsyncLLM.generate`` aborts the request).
+    """
+    if not request.get("stream"):
+        return await _send_plain(client, url, request, dialect)
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=request) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise error_from_status(response.status_code, response.text)
+            stream = ChatStream(dialect, thresholds)
+            async for text in response.aiter_text():
+                loop = stream.feed_text(text)
+                if loop is not None:
+                    raise stream.degenerate(loop)
+            loop = stream.end()
+            if loop is not None:
+                raise stream.degenerate(loop)
+    except httpx.HTTPError as exc:
+        raise error_from_exception(exc) from exc
+    answer = stream.answer()
+    error = finish_error(answer)
+    if error is not None:
+        raise error
+    return answer
+
+
+async def _send_plain(client: httpx.AsyncClient, url: str, request: Mapping[str, Any], dialect: Dialect) -> Answer:
+    try:
+        response = await client.post(f"{url}/v1/chat/completions", json=request)
+    except httpx.HTTPError as exc:
+        raise error_from_exception(exc) from exc
+    if response.status_code != 200:
+        raise error_from_status(response.status_code, response.text)
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise BadResponseError(f"not a chat completion: {response.text[:200]}", status=200) from exc
+    answer = parse_chat_completion(body, dialect)
+    error = finish_error(answer)
+    if error is not None:
+        raise error
+    return answer
+
+
+async def generate(
+    client: httpx.AsyncClient,
+    url: str,
+    request: Mapping[str, Any],
+    dialect: Dialect,
+    policy: RetryPolicy,
+    *,
+    on_retry: Callable[[str], None] | None = None,
+    thresholds: LoopThresholds | None = None,
+) -> Exchange:
+    """Send ``request`` until it has a complete answer or the policy gives up.
+
+    Transient errors and unfinished answers are retried with exponential backoff and jitter;
+    ``on_retry`` hears the kind of each error that caused a retry (``context_length`` for the
+    one retry with a smaller ``max_tokens``). ``thresholds``: stop a streamed answer that loops
+    (:class:`DegenerateError`, not retried).
+    """
+    attempts = 0
+    max_tokens = int(request["max_tokens"])
+
+    async def with_backoff(body: Mapping[str, Any]) -> Answer:
+        nonlocal attempts
+        last: RequestError | None = None
+        async for attempt in stamina.retry_context(
+            on=TransientError,
+            attempts=policy.attempts,
+            timeout=None,
+            wait_initial=policy.wait_initial_s,
+            wait_max=policy.wait_max_s,
+            wait_jitter=policy.wait_jitter_s,
+        ):
+            if last is not None and on_retry is not None:
+                on_retry(last.kind)
+            with attempt:
+                attempts += 1
+                try:
+                    return await send_chat(client, url, body, dialect, thresholds)
+                except TransientError as exc:
+                    last = exc
+                    raise
+        raise AssertionError("unreachable: stamina re-raises the last error")
+
+    try:
+        try:
+            answer = await with_backoff(request)
+        except ContextLengthError as exc:
+            if exc.overflow is None or not policy.context_retry:
+                raise
+            # The server counted the prompt differently: trust its count, once.
+            budget = exc.overflow.context_length - exc.overflow.prompt_tokens - policy.context_margin
+            if budget < policy.min_output_tokens:
+                raise
+            if on_retry is not None:
+                on_retry(exc.kind)
+            max_tokens = min(max_tokens, budget)
+            answer = await with_backoff({**request, "max_tokens": max_tokens})
+    except RequestError as error:
+        return Exchange(None, error, attempts, max_tokens)
+    return Exchange(answer, None, attempts, max_tokens)
+
+
+def _quote(body: object, limit: int) -> str:
+    try:
+        text = json.dumps(body)
+    except (TypeError, ValueError):
+        text = repr(body)
+    return text[:limit]

@@ -1,0 +1,52 @@
+"""The full-scale rehearsal script (bench/bench_rehearsal.py), run small: its accounting, not its speed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_rehearsal.py"
+PROMPTS = 2000
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    work = tmp_path_factory.mktemp("rehearsal")
+    out = work / "result.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--prompts", str(PROMPTS), "--work-dir", str(work / "run"), "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    log = work / "run" / "rehearsal.log"
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+    return json.loads(out.read_text())
+
+
+def test_every_prompt_is_completed_failed_or_set_aside(rehearsal):
+    accounting = rehearsal["accounting"]
+    assert accounting["prompts_selected"] == PROMPTS  # the catalog's quotas give exactly what was asked
+    assert accounting["budgeted"] + accounting["set_aside_by_budget"] == PROMPTS
+    assert accounting["completed"] + accounting["failed"] == accounting["budgeted"]
+    assert accounting["neither"] == 0
+    assert sum(accounting["failed_by_reason"].values()) == accounting["failed"]
+
+
+def test_training_rows_are_exactly_the_completions_that_pass_the_policy(rehearsal):
+    accounting = rehearsal["accounting"]
+    assert accounting["training_rows_in_files"] == accounting["manifest_samples"] == accounting["completions_passing_policy"]
+    assert 0 < accounting["completions_passing_policy"] <= accounting["completed"]
+    # The manifest's reasons are those recounted from the store, reason by reason.
+    recounted = accounting["left_out_recounted"]
+    assert {k: v for k, v in accounting["left_out_manifest"].items() if v} == {k: v for k, v in recounted.items() if v}
+
+
+def test_the_result_says_it_is_simulated_and_measures_every_stage(rehearsal):
+    assert rehearsal["simulated"] is True and rehearsal["manifest"]["simulated"] is True
+    assert set(rehearsal["stages"]) == {"prepare", "generate", "training_set"}
+    assert all(stage["wall_s"] > 0 and stage["bytes_written"] > 0 for stage in rehearsal["stages"].values())
+    # The output model is calibrated on the reference run: about 2,710 tokens per completion.
+    per_completion = rehearsal["manifest"]["output_tokens"] / rehearsal["accounting"]["completed"]
+    assert 2200 < per_completion < 3200
+    assert 0 < rehearsal["manifest"]["useful_token_share"] <= 1
