@@ -62,7 +62,6 @@ import bench_prompts  # noqa: E402
 from bench_prompts import (  # noqa: E402
     DEFAULT_DATA_DIR,
     RESULTS_DIR,
-    ROOT,
     QUIET_CORES,
     Clock,
     TextModel,

@@ -338,22 +338,6 @@ class CompletionStore:
                             failures[key] = record
         yield from failures.values()
 
-    def iter_completions_sorted(self, shards: list[str] | None = None) -> Iterator[dict[str, Any]]:
-        """Every completion across shards once, ordered by key: the same store gives the same order.
-
-        Only locations are held in memory; records are read one at a time, so the caller can
-        stream half a billion tokens through a bounded buffer.
-        """
-        index: dict[str, _Location] = {}
-        for shard in self.shards() if shards is None else shards:
-            for key, status, loc in self._lines(shard):
-                if loc is not None and status == OK and key not in index:
-                    index[key] = loc
-        for key in sorted(index):
-            record = _read_record(index[key])
-            if record is not None:
-                yield record
-
     def writer(self, shard: str, *, identity: Identity | None = None, fsync_interval_s: float = 2.0) -> SegmentWriter:
         """The one writer of a run of ``shard``; ``identity`` (the pipeline always gives it) is registered first."""
         if shard == IDENTITIES:

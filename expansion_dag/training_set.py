@@ -172,12 +172,6 @@ class Manifest:
         return cls(**json.loads((as_upath(out_dir) / MANIFEST_NAME).read_text()))
 
 
-@dataclass(frozen=True)
-class ExportResult:
-    samples: int
-    left_out: dict[str, int]
-
-
 @dataclass
 class BuildTrace:
     """What a build's pass saw, kept for the checks and the nightly table so they need no pass of their own."""
@@ -539,7 +533,7 @@ def build_training_set(
 
     Only records of ``identity`` are taken; ``known`` (the store's registry, by fingerprint) names
     the other identities in the manifest. ``conversations``, if given, receives the same samples
-    as the conversations JSONL (``export_conversations_jsonl``'s format) from the same pass;
+    as the conversations JSONL (one ``{"id", "conversations"}`` line per sample) from the same pass;
     ``trace``, if given, is filled with what the pass saw.
 
     Everything is written into a sibling temporary folder that is renamed into place at the end,
@@ -749,45 +743,6 @@ def check_round_trip(
 
 # ---------------------------------------------------------------------------------------------
 # The conversations JSONL of SpecForge-style trainers
-
-
-def export_conversations_jsonl(
-    records: Iterable[Mapping[str, Any]],
-    config: TrainingSetConfig,
-    path: str | os.PathLike[str],
-    *,
-    identity: Identity,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-) -> ExportResult:
-    """One ``{"id", "conversations": [{role, content}, ...]}`` line per kept record.
-
-    Kept reasoning goes inline (``INLINE_REASONING``) at the head of the assistant's content. The
-    same records are left out as in the Parquet set; the length limits need the tokenizer, so they
-    apply only when one is given (then the file holds exactly the Parquet set's samples). The file
-    is written beside ``path`` and renamed over it at the end.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tally = _Tally(identity, {})
-    if tokenizer is None:
-        chunks: Iterator[list[_Sample]] = _screened_chunks(records, config, tally)
-    else:
-        chunks = (kept for kept, _, _ in _encoded_chunks(records, tokenizer, config, tally))
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    samples = 0
-    try:
-        with open(staging, "w", encoding="utf-8") as fh:
-            for chunk in chunks:
-                fh.writelines(_conversation_line(s) for s in chunk)
-                samples += len(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(staging, path)
-        _fsync(path.parent)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    return ExportResult(samples=samples, left_out=tally.left_out())
 
 
 def _conversation_line(sample: _Sample) -> str:

@@ -24,7 +24,6 @@ from expansion_dag.training_set import (
     check_round_trip,
     data_files,
     expected_renders,
-    export_conversations_jsonl,
     manifest_markdown,
     sample_rows,
 )
@@ -305,12 +304,9 @@ def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     manifest = build_training_set(
         records, qwen3, config, tmp_path / "ts", identity=MODEL, conversations=tmp_path / "built.jsonl"
     )
-    result = export_conversations_jsonl(records, config, tmp_path / "c.jsonl", identity=MODEL, tokenizer=qwen3)
-    lines = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
-    assert result.samples == manifest.samples == len(lines) == 1
-    assert result.left_out == manifest.left_out
-    # The build's pass writes the same file as the export on its own.
-    assert (tmp_path / "built.jsonl").read_bytes() == (tmp_path / "c.jsonl").read_bytes()
+    lines = [json.loads(x) for x in (tmp_path / "built.jsonl").read_text().splitlines()]
+    # Exactly the Parquet set's samples: the cut answer and the over-long one are left out of both.
+    assert manifest.samples == len(lines) == 1
     assert not list(tmp_path.glob(".built.jsonl.tmp-*"))
     [line] = lines
     assert line == {
@@ -327,10 +323,6 @@ def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     [row] = pq.read_table(data_files(tmp_path / "ts")).to_pylist()
     rendered = qwen3.apply_chat_template(line["conversations"], tokenize=False)
     assert rendered == decode(qwen3, row["input_ids"])
-    # Without a tokenizer the length limit cannot apply; the other reasons still do.
-    result = export_conversations_jsonl(records, config, tmp_path / "c.jsonl", identity=MODEL)
-    assert result.samples == 2 and result.left_out["truncated"] == 1
-    assert not list(tmp_path.glob(".c.jsonl.tmp-*"))
 
 
 def test_second_template_masks_its_own_reasoning_format(tiny, tmp_path):

@@ -1,8 +1,8 @@
 """Stage 2: prompts extracted from every source, cleaned, deduplicated and sampled.
 
-One source at a time, and only the columns its extractor and filters read: the raw files are
-read here, not loaded whole by the IO manager, so memory holds one source's needed columns and
-the prompts extracted so far (first turns only), never all six sources' rows.
+One source at a time, only the columns its extractor and filters read, in batches of rows: the
+raw files are read here, not loaded whole by the IO manager, so memory holds one batch of one
+source and the prompts extracted so far (up to their turn), never all six sources' rows.
 """
 
 import dagster as dg
@@ -16,22 +16,41 @@ from expansion_dag.extract import EXTRACTORS, ExtractResult, extract_prompts, se
 from expansion_dag.resources.storage import ASSETS, StorageResource
 
 GROUP = "prompts"
+EXTRACT_BATCH_ROWS = 65_536
 
 
 def _extract(storage: StorageResource, spec: SourceSpec) -> ExtractResult:
-    """One source's prompts, from its raw asset's file, reading only the columns needed."""
+    """One source's prompts from its raw asset's file: the columns needed, ``EXTRACT_BATCH_ROWS`` rows at a time.
+
+    Rows are independent, so batches give the same prompts and quarantine as the whole table;
+    memory holds one batch's intermediates and the prompts so far, not the source's full columns.
+    """
     path = storage.path(ASSETS, f"{raw_asset_key(spec).path[-1]}.parquet")
     if not path.exists():
         raise dg.Failure(f"{path} is missing: materialize {raw_asset_key(spec).to_user_string()} first")
+    prompts, quarantine, rows, filtered = [], [], 0, 0
     with path.open("rb") as fh:
         parquet = pq.ParquetFile(fh)
         present = set(parquet.schema_arrow.names)
         # A missing prompt column is left for extract_prompts to name; filters on it too.
         wanted = [c for c in dict.fromkeys([EXTRACTORS[spec.extractor].column, *spec.filter_map()]) if c in present]
-        raw = pl.from_arrow(parquet.read(columns=wanted))
-    return extract_prompts(
-        raw, source=spec.name, extractor=spec.extractor, turn=spec.turn, max_chars=spec.max_chars,
-        filters=spec.filter_map(),
+        batches = (
+            parquet.iter_batches(batch_size=EXTRACT_BATCH_ROWS, columns=wanted)
+            if parquet.metadata.num_rows
+            else [parquet.schema_arrow.empty_table().select(wanted)]  # a source without rows still gets checked
+        )
+        for batch in batches:
+            part = extract_prompts(
+                pl.from_arrow(batch), source=spec.name, extractor=spec.extractor, turn=spec.turn,
+                max_chars=spec.max_chars, filters=spec.filter_map(),
+            )
+            shift = pl.col("row_index") + rows
+            prompts.append(part.prompts.with_columns(shift))
+            quarantine.append(part.quarantine.with_columns(shift))
+            rows += part.rows_read
+            filtered += part.filtered
+    return ExtractResult(
+        source=spec.name, prompts=pl.concat(prompts), quarantine=pl.concat(quarantine), rows_read=rows, filtered=filtered
     )
 
 

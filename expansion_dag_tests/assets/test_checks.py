@@ -22,7 +22,7 @@ from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import Identity
 from expansion_dag.tokenizer import load_tokenizer
-from expansion_dag.training_set import SCHEMA, Manifest, data_files
+from expansion_dag.training_set import SCHEMA, Manifest, data_files, expected_renders
 from expansion_dag_tests.assets.test_completions import FAST_SIM, prompts_asset, run_pipeline, small_frame
 from expansion_dag_tests.helpers import resources
 
@@ -118,8 +118,10 @@ def built_set(pipeline, tmp_path):
 
     def checks() -> set[str]:
         store = pipeline["storage"].completion_store()
-        results = training_set_checks(out_dir, store.iter_completions_sorted, load_tokenizer(),
-                                      settings.training_set_config(context_length), identity)
+        config, tokenizer = settings.training_set_config(context_length), load_tokenizer()
+        # Renders from the store afresh, not the build's own trace: the damage is in the files.
+        expected = expected_renders(store.latest_records(), tokenizer, config, identity=identity)
+        results = training_set_checks(out_dir, expected, tokenizer, config, identity)
         assert len(results) == 4
         return {r.check_name for r in results if not r.passed}
 

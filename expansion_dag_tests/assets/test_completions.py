@@ -10,7 +10,6 @@ from expansion_dag.assets.budget import budgeted_prompts, shard_prompts
 from expansion_dag.assets.completions import completions
 from expansion_dag.assets.training_set import training_set
 from expansion_dag.partitions import SHARD_KEYS
-from expansion_dag.resources.storage import StorageResource
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import Identity
