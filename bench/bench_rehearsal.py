@@ -64,6 +64,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from expansion_dag.samples.make_samples import AGENT_SPLITS, HERMES_CONFIGS  # the sources' real layouts
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_prompts import RESULTS_DIR, ROOT, TextModel, lognormal_ints, machine  # noqa: E402
@@ -96,14 +98,6 @@ PROMPT_WORDS = {
 }
 DUPLICATES = 0.02  # rows whose prompt repeats an earlier row's
 NON_ENGLISH = 0.09  # Infinity-Instruct rows the langdetect filter drops
-HERMES_CONFIGS = (
-    "func_calling_singleturn",
-    "func_calling",
-    "glaive_func_calling",
-    "json_mode_agentic",
-    "json_mode_singleturn",
-)
-AGENT_SPLITS = ("os", "db", "alfworld", "webshop", "kg", "mind2web")
 SAMPLES = ROOT / "expansion_dag" / "samples"
 STAGES = ("prepare", "generate", "training_set")
 RESULT_MARK = "@@RESULT "

@@ -3,7 +3,9 @@
 The asset is a thin shell over ``expansion_dag.engine``: it picks the prompts that have no
 completion of the current identity anywhere in the store (whichever shard wrote it: shard
 membership changes with the shard count and the budget's priors), runs them, and turns the shard
-report into metadata and check results. A shard whose failures exceed ``max_failure_rate`` fails
+report into metadata. The checks judge the shard's records as the store holds them
+(``expansion_dag.shard_figures``), read back after the run; what only this run saw (its
+context-length retries) is added to them. A shard whose failures exceed ``max_failure_rate`` fails
 its materialization (so "backfill failed partitions" picks it up) after every success has been
 written; the next run sends only what is missing.
 """
@@ -24,7 +26,8 @@ from expansion_dag.partitions import shard_index, shard_partitions
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
-from expansion_dag.store import Identity
+from expansion_dag.shard_figures import ShardFigures, shard_figures
+from expansion_dag.store import CompletionStore, Identity
 
 GROUP = "generation"
 CHECK_FAILURE_RATE = "failure_rate"
@@ -136,8 +139,7 @@ def completions(
     missing = len(shard_keys) - done - failed
     # Answers stopped as loops are the model's, not the fleet's: dropped and counted as waste,
     # they do not fail the shard (a loop share above max_failure_rate is normal for reasoning models).
-    degenerate = len(shard_keys & final.failed & report.degenerate_keys)
-    failure_rate = (failed - degenerate) / len(shard_keys) if shard_keys else 0.0
+    figures = stored_figures(store, shard, shard_keys, identity, done_anywhere=final.done)
     effective = {
         "fleet": fleet.effective_config(fleet_info, url),
         "settings": settings.as_metadata(),
@@ -148,13 +150,15 @@ def completions(
     }
     previous = _previous_effective_config(context, shard)
 
-    yield from _checks(report, settings, failure_rate, failed - degenerate, effective, previous)
+    yield from stored_checks(figures, settings, context_retries=report.context_retries)
+    yield _config_check(effective, previous)
     metadata = _metadata(report, shard, url, fell_back, done, failed, missing, shard_keys & already.done, final, effective)
-    metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": degenerate}
+    metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": figures.degenerate}
     metadata |= _order_metadata(learned_from_store, estimates_before, cell_estimates(lengths, cells))
+    failure_rate = figures.failure_rate
     if aborted or failure_rate > settings.max_failure_rate or missing:
         reason = aborted or (
-            f"{failed - degenerate} of {len(shard_keys)} prompts failed ({failure_rate:.1%} > max_failure_rate "
+            f"{figures.failed} of {figures.prompts} prompts failed ({failure_rate:.1%} > max_failure_rate "
             f"{settings.max_failure_rate:.1%})"
             if failure_rate > settings.max_failure_rate
             else f"{missing} prompts have neither a completion nor a failure record"
@@ -200,45 +204,67 @@ def config_differences(previous: dict[str, Any] | None, current: dict[str, Any])
     return changes
 
 
-def _checks(
-    report: ShardReport,
-    settings: GenerationSettings,
-    failure_rate: float,
-    failed: int,
-    effective: dict[str, Any],
-    previous: dict[str, Any] | None,
-):
+def stored_figures(
+    store: CompletionStore, shard: str, keys: set[str], identity: Identity, *, done_anywhere: set[str] | None = None
+) -> ShardFigures:
+    """The figures of the shard's prompts (``keys``) as ``identity``'s records in its folder say, in one pass.
+
+    ``done_anywhere``: the keys completed in any folder (a whole-store scan when not given).
+    """
+    done = store.scan().done if done_anywhere is None else done_anywhere
+    return shard_figures(store.latest_records(shards=[shard]), keys, identity.owns, done)
+
+
+def stored_checks(figures: ShardFigures, settings: GenerationSettings, *, context_retries: int = 0):
+    """The four data checks, judged on the stored ``figures``.
+
+    ``context_retries``: this run's, which no record keeps; reported, not judged.
+    """
     yield dg.AssetCheckResult(
         check_name=CHECK_FAILURE_RATE,
-        passed=failure_rate <= settings.max_failure_rate,
-        metadata={"failed_prompts": failed, "failure_rate": round(failure_rate, 6), "threshold": settings.max_failure_rate},
+        passed=figures.failure_rate <= settings.max_failure_rate,
+        metadata={
+            "failed_prompts": figures.failed,
+            "prompts": figures.prompts,
+            "failure_rate": round(figures.failure_rate, 6),
+            "threshold": settings.max_failure_rate,
+            "failures_by_kind": dg.MetadataValue.json(dict(figures.failures_by_kind)),
+        },
     )
-    rejections = report.failures_by_kind.get("context_length", 0)
+    rejections = figures.context_length_failures
     yield dg.AssetCheckResult(
         check_name=CHECK_CONTEXT_REJECTIONS,
-        passed=rejections == 0 and report.context_retries == 0,
-        metadata={"context_length_failures": rejections, "context_length_400s_retried": report.context_retries},
+        passed=rejections == 0,
+        metadata={"context_length_failures": rejections, "context_length_400s_retried": context_retries},
     )
-    truncated = sum(report.truncated_by_source.values())
-    truncation_rate = truncated / report.ok if report.ok else 0.0
     yield dg.AssetCheckResult(
         check_name=CHECK_TRUNCATION,
-        passed=truncation_rate <= settings.max_truncation_rate,
+        passed=figures.truncation_rate <= settings.max_truncation_rate,
         severity=dg.AssetCheckSeverity.WARN,
-        metadata={"truncated": truncated, "truncation_rate": round(truncation_rate, 4), "threshold": settings.max_truncation_rate},
+        metadata={
+            "truncated": figures.truncated,
+            "completions": figures.ok,
+            "truncation_rate": round(figures.truncation_rate, 4),
+            "threshold": settings.max_truncation_rate,
+        },
     )
     yield dg.AssetCheckResult(
         check_name=CHECK_DRIFT,
-        passed=report.drifted_completions == 0 and report.context_retries == 0,
+        passed=figures.drifted == 0,
         severity=dg.AssetCheckSeverity.WARN,
         metadata={
-            "completions_with_drift": report.drifted_completions,
-            "context_retries": report.context_retries,
-            "drift_histogram": dg.MetadataValue.json({str(k): v for k, v in sorted(report.prompt_token_drift.items())}),
+            "completions_with_drift": figures.drifted,
+            "context_retries": context_retries,
+            "drift_histogram": dg.MetadataValue.json(
+                {str(k): v for k, v in sorted(figures.prompt_token_drift.items())}
+            ),
         },
     )
+
+
+def _config_check(effective: dict[str, Any], previous: dict[str, Any] | None) -> dg.AssetCheckResult:
     changes = config_differences(previous, effective)
-    yield dg.AssetCheckResult(
+    return dg.AssetCheckResult(
         check_name=CHECK_CONFIG,
         passed=not changes,
         severity=dg.AssetCheckSeverity.WARN,

@@ -9,6 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from expansion_dag.assets.budget import CHECK_FITS, CHECK_IDS_UNIQUE, CHECK_NO_EMPTY, budgeted_prompts, shard_prompts
+from expansion_dag.assets.completions import (
+    CHECK_CONTEXT_REJECTIONS,
+    CHECK_DRIFT,
+    CHECK_FAILURE_RATE,
+    CHECK_TRUNCATION,
+    completions,
+    stored_checks,
+    stored_figures,
+)
 from expansion_dag.assets.training_set import (
     CHECK_LENGTH,
     CHECK_LOSS_MASK,
@@ -20,9 +29,10 @@ from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.resources.storage import ParquetIOManager
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
-from expansion_dag.store import Identity
+from expansion_dag.store import FAILED, SEGMENT_GLOB, Identity
 from expansion_dag.tokenizer import load_tokenizer
 from expansion_dag.training_set import SCHEMA, Manifest, data_files, expected_renders
+from expansion_dag.urls import local_path
 from expansion_dag_tests.assets.test_completions import FAST_SIM, prompts_asset, run_pipeline, small_frame
 from expansion_dag_tests.helpers import resources
 
@@ -186,3 +196,96 @@ def test_an_empty_training_set_fails_and_says_what_was_left_out(tmp_path, instan
     evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert not evaluations[CHECK_NOT_EMPTY].passed
     assert evaluations[CHECK_NOT_EMPTY].metadata["left_out"].value["truncated"] == 24
+
+
+@pytest.fixture
+def generated_shard(tmp_path, instance):
+    """One shard generated through Dagster on the simulator, every check passing; and a way to re-run it."""
+    assets = [prompts_asset(small_frame(8)), budgeted_prompts, shard_prompts, completions]
+    with SimulatedFleet([SimServerConfig(**FAST_SIM)] * len(SHARD_KEYS)) as fleet:
+        res = resources(fleet.urls, tmp_path)
+        assert dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"]).success
+
+        def materialize() -> set[str]:
+            result = dg.materialize(assets, resources=res, instance=instance, partition_key=SHARD,
+                                    selection=["shard_prompts", "completions"], raise_on_error=False)
+            evaluations = [e for e in result.get_asset_check_evaluations() if e.asset_key == completions.key]
+            assert len(evaluations) == 5
+            return {e.check_name for e in evaluations if not e.passed}
+
+        assert materialize() == set()
+        yield res, materialize
+
+
+def stored(res) -> tuple[list[dict], Identity]:
+    """The shard's records as stored, and the identity that wrote them."""
+    store = res["storage"].completion_store()
+    [identity] = store.identities().values()
+    return list(store.latest_records(shards=[SHARD])), identity
+
+
+def replace_records(res, changed: list[dict]) -> None:
+    """Store ``changed`` in place of the shard's lines of the same keys, as a faulty disk or a stray writer would."""
+    store = res["storage"].completion_store()
+    keys = {r["key"].encode() for r in changed}
+    segments = sorted(local_path(store.root / SHARD).glob(SEGMENT_GLOB))
+    assert segments
+    for path in segments:
+        lines = path.read_bytes().splitlines(keepends=True)
+        path.write_bytes(b"".join(line for line in lines if line.split(b"\t", 1)[0] not in keys))
+    with store.writer(SHARD) as writer:
+        for record in changed:
+            writer.append(record)
+
+
+def rerun_checks(res) -> set[str]:
+    """The four data checks over the store as it is now, as the asset runs them."""
+    records, identity = stored(res)
+    keys = {identity.key(r["prompt_id"]) for r in records}
+    figures = stored_figures(res["storage"].completion_store(), SHARD, keys, identity)
+    return {r.check_name for r in stored_checks(figures, res["settings"]) if not r.passed}
+
+
+def test_a_stored_answer_cut_at_its_budget_fails_truncation_rate(generated_shard):
+    res, materialize = generated_shard
+    records, _ = stored(res)
+    replace_records(res, [{**r, "finish_reason": "length"} for r in records[:2]])
+    # Re-materializing sends nothing (every prompt has an answer); the check reads what is stored.
+    assert materialize() == {CHECK_TRUNCATION}
+
+
+def test_a_stored_prompt_count_unlike_the_local_one_fails_budget_drift(generated_shard):
+    res, materialize = generated_shard
+    records, _ = stored(res)
+    replace_records(res, [{**records[0], "prompt_tokens": records[0]["local_prompt_tokens"] + 3}])
+    assert materialize() == {CHECK_DRIFT}
+
+
+def failure_of(record: dict, error: str) -> dict:
+    return {"key": record["key"], "status": FAILED, "prompt_id": record["prompt_id"], "source": record["source"],
+            "error": error, "http_status": 400, "message": "stored by the test", "attempts": 1,
+            "server": record["server"], "max_tokens": record["max_tokens"]}
+
+
+def test_stored_failures_fail_failure_rate(generated_shard):
+    res, _ = generated_shard
+    records, _ = stored(res)
+    replace_records(res, [failure_of(records[0], "rejected")])
+    assert rerun_checks(res) == {CHECK_FAILURE_RATE}
+
+
+def test_a_stored_context_length_failure_fails_no_context_length_rejections(generated_shard):
+    res, materialize = generated_shard
+    records, _ = stored(res)
+    assert rerun_checks(res) == set()
+    replace_records(res, [failure_of(records[0], "context_length")])
+    assert rerun_checks(res) == {CHECK_FAILURE_RATE, CHECK_CONTEXT_REJECTIONS}
+    # A run sends the failed prompt again; its answer replaces the failure, and the checks pass.
+    assert materialize() == set()
+
+
+def test_stored_loops_fail_no_shard(generated_shard):
+    res, _ = generated_shard
+    records, _ = stored(res)
+    replace_records(res, [failure_of(records[0], "degenerate")])
+    assert rerun_checks(res) == set()
