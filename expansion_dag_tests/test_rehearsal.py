@@ -9,6 +9,8 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_rehearsal.py"
 PROMPTS = 2000
+# The module's one run (prepare, 8 shards, the training set) is set up by its first test.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
