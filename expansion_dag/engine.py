@@ -411,6 +411,9 @@ class ShardRun:
             if progress is not None:
                 progress.cancel()
             self._close_books()
+        if self._on_progress is not None:
+            # The final figures, also for a shard that ends before its first periodic report.
+            self._on_progress(self.progress())
         if self.report.aborted:
             raise ShardAborted(self.report.aborted, report=self.report)
         return self.report

@@ -413,6 +413,17 @@ def test_progress_reports_done_rate_in_flight_and_eta(tmp_path):
     assert "retries [none]" in line
 
 
+def test_a_shard_quicker_than_its_progress_interval_still_reports_its_final_figures(tmp_path):
+    seen = []
+
+    async def handler(request):
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**{**FAST, "progress_interval_s": 3600.0})
+    run(tmp_path, items(5), handler, slots=2, config=config, on_progress=seen.append)
+    assert [(p.done, p.total, p.failed) for p in seen] == [(5, 5, 0)]
+
+
 def test_progress_sums_the_retries_by_kind(tmp_path):
     seen = []
     calls = collections.Counter()
