@@ -263,6 +263,7 @@ def write_config(folder: Path, catalog: str, args: argparse.Namespace) -> Path:
     command = (
         "{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
         "--context-length {context_length} --max-running-requests {max_running_requests} "
+        "--stream-interval {stream_interval} "
         f"--ttft-ms {args.ttft_ms} --token-latency-ms {args.token_latency_ms} "
         f"--output-median-tokens {median} --output-sigma {OUTPUT_SIGMA} --warmup-s 0.2"
     )

@@ -7,9 +7,10 @@ down by ``--time-factor`` (token latency and TTFT divided by it).
 
 Part A (real HTTP, one process): the engine (``ShardRun``, as the Dagster asset builds it) against
 simulated SGLang servers started as a separate process, so the CPU measured here is the client's
-alone. 3% of answers loop until the cap (``--loop-rate``). Two phases on the same prompts:
-``stream+stop`` (streaming, loops stopped by the detector) and ``plain`` (no streaming, every
-answer runs to its end). Reported: slot-seconds on answers the training set drops (by reason),
+alone. 3% of answers loop until the cap (``--loop-rate``). Phases on the same prompts:
+``stream+stop`` (streaming at ``--stream-interval`` tokens an event, loops stopped by the
+detector), ``stream+stop, every token`` (the servers' default interval of 1, for the CPU it costs)
+and ``plain`` (no streaming, every answer runs to its end). Reported: slot-seconds on answers the training set drops (by reason),
 the useful token share, client CPU per request, and what that CPU means at the reference rate.
 The fleet here is ``--servers`` x 72 slots, fewer than 8, so that the simulator and the client
 fit on a small machine; the rate per slot is the reference one times the time factor.
@@ -66,6 +67,7 @@ from expansion_dag.engine import (
     WorkItem,
     expected_output_tokens,
 )
+from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.store import CompletionStore
@@ -103,11 +105,12 @@ PROMPT_SIGMA = 0.6
 # Part A: early stopping and streaming over real HTTP
 
 
-def start_simulator(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, list[str]]:
+def start_simulator(args: argparse.Namespace, port: int, stream_interval: int) -> tuple[subprocess.Popen, list[str]]:
     ports = list(range(port, port + args.servers))
     command = [
         sys.executable, "-m", "expansion_dag.sim", "--host", HOST, "--ports", f"{ports[0]}-{ports[-1]}",
         "--max-running-requests", str(SLOTS), "--context-length", str(CONTEXT),
+        "--stream-interval", str(stream_interval),
         "--ttft-ms", str(REFERENCE_TTFT_S * 1000 / args.time_factor),
         "--token-latency-ms", str(REFERENCE_TOKEN_LATENCY_S * 1000 / args.time_factor),
         "--output-median-tokens", str(ANSWER_MEDIAN), "--output-sigma", str(ANSWER_SIGMA),
@@ -143,15 +146,17 @@ def part_a_items(n: int, servers: int) -> list[list[WorkItem]]:
     return shards
 
 
-async def run_phase(shards: list[list[WorkItem]], urls: list[str], store_root: Path, stop: bool) -> dict[str, Any]:
+async def run_phase(
+    shards: list[list[WorkItem]], urls: list[str], store_root: Path, stop: bool, stream_interval: int
+) -> dict[str, Any]:
     config = EngineConfig(stop_degenerate=stop, canary=False)
     store = CompletionStore(store_root)
     sampling = SamplingSettings(max_output_tokens=CONTEXT)
 
     async def one(i: int):
         with store.writer(f"shard-{i:02d}") as writer:
-            run = ShardRun(shards[i], [Server(urls[i], SLOTS)], writer=writer, model=MODEL, sampling=sampling,
-                           config=config)
+            server = Server(urls[i], SLOTS, stream_interval=stream_interval)
+            run = ShardRun(shards[i], [server], writer=writer, model=MODEL, sampling=sampling, config=config)
             return await run.run()
 
     cpu, wall = time.process_time(), time.perf_counter()
@@ -200,20 +205,25 @@ async def run_phase(shards: list[list[WorkItem]], urls: list[str], store_root: P
 
 
 def part_a(args: argparse.Namespace) -> dict[str, Any]:
-    process, urls = start_simulator(args, args.base_port)
-    try:
-        shards = part_a_items(args.requests, args.servers)
-        results = {}
-        for name, stop in (("stream+stop", True), ("plain", False)):
-            store_root = RESULTS_DIR / f".waste-store-{os.getpid()}-{name.replace('+', '-')}"
-            results[name] = asyncio.run(run_phase(shards, urls, store_root, stop))
+    """The phases on the same prompts, each against simulators launched with its stream interval."""
+    shards = part_a_items(args.requests, args.servers)
+    phases = [("stream+stop", True, args.stream_interval), ("plain", False, 1)]
+    if args.stream_interval > 1:
+        phases.insert(1, ("stream+stop, every token", True, 1))
+    results = {}
+    for n, (name, stop, interval) in enumerate(phases):
+        process, urls = start_simulator(args, args.base_port + n * args.servers, interval)
+        try:
+            store_root = RESULTS_DIR / f".waste-store-{os.getpid()}-{n}"
+            results[name] = asyncio.run(run_phase(shards, urls, store_root, stop, interval))
+            results[name]["stream_interval"] = interval if stop else None
             shutil.rmtree(store_root, ignore_errors=True)
-    finally:
-        process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(10)
-        if process.poll() is None:
-            process.kill()
+        finally:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+            if process.poll() is None:
+                process.kill()
     stream, plain = results["stream+stop"], results["plain"]
     fall = 1 - stream["dropped_slot_seconds_total"] / plain["dropped_slot_seconds_total"]
     loops_fall = 1 - stream["dropped_slot_seconds_loops"] / plain["dropped_slot_seconds_loops"]
@@ -371,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-rate", type=float, default=0.03)
     p.add_argument("--model-requests", type=int, nargs="+", default=[19_543, 4_000],
                    help="part B: requests on 8 x 72 slots, one run per value (fewer: a bigger tail)")
+    p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
+                   help="part A: tokens per streamed event (a phase at 1 runs beside it)")
     p.add_argument("--base-port", type=int, default=32500)
     p.add_argument("--skip-a", action="store_true")
     args = p.parse_args(argv)

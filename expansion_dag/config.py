@@ -28,6 +28,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER
 
 CONFIG_ENV = "EXPANSION_CONFIG"
@@ -134,6 +135,7 @@ class FleetConfig(_Section):
     urls: list[str] = []
     backend: Literal["sglang", "vllm"] = "sglang"
     slots: Optional[int] = Field(default=None, ge=1)
+    stream_interval: int = Field(default=DEFAULT_STREAM_INTERVAL, ge=1)
     api_key_env: str = Field(default="SGLANG_API_KEY", min_length=1)
     fallback_to_healthy: bool = True
     launch: LaunchConfig = LaunchConfig()

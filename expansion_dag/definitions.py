@@ -62,6 +62,7 @@ def fleet_for(config: RunConfig) -> FleetResource:
         startup_timeout_s=launch.startup_timeout_s
         or (SIMULATOR_STARTUP_TIMEOUT_S if simulate else SERVER_STARTUP_TIMEOUT_S),
         slots_override=fleet.slots,
+        stream_interval=fleet.stream_interval,
         fallback_to_healthy=fleet.fallback_to_healthy,
         state_dir=state_dir,
     )

@@ -193,6 +193,9 @@ class Server:
     slots: int
     #: How to read its answers and its load (the probe's ``ServerInfo.dialect``).
     dialect: Dialect = SGLANG
+    #: Tokens per streamed event (the probe's ``ServerInfo.stream_interval``): asked for in each
+    #: request where the dialect takes it, and how a stopped answer's tokens are counted.
+    stream_interval: int = 1
 
 
 @dataclass
@@ -240,7 +243,7 @@ class ShardReport:
     elapsed_s: float = 0.0
     aborted: str | None = None
     #: Output tokens generated, by outcome: the finish reason of an answer (``stop``, ``length``),
-    #: ``degenerate`` for a stopped loop (its streamed chunks, about one token each).
+    #: ``degenerate`` for a stopped loop (the tokens it streamed, estimated from its chunks).
     output_tokens_by_outcome: collections.Counter = field(default_factory=collections.Counter)
     #: Seconds from send to outcome, summed by outcome: a finish reason, or a failure's kind.
     #: Includes the time a request beyond the server's slots waits in its queue (the headroom).
@@ -557,7 +560,12 @@ class ShardRun:
         stats = self._stats(server)
         started = time.monotonic()
         request = server_api.chat_request(
-            self._model, item.messages, item.max_tokens, self._sampling, stream=self._thresholds is not None
+            self._model,
+            item.messages,
+            item.max_tokens,
+            self._sampling,
+            stream=self._thresholds is not None,
+            stream_interval=server.stream_interval if server.dialect.stream_interval_per_request else None,
         )
         stats.started(started)
         try:
@@ -569,6 +577,7 @@ class ShardRun:
                 self._policies[borrowed],
                 on_retry=self._count_retry,
                 thresholds=self._thresholds,
+                stream_interval=server.stream_interval,
             )
         finally:
             stats.finished(time.monotonic())
@@ -646,8 +655,9 @@ class ShardRun:
                 "loop_span": error.loop.span,
                 "loop_repeats": error.loop.repeats,
                 "streamed_chunks": error.chunks,
+                "streamed_tokens": error.tokens,
             }
-            self.report.output_tokens_by_outcome[error.kind] += error.chunks
+            self.report.output_tokens_by_outcome[error.kind] += error.tokens
             self.report.degenerate_keys.add(item.key)
         self._writer.append(record)
         self.report.failed += 1

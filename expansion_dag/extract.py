@@ -194,7 +194,7 @@ def extract_prompts(
     prompts = accepted.select(
         prompt_id=_sha256_hex32(accepted["canonical"]),
         source=pl.lit(source, pl.String),
-        messages="messages",
+        messages=_owned(accepted["messages"]),
         row_index="row_index",
     )
     quarantine = (
@@ -482,6 +482,17 @@ def _invalid_utf8(texts: pl.Series) -> pl.Series:
     return pl.Series("invalid_utf8", mask)
 
 
+def _owned(values: pl.Series) -> pl.Series:
+    """``values`` in buffers of their own, holding only the text they use.
+
+    Polars strings are views into shared buffers: the messages would otherwise keep the input's
+    whole column alive, every turn and answer of every row (five times the prompts' own text on
+    Infinity-Instruct), for as long as the prompts live. A round trip through Arrow's offset
+    strings copies just the text used.
+    """
+    return pl.from_arrow(values.to_arrow(compat_level=pl.CompatLevel.oldest()))
+
+
 def _sha256_hex32(texts: pl.Series) -> pl.Series:
     """The first 32 hex characters of each text's SHA-256, the same on every machine and version."""
     digests = map(methodcaller("digest"), map(hashlib.sha256, texts.cast(pl.Binary).to_list()))
@@ -575,9 +586,14 @@ def select_prompts(
     if len(set(names)) != len(names):
         raise ValueError(f"more than one result per source: {', '.join(names)}")
 
+    # Dedup, ranking and quotas need no messages: they run on these columns, and the chosen rows
+    # are then filtered out of each source's prompts, so no copy of every candidate's messages is made.
+    frames = [r.prompts for r in results] or [pl.DataFrame(schema=PROMPT_SCHEMA)]
     candidates = pl.concat(
-        [r.prompts.with_columns(order=pl.lit(i, pl.Int64)) for i, r in enumerate(results)]
-        or [pl.DataFrame(schema={**PROMPT_SCHEMA, "order": pl.Int64})]
+        [
+            frame.select("prompt_id", "source", order=pl.lit(i, pl.Int64), position=pl.int_range(pl.len()))
+            for i, frame in enumerate(frames)
+        ]
     )
     unique = candidates.filter(pl.col("prompt_id").is_first_distinct())
     available = dict(unique.group_by("source").len().iter_rows())
@@ -591,7 +607,16 @@ def select_prompts(
             pl.int_range(pl.len()).over("source")
             < pl.col("source").replace_strict(targets, default=0, return_dtype=pl.Int64)
         )
-        .sort("order", "row_index")
+    )
+    # A filter, not a gather by position: a gather copies the text of the rows it takes, a filter
+    # shares the source's buffers.
+    prompts = pl.concat(
+        [
+            frame.filter(
+                pl.int_range(pl.len()).is_in(chosen.filter(pl.col("order") == i)["position"].implode())
+            ).sort("row_index")
+            for i, frame in enumerate(frames)
+        ]
     )
     chosen_counts = dict(chosen.group_by("source").len().iter_rows())
     stats = {}
@@ -609,7 +634,7 @@ def select_prompts(
             not_sampled=available.get(name, 0) - chosen_counts.get(name, 0),
         )
     quarantine = pl.concat([r.quarantine for r in results] or [pl.DataFrame(schema=QUARANTINE_SCHEMA)])
-    return Selection(prompts=chosen.select(PROMPT_SCHEMA.names()), quarantine=quarantine, stats=stats)
+    return Selection(prompts=prompts.select(PROMPT_SCHEMA.names()), quarantine=quarantine, stats=stats)
 
 
 def _targets(

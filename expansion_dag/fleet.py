@@ -44,6 +44,9 @@ class ServerInfo:
     version: str | None
     simulator: bool
     dialect: Dialect
+    #: Tokens per streamed event: SGLang's own ``--stream-interval`` as it reports it (1 when it
+    #: does not), or, where requests carry it (vLLM), the configured value each request asks for.
+    stream_interval: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "dialect": self.dialect.name}
@@ -98,9 +101,14 @@ def probe_server(
     backend: Backend = "sglang",
     api_key: str | None = None,
     slots_override: int | None = None,
+    stream_interval: int = 1,
     timeout_s: float = 30.0,
 ) -> ServerInfo:
-    """What one server says about itself, checked against the configuration."""
+    """What one server says about itself, checked against the configuration.
+
+    ``stream_interval``: the tokens per streamed event the fleet is configured with; a server that
+    takes it per request gets it, another one streams at its own launch setting.
+    """
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(timeout=timeout_s, headers=headers) as client:
@@ -138,6 +146,7 @@ def probe_server(
         version=facts.version,
         simulator=facts.simulator,
         dialect=facts.dialect,
+        stream_interval=stream_interval if facts.dialect.stream_interval_per_request else facts.stream_interval or 1,
     )
 
 
@@ -147,6 +156,7 @@ def probe_fleet(
     backend: Backend = "sglang",
     api_key: str | None = None,
     slots_override: int | None = None,
+    stream_interval: int = 1,
     timeout_s: float = 30.0,
     allow_unreachable: bool = False,
 ) -> FleetInfo:
@@ -158,7 +168,14 @@ def probe_fleet(
     for url in urls:
         try:
             probed.append(
-                probe_server(url, backend=backend, api_key=api_key, slots_override=slots_override, timeout_s=timeout_s)
+                probe_server(
+                    url,
+                    backend=backend,
+                    api_key=api_key,
+                    slots_override=slots_override,
+                    stream_interval=stream_interval,
+                    timeout_s=timeout_s,
+                )
             )
         except ServerUnreachableError:
             if not allow_unreachable:

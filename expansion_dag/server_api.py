@@ -59,6 +59,12 @@ SGLANG_MIN_VERSION = "0.5.4"
 #: Statuses that say "try again later": the request may succeed on a retry.
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
+#: A streamed event every 256 tokens instead of every token (both servers' default): a network read
+#: costs the client far more than the parsing, so its CPU per answer falls with the events
+#: (BENCHMARKS.md, waste and tail), while a loop, seen after ~250 tokens, runs at most 256 more
+#: tokens of the up to 8,000 it would cost.
+DEFAULT_STREAM_INTERVAL = 256
+
 #: Finish reasons of a complete answer; anything else (``abort``, ...) is partial text.
 COMPLETE_FINISHES = frozenset({"stop", "length"})
 
@@ -81,6 +87,10 @@ class Dialect:
     reasoning_fields: tuple[str, ...]
     #: Where the version is when the server has no ``server_info_path``.
     version_path: str | None
+    #: A request may ask for its own stream interval (vLLM's ``stream_interval`` field, clamped up
+    #: to the server's ``--stream-interval``); SGLang's chat API has no such field (its sampling
+    #: params do, not its OpenAI surface), so there only the launch flag sets it.
+    stream_interval_per_request: bool
 
     @property
     def has_loads(self) -> bool:
@@ -96,6 +106,7 @@ SGLANG = Dialect(
     loads_carry_slots=True,
     reasoning_fields=("reasoning_content",),
     version_path=None,
+    stream_interval_per_request=False,
 )
 VLLM = Dialect(
     name="vllm",
@@ -107,6 +118,7 @@ VLLM = Dialect(
     # ``reasoning_content`` was renamed ``reasoning`` in January 2026; older vLLMs still send it.
     reasoning_fields=("reasoning", "reasoning_content"),
     version_path="/version",
+    stream_interval_per_request=True,
 )
 #: Newest first within a backend: :func:`dialect_for` takes the first row the version reaches.
 DIALECTS: tuple[Dialect, ...] = (
@@ -218,14 +230,16 @@ class DegenerateError(RequestError):
 
     kind = "degenerate"
 
-    def __init__(self, message: str, *, content: str, reasoning: str | None, loop: Loop, chunks: int):
+    def __init__(self, message: str, *, content: str, reasoning: str | None, loop: Loop, chunks: int, tokens: int):
         super().__init__(message, status=200)
         self.content = content
         self.reasoning = reasoning
         self.loop = loop
-        #: Content and reasoning deltas received: about one token each (both servers stream every
-        #: decoded token by default), the only count of a stopped answer's tokens there is.
+        #: Content and reasoning deltas received.
         self.chunks = chunks
+        #: The tokens those deltas carried, estimated from the stream interval (see
+        #: :meth:`ChatStream.streamed_tokens`): a stopped answer has no usage chunk.
+        self.tokens = tokens
 
 
 class ChatStream:
@@ -238,8 +252,9 @@ class ChatStream:
     detector; :meth:`feed_line` returns the loop once one of them ends in one.
     """
 
-    def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None):
+    def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None, *, stream_interval: int = 1):
         self._dialect = dialect
+        self._stream_interval = stream_interval
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._finish: str | None = None
@@ -347,15 +362,23 @@ class ChatStream:
             completion_tokens=completion_tokens,
         )
 
+    @property
+    def streamed_tokens(self) -> int:
+        """Tokens received so far, by the servers' rule: the first token alone, then one event per
+        ``stream_interval`` tokens (SGLang's ``OutputStreamer``, vLLM's ``RequestState``)."""
+        return 1 + (self.chunks - 1) * self._stream_interval if self.chunks else 0
+
     def degenerate(self, loop: Loop) -> DegenerateError:
         return DegenerateError(
-            f"stopped a degenerate answer after {self.chunks} streamed chunks: a span of "
+            f"stopped a degenerate answer after {self.chunks} streamed chunks (about "
+            f"{self.streamed_tokens} tokens): a span of "
             f"{len(loop.span)} characters repeated {loop.repeats} times back to back "
             f"({_quote(loop.span, 80)})",
             content=self.content,
             reasoning=self.reasoning,
             loop=loop,
             chunks=self.chunks,
+            tokens=self.streamed_tokens,
         )
 
 
@@ -510,6 +533,8 @@ class ServerFacts:
     version: str | None
     simulator: bool
     dialect: Dialect
+    #: SGLang's ``--stream-interval`` (a ServerArgs field, so in its description); None: unsaid.
+    stream_interval: int | None = None
 
 
 def parse_server_facts(models: object, server_info: object | None, dialect: Dialect) -> ServerFacts:
@@ -536,6 +561,7 @@ def parse_server_facts(models: object, server_info: object | None, dialect: Dial
         version=info.get("version"),
         simulator=bool(info.get("simulator", entry.get("simulator", False))),
         dialect=dialect,
+        stream_interval=_positive_int(info.get("stream_interval")),
     )
 
 
@@ -652,11 +678,13 @@ def chat_request(
     sampling: SamplingSettings,
     *,
     stream: bool = False,
+    stream_interval: int | None = None,
 ) -> dict[str, Any]:
     """The body of ``POST /v1/chat/completions`` (the fields SGLang and vLLM both read).
 
     ``stream``: server-sent events, with the usage in a last chunk (``include_usage``: both SGLang's
-    and vLLM's ``should_include_usage`` read it from ``stream_options``).
+    and vLLM's ``should_include_usage`` read it from ``stream_options``). ``stream_interval``: tokens
+    per event, for a dialect that takes it per request (``Dialect.stream_interval_per_request``).
     """
     request: dict[str, Any] = {
         "model": model,
@@ -678,6 +706,8 @@ def chat_request(
     if stream:
         request["stream"] = True
         request["stream_options"] = {"include_usage": True}
+        if stream_interval is not None and stream_interval > 1:
+            request["stream_interval"] = stream_interval
     return request
 
 
@@ -713,6 +743,8 @@ async def send_chat(
     request: Mapping[str, Any],
     dialect: Dialect,
     thresholds: LoopThresholds | None = None,
+    *,
+    stream_interval: int = 1,
 ) -> Answer:
     """One attempt: the complete answer, or the RequestError that says why there is none.
 
@@ -729,7 +761,7 @@ async def send_chat(
             if response.status_code != 200:
                 await response.aread()
                 raise error_from_status(response.status_code, response.text)
-            stream = ChatStream(dialect, thresholds)
+            stream = ChatStream(dialect, thresholds, stream_interval=stream_interval)
             async for text in response.aiter_text():
                 loop = stream.feed_text(text)
                 if loop is not None:
@@ -773,13 +805,15 @@ async def generate(
     *,
     on_retry: Callable[[str], None] | None = None,
     thresholds: LoopThresholds | None = None,
+    stream_interval: int = 1,
 ) -> Exchange:
     """Send ``request`` until it has a complete answer or the policy gives up.
 
     Transient errors and unfinished answers are retried with exponential backoff and jitter;
     ``on_retry`` hears the kind of each error that caused a retry (``context_length`` for the
     one retry with a smaller ``max_tokens``). ``thresholds``: stop a streamed answer that loops
-    (:class:`DegenerateError`, not retried).
+    (:class:`DegenerateError`, not retried); ``stream_interval``: the tokens per streamed event,
+    to count a stopped answer's tokens.
     """
     attempts = 0
     max_tokens = int(request["max_tokens"])
@@ -800,7 +834,7 @@ async def generate(
             with attempt:
                 attempts += 1
                 try:
-                    return await send_chat(client, url, body, dialect, thresholds)
+                    return await send_chat(client, url, body, dialect, thresholds, stream_interval=stream_interval)
                 except TransientError as exc:
                     last = exc
                     raise

@@ -212,8 +212,9 @@ class _Tally:
 
 
 def _output_tokens(record: Mapping[str, Any]) -> int:
-    # A failure stopped mid-stream (a degenerate loop) records the chunks it streamed.
-    return int(record.get("completion_tokens") or record.get("streamed_chunks") or 0)
+    # A failure stopped mid-stream (a degenerate loop) records the tokens it streamed (stores
+    # written before stream intervals have only the chunks, one token each).
+    return int(record.get("completion_tokens") or record.get("streamed_tokens") or record.get("streamed_chunks") or 0)
 
 
 @dataclass(frozen=True)

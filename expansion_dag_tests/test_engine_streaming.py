@@ -31,32 +31,54 @@ def work(n):
     ]
 
 
-def run_shard(tmp_path, sim, config, n=40):
+def run_shard(tmp_path, sim, config, n=40, stream_interval=1):
+    """``stream_interval``: what the probe would say of the server (its own, or what vLLM is asked)."""
     store = CompletionStore(tmp_path)
     with SimulatedFleet([SimServerConfig(**SIM, **sim)]) as fleet:
+        server = Server(fleet.urls[0], 8, dialect_for(sim.get("backend", "sglang")), stream_interval=stream_interval)
         with store.writer(SHARD) as writer:
             report = generate_shard(
-                work(n), [Server(fleet.urls[0], 8, dialect_for(sim.get("backend", "sglang")))], writer=writer, model=MODEL, sampling=SamplingSettings(), config=config
+                work(n), [server], writer=writer, model=MODEL, sampling=SamplingSettings(), config=config
             )
         stats = fleet.stats(0)
     return report, [*store.records(SHARD), *store.records(SHARD, status=FAILED)], stats
 
 
-@pytest.mark.parametrize("backend", ["sglang", "vllm"])
-def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(tmp_path, backend):
-    report, records, stats = run_shard(tmp_path, dict(backend=backend, loop_rate=0.25), EngineConfig(**FAST))
+@pytest.mark.parametrize(
+    ("backend", "server_interval", "interval"),
+    [
+        ("sglang", 1, 1),
+        ("vllm", 1, 1),
+        ("sglang", 32, 32),  # SGLang streams at its launch setting
+        ("vllm", 1, 32),  # vLLM is asked for it in each request
+    ],
+)
+def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
+    tmp_path, backend, server_interval, interval
+):
+    report, records, stats = run_shard(
+        tmp_path,
+        dict(backend=backend, loop_rate=0.25, stream_interval=server_interval),
+        EngineConfig(**FAST),
+        stream_interval=interval,
+    )
+    assert stats["last_chat_request"].get("stream_interval") == (32 if backend == "vllm" and interval > 1 else None)
     degenerate = [r for r in records if r["status"] == FAILED]
     ok = [r for r in records if r["status"] == OK]
     assert len(degenerate) == 10 and len(ok) == 30
     for record in degenerate:
         assert record["error"] == "degenerate"
         assert record["loop_repeats"] >= 4 and record["loop_span"] in record["content"]
-        assert record["streamed_chunks"] < CAP / 4  # stopped well before the cap
+        assert record["streamed_tokens"] < CAP / 4  # stopped well before the cap
+        # The tokens it cost are counted from the events and the interval: the simulator's words
+        # are one token each, so the text says what the count should be.
+        assert record["streamed_tokens"] == len(record["content"].split())
+        assert record["streamed_chunks"] <= 1 + record["streamed_tokens"] // interval
     assert all(r["finish_reason"] == "stop" and r["content"] for r in ok)
     # Closing the stream aborted each loop on the server and freed its slot.
     assert stats["aborted"] == 10 and stats["num_running"] == 0
     assert report.failures_by_kind == {"degenerate": 10}
-    assert report.output_tokens_by_outcome["degenerate"] == sum(r["streamed_chunks"] for r in degenerate)
+    assert report.output_tokens_by_outcome["degenerate"] == sum(r["streamed_tokens"] for r in degenerate)
     assert report.useful_token_share(drop_truncated=True) > 0.5
     assert set(report.dropped_slot_seconds(drop_truncated=True)) == {"degenerate"}
 
@@ -75,8 +97,12 @@ def test_without_early_stopping_loops_run_to_the_cap_and_the_waste_shows(tmp_pat
     assert report.dropped_slot_seconds(drop_truncated=False) == {}
 
 
-def test_streamed_and_plain_runs_write_the_same_completions(tmp_path):
-    _, streamed, _ = run_shard(tmp_path / "a", dict(reasoning_parser="qwen3"), EngineConfig(**FAST), n=12)
+@pytest.mark.parametrize("interval", [1, 32])
+def test_streamed_and_plain_runs_write_the_same_completions(tmp_path, interval):
+    _, streamed, _ = run_shard(
+        tmp_path / "a", dict(reasoning_parser="qwen3", stream_interval=interval), EngineConfig(**FAST), n=12,
+        stream_interval=interval,
+    )
     _, plain, _ = run_shard(tmp_path / "b", dict(reasoning_parser="qwen3"), EngineConfig(**FAST, stop_degenerate=False), n=12)
     fields = ("prompt_id", "content", "reasoning_content", "finish_reason", "prompt_tokens", "completion_tokens")
     assert sorted(tuple(r[f] for f in fields) for r in streamed) == sorted(tuple(r[f] for f in fields) for r in plain)

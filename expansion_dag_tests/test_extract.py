@@ -356,6 +356,22 @@ def test_sampling_is_deterministic_seeded_and_independent_of_row_order():
     assert chosen(frame, 50, seed=1) < chosen(frame, 80, seed=1)
 
 
+def test_a_seed_keeps_selecting_the_same_prompts_in_the_same_order():
+    def source(name, texts):
+        return extract_prompts(pl.DataFrame({"query": texts}), source=name, extractor="metamathqa")
+
+    # A whitespace variant of row 3 within "first"; "second" rows 0-9 repeat "first" rows 20-29.
+    first = source("first", [f"Question {i}?" for i in range(30)] + ["Question  3? "])
+    second = source("second", [f"Question {i}?" for i in range(20, 50)])
+    selection = select_prompts([first, second], quotas={"first": 8, "second": 5}, seed=7)
+    # Fixed: a rerun with the same seed must choose these prompts, or it would complete others.
+    assert selection.prompts.select("source", "row_index").rows() == [
+        *[("first", i) for i in (1, 7, 8, 9, 10, 20, 21, 29)],
+        *[("second", i) for i in (13, 14, 15, 21, 24)],
+    ]
+    assert [(s.duplicates, s.not_sampled) for s in selection.stats.values()] == [(1, 22), (10, 15)]
+
+
 def test_weights_share_total_prompts_and_exhausted_sources_give_their_rest():
     def source(name, count):
         return extract_prompts(

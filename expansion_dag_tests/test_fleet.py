@@ -76,6 +76,21 @@ def test_vllm_backend_probe_uses_models_and_the_slot_override_and_says_so():
     assert info.dialect.reasoning_fields[0] == "reasoning"
 
 
+@pytest.mark.parametrize("version", ["0.5.4", None])
+def test_an_sglang_server_streams_at_its_own_interval_whatever_the_fleet_is_configured_with(version):
+    """SGLang's chat API takes no interval per request: the probe reads the one it was launched with."""
+    configs = [SimServerConfig(port=0, version=version, stream_interval=8), SimServerConfig(port=0, version=version)]
+    with SimulatedFleet(configs) as fleet:
+        infos = probe_fleet(fleet.urls, stream_interval=32).servers
+    assert [i.stream_interval for i in infos] == [8, 1]
+
+
+def test_a_vllm_server_streams_at_the_interval_its_requests_ask_for():
+    with SimulatedFleet([SimServerConfig(port=0, backend="vllm")]) as fleet:
+        info = probe_server(fleet.urls[0], backend="vllm", slots_override=8, stream_interval=32)
+    assert info.stream_interval == 32 and info.dialect.stream_interval_per_request
+
+
 def test_vllm_slots_are_never_guessed():
     with SimulatedFleet([SimServerConfig(port=0, backend="vllm")]) as fleet:
         with pytest.raises(FleetError, match="vLLM does not report its running-request slots .* set slots_override"):

@@ -68,7 +68,11 @@ def completions(
     server = fleet_info.server(url)
     # Other servers lend idle slots; vLLM has no /v1/loads to say when they are idle.
     helpers = (
-        [Server(url=s.url, slots=s.slots, dialect=s.dialect) for s in fleet_info.servers if s.url != url]
+        [
+            Server(url=s.url, slots=s.slots, dialect=s.dialect, stream_interval=s.stream_interval)
+            for s in fleet_info.servers
+            if s.url != url
+        ]
         if settings.spill_to_idle_servers and fleet.backend == "sglang"
         else []
     )
@@ -117,7 +121,7 @@ def completions(
         try:
             report = generate_shard(
                 items,
-                [Server(url=url, slots=server.slots, dialect=server.dialect)],
+                [Server(url=url, slots=server.slots, dialect=server.dialect, stream_interval=server.stream_interval)],
                 writer=writer,
                 model=fleet_info.model,
                 sampling=sampling,

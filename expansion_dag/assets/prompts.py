@@ -30,7 +30,9 @@ def _extract(storage: StorageResource, spec: SourceSpec) -> ExtractResult:
         raise dg.Failure(f"{path} is missing: materialize {raw_asset_key(spec).to_user_string()} first")
     prompts, quarantine, rows, filtered = [], [], 0, 0
     with path.open("rb") as fh:
-        parquet = pq.ParquetFile(fh)
+        # Pre-buffering keeps every column chunk read until the reader ends: the whole file's
+        # compressed columns by the last batch. Without it each chunk is read whole, then let go.
+        parquet = pq.ParquetFile(fh, pre_buffer=False)
         present = set(parquet.schema_arrow.names)
         # A missing prompt column is left for extract_prompts to name; filters on it too.
         wanted = [c for c in dict.fromkeys([EXTRACTORS[spec.extractor].column, *spec.filter_map()]) if c in present]

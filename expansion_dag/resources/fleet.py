@@ -12,18 +12,20 @@ from pydantic import Field
 from expansion_dag.errors import FleetError
 from expansion_dag.fleet import FleetInfo, probe_fleet
 from expansion_dag.launcher import Launcher, LaunchSpec, is_healthy
+from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 
 #: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
 #: so the whole command is configuration, not code. With an API key set, ``--api-key {api_key}`` is
 #: added (see ``FleetResource.command``): SGLang reads its key from that flag only.
 SGLANG_LAUNCH_COMMAND = (
     "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port} "
-    "--context-length {context_length}"
+    "--context-length {context_length} --stream-interval {stream_interval}"
 )
 #: The simulator takes the same flags, plus its own time model, so launch mode is exercised as is.
 SIMULATOR_LAUNCH_COMMAND = (
     "{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
-    "--context-length {context_length} --max-running-requests {max_running_requests} --token-latency-ms 1 "
+    "--context-length {context_length} --max-running-requests {max_running_requests} "
+    "--stream-interval {stream_interval} --token-latency-ms 1 "
     "--output-median-tokens 160 --warmup-s 0.5"
 )
 
@@ -37,7 +39,7 @@ class FleetResource(dg.ConfigurableResource):
     launch_command: str = Field(
         default=SGLANG_LAUNCH_COMMAND,
         description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
-        "{context_length} {max_running_requests} {python} {api_key}. With an API key set and no "
+        "{context_length} {max_running_requests} {stream_interval} {python} {api_key}. With an API key set and no "
         "{api_key} in it, '--api-key {api_key}' is appended.",
     )
     model_path: str = "Qwen/Qwen3-8B"
@@ -46,6 +48,12 @@ class FleetResource(dg.ConfigurableResource):
     )
     max_running_requests: int = Field(
         default=16, description="Launch parameter {max_running_requests}; requests in flight follow the probed slots."
+    )
+    stream_interval: int = Field(
+        default=DEFAULT_STREAM_INTERVAL,
+        ge=1,
+        description="Tokens per streamed event: vLLM requests ask for it, launched SGLang servers get "
+        "it as --stream-interval {stream_interval}; an attached SGLang server streams at its own.",
     )
     host: str = "127.0.0.1"
     base_port: int = 30000
@@ -90,6 +98,7 @@ class FleetResource(dg.ConfigurableResource):
                 "model_path": self.model_path,
                 "context_length": self.context_length,
                 "max_running_requests": self.max_running_requests,
+                "stream_interval": self.stream_interval,
                 "python": sys.executable,
             },
             api_key=self.api_key(),
@@ -118,6 +127,7 @@ class FleetResource(dg.ConfigurableResource):
             backend=self.backend,  # type: ignore[arg-type]
             api_key=self.api_key(),
             slots_override=self.slots_override,
+            stream_interval=self.stream_interval,
             allow_unreachable=self.fallback_to_healthy,
         )
 
@@ -156,6 +166,7 @@ class FleetResource(dg.ConfigurableResource):
             "max_req_input_len": info.max_req_input_len,
             "slots": info.slots,
             "slots_source": info.slots_source,
+            "stream_interval": info.stream_interval,
             "simulator": info.simulator,
             "launch_command": self.command() if self.mode == "launch" else None,
         }

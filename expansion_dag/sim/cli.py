@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--context-length", type=int, default=_DEFAULTS.context_length)
     sg.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)
     sg.add_argument("--max-queued-requests", type=int, default=None)
+    sg.add_argument(
+        "--stream-interval", type=int, default=_DEFAULTS.stream_interval, help="tokens per streamed event"
+    )
     # Like SGLang, only the flag sets a key: SGLang reads no environment variable for it.
     sg.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     sg.add_argument(
@@ -167,6 +170,7 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         tokenizer=args.tokenizer_path,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
+        stream_interval=args.stream_interval,
         max_queued_requests=args.max_queued_requests,
         api_key=args.api_key or None,  # an empty --api-key sets no key, as on SGLang
         max_total_tokens=args.max_total_tokens,

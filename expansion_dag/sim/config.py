@@ -70,6 +70,8 @@ class SimServerConfig:
     context_length: int = DEFAULT_CONTEXT_LENGTH
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     max_queued_requests: int | None = None
+    #: Tokens per streamed event (both servers' ``--stream-interval``).
+    stream_interval: int = 1
     tokenizer: str = DEFAULT_TOKENIZER
     api_key: str | None = dataclasses.field(default=None, repr=False)
     reasoning_parser: str | None = None
@@ -138,6 +140,8 @@ def _problems(c: SimServerConfig):
         yield f"context_length must be >= 2, got {c.context_length}"
     if c.max_running_requests < 1:
         yield f"max_running_requests must be >= 1, got {c.max_running_requests}"
+    if c.stream_interval < 1:
+        yield f"stream_interval must be >= 1, got {c.stream_interval}"
     if c.max_queued_requests is not None and c.max_queued_requests < 0:
         yield f"max_queued_requests must be None or >= 0, got {c.max_queued_requests}"
     if c.api_key == "":

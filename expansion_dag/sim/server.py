@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from expansion_dag.sim.config import SimServerConfig, version_tuple
@@ -58,8 +58,8 @@ _EFFECTIVE_SLOTS_SINCE = (0, 5, 8)
 #: /get_load answers carry a timestamp from this version.
 _GET_LOAD_TIC_SINCE = (0, 5, 7)
 
-#: Tokens a streamed answer sends per timer tick: one event per token, as the servers send them, but
-#: written in batches so that a simulated fleet costs few timers.
+#: Tokens a streamed answer sends per timer tick: the events the stream interval makes, written in
+#: batches so that a simulated fleet costs few timers.
 _STREAM_TICK_TOKENS = 16
 #: A looping answer (``loop_rate``): this many words, then a span of ``_LOOP_SPAN_WORDS`` repeated.
 _LOOP_PREFIX_WORDS = 40
@@ -68,6 +68,23 @@ _TOKEN_PIECES = re.compile(r"\s*\S+|\s+")
 
 _LOADING, _WARMING, _READY, _STOPPED = "loading", "warming", "ready", "stopped"
 _WAITING, _RUNNING, _DONE = 0, 1, 2
+
+
+def _stream_deltas(fields: Iterable[tuple[str, str | None]], interval: int) -> Iterator[tuple[str, str, int]]:
+    """A streamed answer's events as (field, text, tokens): the first token alone, then ``interval``
+    tokens an event, as SGLang's ``OutputStreamer`` and vLLM's ``RequestState`` send them."""
+    first = True
+    for name, text in fields:
+        if not text:
+            continue
+        pieces = _TOKEN_PIECES.findall(text)
+        start = 0
+        if first:
+            yield name, pieces[0], 1
+            start, first = 1, False
+        for i in range(start, len(pieces), interval):
+            chunk = pieces[i : i + interval]
+            yield name, "".join(chunk), len(chunk)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -101,6 +118,10 @@ class _Dialect:
 
     def __init__(self, config: SimServerConfig) -> None:
         self.config = config
+
+    def stream_interval(self, body: dict[str, Any]) -> int:
+        """SGLang streams at its launch setting: its chat API has no per-request interval."""
+        return self.config.stream_interval
 
     def stream_event(
         self, job: _Job, delta: dict[str, Any] | None, finish_reason: str | None = None, usage: dict | None = None
@@ -251,6 +272,12 @@ class _VllmDialect(_Dialect):
 
     def requires_key(self, path: str) -> bool:
         return path.startswith(self._GUARDED)
+
+    def stream_interval(self, body: dict[str, Any]) -> int:
+        """A request's ``stream_interval`` raises the server's, never lowers it (``RequestState``)."""
+        asked = body.get("stream_interval")
+        valid = isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1
+        return max(self.config.stream_interval, asked if valid else 1)
 
     def check_model(self, model: object) -> None:
         if model and model != self.config.model_name:
@@ -406,8 +433,8 @@ class _Job:
         self.timer: asyncio.TimerHandle | None = None
         #: None: answered in one body; else streamed, with a usage chunk when True.
         self.stream_usage: bool | None = None
-        #: A streamed answer's deltas, (field, text), about one token each, and how many were sent.
-        self.pieces: list[tuple[str, str]] = []
+        #: A streamed answer's events, (field, text, tokens), and how many were sent.
+        self.pieces: list[tuple[str, str, int]] = []
         self.sent = 0
         self.chunk_id = uuid.uuid4().hex
         self.created = int(time.time())
@@ -683,6 +710,7 @@ class SimServer:
             "max_running_requests": c.max_running_requests,
             "max_queued_requests": c.max_queued_requests,
             "max_total_tokens": c.max_total_tokens,
+            "stream_interval": c.stream_interval,
             "tp_size": 1,
             "dp_size": 1,
             "pp_size": 1,
@@ -935,12 +963,8 @@ class SimServer:
             # Both servers send the usage chunk only when asked (should_include_usage).
             options = body.get("stream_options")
             job.stream_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-            job.pieces = [
-                (name, piece)
-                for name, text in ((d.reasoning_delta, completion.reasoning_content), ("content", completion.content))
-                if text
-                for piece in _TOKEN_PIECES.findall(text)
-            ]
+            fields = ((d.reasoning_delta, completion.reasoning_content), ("content", completion.content))
+            job.pieces = list(_stream_deltas(fields, d.stream_interval(body)))
         return job
 
     def _looping(self, rendered: str, cap: int, *, split: bool) -> Completion:
@@ -982,11 +1006,15 @@ class SimServer:
         if job.sent == 0:
             job.conn.start_stream()
             job.conn.send_event(d.stream_event(job, {"role": "assistant", "content": ""}))
-        batch = job.pieces[job.sent : job.sent + _STREAM_TICK_TOKENS]
-        job.sent += len(batch)
-        if batch:
-            job.conn.send_event(b"".join(d.stream_event(job, {name: text}) for name, text in batch))
-        delay = max(len(batch), 1) * self.config.token_latency_s
+        events, tokens = [], 0
+        while job.sent < len(job.pieces) and tokens < _STREAM_TICK_TOKENS:
+            name, text, n = job.pieces[job.sent]
+            job.sent += 1
+            events.append(d.stream_event(job, {name: text}))
+            tokens += n
+        if events:
+            job.conn.send_event(b"".join(events))
+        delay = max(tokens, 1) * self.config.token_latency_s
         then = self._stream_tick if job.sent < len(job.pieces) else self._finish
         job.timer = self._loop.call_later(delay, then, job)
 

