@@ -8,8 +8,9 @@ then the training-set run. Only the servers are simulated (``expansion_dag.sim``
 pipeline's own launcher), with a time model fast enough (``--token-latency-ms``) that what is
 measured is the client and the CPU stages. Every figure it prints is a SIMULATOR figure: the
 servers' work is fiction, the client's, the store's and the training set's are real. The default,
-5 ms a token, keeps 8 x 72 simulated streams from starving their simulators of CPU on a 2-core
-machine (at 0.002 ms, simulators missed the client's 10 s connect timeout and shards failed).
+1 ms a token, keeps 8 x 72 simulated streams (in events of ``fleet.stream_interval`` tokens) from
+starving their simulators of CPU on a 2-core machine (at 0.002 ms and one event a token,
+simulators missed the client's 10 s connect timeout and shards failed).
 
 Inputs, generated in a temporary folder (``--work-dir``):
 
@@ -598,7 +599,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=REFERENCE_PROMPTS, help="prompts to rehearse (default: the reference run's)")
     p.add_argument("--servers", type=int, default=8)
     p.add_argument("--slots", type=int, default=72, help="running requests per server")
-    p.add_argument("--token-latency-ms", type=float, default=5.0, help="the simulator's time per output token")
+    p.add_argument("--token-latency-ms", type=float, default=1.0, help="the simulator's time per output token")
     p.add_argument("--ttft-ms", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, default=None, help="default: a temporary folder, removed at the end")
