@@ -77,6 +77,7 @@ from expansion_dag.engine import (
     dispatch_order,
 )
 from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
+from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.store import CompletionStore, completion_key
@@ -532,6 +533,7 @@ class Simulator:
             "--output-median-tokens", str(SIM_OUTPUT_MEDIAN),
             "--output-sigma", str(SIM_OUTPUT_SIGMA),
             "--reasoning-parser", "qwen3",
+            "--stream-interval", str(args.stream_interval),
             "--seed", str(args.sim_seed),
             "--log-level", "warning",
         ]  # fmt: skip
@@ -606,6 +608,7 @@ async def run_engine(
     store_root: Path,
     sampling: SamplingSettings,
     spill: bool = True,
+    stream_interval: int = DEFAULT_STREAM_INTERVAL,
 ) -> dict[str, Any]:
     """One ShardRun per server, each with its own writer, all on this event loop; with ``spill``,
     each may use the other servers' idle slots, as the asset does by default."""
@@ -614,9 +617,13 @@ async def run_engine(
     start = time.perf_counter()
 
     async def one(index: int) -> dict[str, Any]:
-        server = Server(url=urls[index], slots=slots)
+        server = Server(url=urls[index], slots=slots, stream_interval=stream_interval)
         with store.writer(f"shard-{index:02d}") as writer:
-            helpers = [Server(url=u, slots=slots) for u in urls if u != server.url] if spill else []
+            helpers = (
+                [Server(url=u, slots=slots, stream_interval=stream_interval) for u in urls if u != server.url]
+                if spill
+                else []
+            )
             run = ShardRun(
                 shards[index], [server], writer=writer, model=MODEL, sampling=sampling, config=config, helpers=helpers
             )
@@ -723,9 +730,10 @@ def measure(name: str, sim: Simulator, make_coro) -> dict[str, Any]:
     busy0, total0 = _machine_cpu()
     usage0 = os.times()
     cpu0 = time.process_time()
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.monotonic()
     outcome = asyncio.run(make_coro())
     makespan = time.perf_counter() - t0
+    ended_at = time.monotonic()  # the simulator's clock too (CLOCK_MONOTONIC)
     cpu = time.process_time() - cpu0
     usage1 = os.times()
     busy1, total1 = _machine_cpu()
@@ -742,6 +750,12 @@ def measure(name: str, sim: Simulator, make_coro) -> dict[str, Any]:
     ]
     requests = outcome["requests"]
     cores = os.cpu_count() or 1
+    # The tail: from the end of the last moment all servers were full (the earliest of the servers'
+    # last full moments) to the phase's end, against the longest single request.
+    last_full = [a["last_full_at_monotonic_s"] for a in after]
+    # None: some server was never full during this phase.
+    fleet_full = None not in last_full and min(last_full) > started_at
+    tail_s = ended_at - min(last_full) if fleet_full else None
     statuses: dict[str, int] = {}
     for a, b in zip(after, before):
         for code, count in a["chat_requests_by_status"].items():
@@ -780,6 +794,8 @@ def measure(name: str, sim: Simulator, make_coro) -> dict[str, Any]:
         # Utilization if each server were counted only until its own work ended: the gap to
         # "utilization" is what uneven finishing across servers costs.
         "utilization_until_own_finish": round(own, 4),
+        "tail_s": round(tail_s, 2) if tail_s is not None else None,
+        "longest_request_s": round(max(a["longest_request_s"] for a in after), 2),
         "server_finished_at_s": finished,
         "detail": outcome,
     }
@@ -827,6 +843,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-seed", type=int, default=0)
     p.add_argument("--base-port", type=int, default=31000, help="first port tried; consecutive free ports are used")
     p.add_argument("--clients", choices=("both", "engine", "baseline"), default="both")
+    p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
+                   help="the simulators' --stream-interval; the engine streams (stops loops) as it does in a run")
     p.add_argument("--no-spill", action="store_true", help="engine shards use only their own server")
     p.add_argument("--real-ttft-ms", type=float, default=200.0, help="GPU time model for the 100-server figure")
     p.add_argument(
@@ -869,6 +887,8 @@ def _table(results: list[dict[str, Any]], feeds: dict[str, dict[str, Any]]) -> s
         ("  policy alone, zero client overhead (model)", "policy_model_utilization", "{:.3f}"),
         ("makespan, s", "makespan_s", "{:.1f}"),
         ("  policy alone, zero client overhead (model)", "policy_model_makespan_s", "{:.1f}"),
+        ("tail: last full-fleet moment to the end, s", "tail_s", "{:.1f}"),
+        ("longest request, s", "longest_request_s", "{:.1f}"),
         ("requests / s", "requests_per_s", "{:.1f}"),
         ("output tokens / s", "output_tokens_per_s", "{:,.0f}"),
         ("client CPU s per 1,000 requests", "client_cpu_s_per_1000_requests", "{:.2f}"),
@@ -954,7 +974,10 @@ def main(argv: list[str] | None = None) -> int:
                 measure(
                     "engine",
                     sim,
-                    lambda: run_engine(shards, sim.urls, args.slots, scratch / "store", sampling, spill=not args.no_spill),
+                    lambda: run_engine(
+                        shards, sim.urls, args.slots, scratch / "store", sampling,
+                        spill=not args.no_spill, stream_interval=args.stream_interval,
+                    ),
                 )
             )
             print(f"engine: done in {results[-1]['makespan_s']:.1f} s", flush=True)

@@ -66,6 +66,14 @@ def completions(
     if fell_back:
         context.log.warning(f"{shard}: its own server is down; running on healthy server {url}")
     server = fleet_info.server(url)
+    if settings.stop_degenerate and server.stream_interval < fleet.stream_interval:
+        # An attached SGLang server streams at its own launch setting; one event a token costs the
+        # client about 6x the CPU of 256-token events (BENCHMARKS.md, waste and tail).
+        context.log.warning(
+            f"{url} streams {server.stream_interval} token(s) an event, fewer than the configured "
+            f"{fleet.stream_interval}: launch it with --stream-interval {fleet.stream_interval} "
+            "(SGLang takes it only at launch) to spare the client's CPU"
+        )
     # Other servers lend idle slots; vLLM has no /v1/loads to say when they are idle.
     helpers = (
         [

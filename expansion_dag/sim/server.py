@@ -490,6 +490,10 @@ class SimServer:
         self._ready_at: float | None = None
         self._busy_slot_s = 0.0
         self._busy_since = time.monotonic()
+        #: The last moment every slot was busy, and the longest a completed request held its slot:
+        #: a benchmark's tail is the time from the fleet's last full moment to its end.
+        self._last_full_at: float | None = None
+        self._longest_request_s = 0.0
         self._by_status: collections.Counter[int] = collections.Counter()
         self._completed = 0
         self._aborted = 0
@@ -822,7 +826,9 @@ class SimServer:
             "url": self.url,
             "state": self._state,
             "slots": self._slots,
-            "monotonic_s": now,
+            "monotonic_s": now,  # CLOCK_MONOTONIC: comparable with other processes' on this machine
+            "last_full_at_monotonic_s": now if len(self._running) >= self._slots else self._last_full_at,
+            "longest_request_s": self._longest_request_s,
             "elapsed_since_ready_s": elapsed,
             "busy_slot_seconds": busy,
             "utilization_since_ready": busy / (self._slots * elapsed) if elapsed else None,
@@ -986,6 +992,8 @@ class SimServer:
     def _account_busy(self, now: float) -> None:
         self._busy_slot_s += len(self._running) * (now - self._busy_since)
         self._busy_since = now
+        if len(self._running) >= self._slots:
+            self._last_full_at = now
 
     def _run(self, job: _Job) -> None:
         now = time.monotonic()
@@ -1031,6 +1039,7 @@ class SimServer:
                 self._run(nxt)
 
     def _finish(self, job: _Job) -> None:
+        self._longest_request_s = max(self._longest_request_s, time.monotonic() - job.started_at)
         self._release(job)
         self._completed += 1
         self._by_status[200] += 1

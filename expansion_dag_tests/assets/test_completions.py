@@ -254,3 +254,22 @@ def test_waste_figures_and_the_learned_order_are_in_each_shards_metadata(tmp_pat
     expected = {row[0].strip("| "): int(row[3]) for row in rows}
     # The typed prior (the same for both) is only where the estimates started.
     assert expected["long"] > 2 * expected["short"]
+
+
+def test_a_server_streaming_finer_than_configured_is_named_in_a_warning(tmp_path, instance):
+    """An attached SGLang server streams at its launch setting: the shard says what it found."""
+
+    def shard_run(interval, root):
+        with SimulatedFleet([SimServerConfig(**FAST_SIM, stream_interval=interval)] * len(SHARD_KEYS)) as fleet:
+            res = resources(fleet.urls, root)
+            assets = [prompts_asset(small_frame(8)), budgeted_prompts, shard_prompts, completions]
+            assert dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"]).success
+            result = dg.materialize(assets, resources=res, instance=instance, partition_key="shard-00",
+                                    selection=["shard_prompts", "completions"])
+        [materialization] = result.asset_materializations_for_node("completions")
+        warnings = [e.user_message for e in instance.all_logs(result.run_id) if "token(s) an event" in e.user_message]
+        return materialization.metadata["effective_config"].value["fleet"]["stream_interval"], warnings
+
+    interval, warnings = shard_run(1, tmp_path / "a")
+    assert interval == 1 and len(warnings) == 1 and "--stream-interval 256" in warnings[0]
+    assert shard_run(256, tmp_path / "b") == (256, [])
