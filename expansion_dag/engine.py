@@ -566,6 +566,7 @@ class ShardRun:
             self._sampling,
             stream=self._thresholds is not None,
             stream_interval=server.stream_interval if server.dialect.stream_interval_per_request else None,
+            continuous_usage=server.dialect.continuous_usage,
         )
         stats.started(started)
         try:

@@ -91,6 +91,10 @@ class Dialect:
     #: to the server's ``--stream-interval``); SGLang's chat API has no such field (its sampling
     #: params do, not its OpenAI surface), so there only the launch flag sets it.
     stream_interval_per_request: bool
+    #: Each streamed chunk can carry the tokens so far (``stream_options.continuous_usage_stats``,
+    #: vLLM's ``should_include_usage``): a stopped answer's count is then the server's own, even
+    #: from a vLLM too old to honour ``stream_interval`` (its request model ignores unknown fields).
+    continuous_usage: bool
 
     @property
     def has_loads(self) -> bool:
@@ -107,6 +111,7 @@ SGLANG = Dialect(
     reasoning_fields=("reasoning_content",),
     version_path=None,
     stream_interval_per_request=False,
+    continuous_usage=False,  # 0.5.4 has no continuous_usage_stats; SGLang's interval is read from it
 )
 VLLM = Dialect(
     name="vllm",
@@ -119,6 +124,7 @@ VLLM = Dialect(
     reasoning_fields=("reasoning", "reasoning_content"),
     version_path="/version",
     stream_interval_per_request=True,
+    continuous_usage=True,
 )
 #: Newest first within a backend: :func:`dialect_for` takes the first row the version reaches.
 DIALECTS: tuple[Dialect, ...] = (
@@ -259,6 +265,8 @@ class ChatStream:
         self._reasoning: list[str] = []
         self._finish: str | None = None
         self._usage: Any = None
+        #: The tokens so far, from a choice chunk's own usage (``continuous_usage``); None: unsaid.
+        self._tokens_so_far: int | None = None
         self._done = False
         self.chunks = 0
         self._detectors = (LoopDetector(thresholds), LoopDetector(thresholds)) if thresholds else None
@@ -304,11 +312,14 @@ class ChatStream:
             error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
             code = error.get("code")
             raise error_from_status(code if isinstance(code, int) and code >= 400 else 500, data)
-        if isinstance(chunk.get("usage"), dict):
-            self._usage = chunk["usage"]
+        usage = chunk.get("usage")
         choices = chunk.get("choices")
         if not choices:
+            if isinstance(usage, dict):
+                self._usage = usage
             return None
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self._tokens_so_far = usage["completion_tokens"]
         try:
             choice = choices[0]
             delta = choice.get("delta") or {}
@@ -364,8 +375,11 @@ class ChatStream:
 
     @property
     def streamed_tokens(self) -> int:
-        """Tokens received so far, by the servers' rule: the first token alone, then one event per
-        ``stream_interval`` tokens (SGLang's ``OutputStreamer``, vLLM's ``RequestState``)."""
+        """Tokens received so far: the server's own count where its chunks carry one, else by the
+        servers' rule: the first token alone, then one event per ``stream_interval`` tokens
+        (SGLang's ``OutputStreamer``, vLLM's ``RequestState``)."""
+        if self._tokens_so_far is not None:
+            return self._tokens_so_far
         return 1 + (self.chunks - 1) * self._stream_interval if self.chunks else 0
 
     def degenerate(self, loop: Loop) -> DegenerateError:
@@ -679,12 +693,14 @@ def chat_request(
     *,
     stream: bool = False,
     stream_interval: int | None = None,
+    continuous_usage: bool = False,
 ) -> dict[str, Any]:
     """The body of ``POST /v1/chat/completions`` (the fields SGLang and vLLM both read).
 
     ``stream``: server-sent events, with the usage in a last chunk (``include_usage``: both SGLang's
     and vLLM's ``should_include_usage`` read it from ``stream_options``). ``stream_interval``: tokens
-    per event, for a dialect that takes it per request (``Dialect.stream_interval_per_request``).
+    per event, for a dialect that takes it per request (``Dialect.stream_interval_per_request``);
+    ``continuous_usage``: the tokens so far in every chunk (``Dialect.continuous_usage``).
     """
     request: dict[str, Any] = {
         "model": model,
@@ -706,6 +722,8 @@ def chat_request(
     if stream:
         request["stream"] = True
         request["stream_options"] = {"include_usage": True}
+        if continuous_usage:
+            request["stream_options"]["continuous_usage_stats"] = True
         if stream_interval is not None and stream_interval > 1:
             request["stream_interval"] = stream_interval
     return request

@@ -137,3 +137,24 @@ def test_a_stream_cut_anywhere_reads_as_the_same_answer():
         assert stream.answer() == whole.answer()
     assert whole.answer().content == "".join(f" word{i}" for i in range(50))
     assert whole.answer().completion_tokens == 50 and whole.answer().finish_reason == "stop"
+
+
+def test_a_stopped_answers_tokens_are_the_servers_count_when_its_chunks_carry_one():
+    """A vLLM that ignores ``stream_interval`` (older than the field) still streams every token; its
+    continuous usage keeps the count of a stopped loop right instead of 256 tokens an event."""
+    request = server_api.chat_request("m", [{"role": "user", "content": "q"}], 500, SamplingSettings(),
+                                      stream=True, stream_interval=256, continuous_usage=True)
+    assert request["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    events = [{"choices": [{"index": 0, "delta": {"content": " loop"}, "finish_reason": None}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": i + 1}} for i in range(400)]
+    stream = ChatStream(VLLM, LoopThresholds(min_loop_chars=200), stream_interval=256)
+    loop = None
+    for event in events:
+        loop = loop or stream.feed_line(f"data: {json.dumps(event)}")
+    error = stream.degenerate(loop)
+    assert error.tokens == error.chunks == len(error.content) // len(" loop") < 400
+    # Without the server's count (SGLang), the interval rule: the first token alone, then 256 each.
+    counted = ChatStream(SGLANG, stream_interval=256)
+    for event in events[:3]:
+        counted.feed_line(f"data: {json.dumps({'choices': event['choices']})}")
+    assert counted.streamed_tokens == 1 + 2 * 256

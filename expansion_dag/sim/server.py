@@ -87,6 +87,17 @@ def _stream_deltas(fields: Iterable[tuple[str, str | None]], interval: int) -> I
             yield name, "".join(chunk), len(chunk)
 
 
+def _usage_so_far(job: _Job) -> dict[str, int] | None:
+    """A choice chunk's usage when the request asked for it in every chunk, else None."""
+    if not job.continuous_usage:
+        return None
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.sent_tokens,
+        "total_tokens": job.prompt_tokens + job.sent_tokens,
+    }
+
+
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -115,6 +126,9 @@ class _Dialect:
     owned_by = "sglang"
     #: Where a streamed chunk carries the thinking.
     reasoning_delta = "reasoning_content"
+    #: Honours ``stream_options.continuous_usage_stats``. SGLang from 0.5.5 does too, but not the
+    #: 0.5.4 surface emulated here as well, and the client asks only vLLM for it.
+    continuous_usage = False
 
     def __init__(self, config: SimServerConfig) -> None:
         self.config = config
@@ -254,6 +268,7 @@ class _VllmDialect(_Dialect):
 
     owned_by = "vllm"
     reasoning_delta = "reasoning"
+    continuous_usage = True
     #: Paths the API key guards; /health, /version, /tokenize are open.
     _GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
@@ -408,6 +423,8 @@ class _Job:
         "stream_usage",
         "pieces",
         "sent",
+        "sent_tokens",
+        "continuous_usage",
         "chunk_id",
         "created",
     )
@@ -433,9 +450,12 @@ class _Job:
         self.timer: asyncio.TimerHandle | None = None
         #: None: answered in one body; else streamed, with a usage chunk when True.
         self.stream_usage: bool | None = None
-        #: A streamed answer's events, (field, text, tokens), and how many were sent.
+        #: A streamed answer's events, (field, text, tokens), how many were sent, and their tokens.
         self.pieces: list[tuple[str, str, int]] = []
         self.sent = 0
+        self.sent_tokens = 0
+        #: Every choice chunk carries the usage so far (vLLM's ``continuous_usage_stats``).
+        self.continuous_usage = False
         self.chunk_id = uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -969,6 +989,7 @@ class SimServer:
             # Both servers send the usage chunk only when asked (should_include_usage).
             options = body.get("stream_options")
             job.stream_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+            job.continuous_usage = job.stream_usage and d.continuous_usage and bool(options.get("continuous_usage_stats"))
             fields = ((d.reasoning_delta, completion.reasoning_content), ("content", completion.content))
             job.pieces = list(_stream_deltas(fields, d.stream_interval(body)))
         return job
@@ -1013,12 +1034,13 @@ class SimServer:
         d = self._dialect
         if job.sent == 0:
             job.conn.start_stream()
-            job.conn.send_event(d.stream_event(job, {"role": "assistant", "content": ""}))
+            job.conn.send_event(d.stream_event(job, {"role": "assistant", "content": ""}, usage=_usage_so_far(job)))
         events, tokens = [], 0
         while job.sent < len(job.pieces) and tokens < _STREAM_TICK_TOKENS:
             name, text, n = job.pieces[job.sent]
             job.sent += 1
-            events.append(d.stream_event(job, {name: text}))
+            job.sent_tokens += n
+            events.append(d.stream_event(job, {name: text}, usage=_usage_so_far(job)))
             tokens += n
         if events:
             job.conn.send_event(b"".join(events))
@@ -1052,7 +1074,7 @@ class SimServer:
             job.conn.respond(200, _dumps(body))
         else:
             d = self._dialect
-            events = d.stream_event(job, {}, finish_reason=job.completion.finish_reason)
+            events = d.stream_event(job, {}, finish_reason=job.completion.finish_reason, usage=_usage_so_far(job))
             if job.stream_usage:
                 events += d.stream_event(job, None, usage=body["usage"])
             job.conn.send_event(events + b"data: [DONE]\n\n")

@@ -87,7 +87,8 @@ def token_id(server: VllmServer, text: str) -> int:
 def looping_request(server: VllmServer, max_tokens: int, stream_interval: int | None = None) -> dict[str, Any]:
     """A streamed request whose answer is ``LOOP_TEXT`` repeated until max_tokens."""
     request = chat_request(
-        str(server.model_dir), MESSAGES, max_tokens, GREEDY, stream=True, stream_interval=stream_interval
+        str(server.model_dir), MESSAGES, max_tokens, GREEDY, stream=True, stream_interval=stream_interval,
+        continuous_usage=VLLM.continuous_usage,  # as the engine asks vLLM: the tokens so far in each chunk
     )
     request["logit_bias"] = {str(token_id(server, LOOP_TEXT)): 100}
     request["ignore_eos"] = True
@@ -185,7 +186,7 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(vllm_serv
     assert most_running == SLOTS, figures["stopped_stream"]
     for e in stopped:  # the client saw the loop it was made to write, and stopped early
         assert e.loop.span == LOOP_TEXT and 0 < e.tokens < max_tokens // 4
-        # The client's count of a stopped answer's tokens, from its events and the interval, is exact.
+        # The client's count of a stopped answer's tokens (the server's own, per chunk) is exact.
         assert e.tokens * len(LOOP_TEXT) == len(e.content)
     assert freed_s < 5.0, figures["stopped_stream"]
     # The engine decoded only about what the clients read before they stopped, not the answers asked
