@@ -32,6 +32,7 @@ import httpx
 import pydantic_core
 import stamina
 
+from expansion_dag.asyncio_network import asyncio_transport
 from expansion_dag.degeneration import Loop, LoopDetector, LoopThresholds
 from expansion_dag.errors import (
     AuthError,
@@ -673,15 +674,18 @@ def make_client(
 ) -> httpx.AsyncClient:
     """One worker's client: a single keep-alive connection, so checkout costs nothing.
 
-    ``tls`` is shared by all workers: building one loads the CA bundle (~20 ms of CPU each).
+    ``tls`` is shared by all workers: building one loads the CA bundle (~20 ms of CPU each). The
+    connection runs on asyncio's own transports (:mod:`.asyncio_network`) unless ``transport`` is
+    given (tests).
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     return httpx.AsyncClient(
         verify=tls,
-        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+        limits=limits,
         timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None),
         headers=headers,
-        transport=transport,
+        transport=transport or asyncio_transport(tls=tls, limits=limits),
     )
 
 

@@ -1,0 +1,185 @@
+"""Client CPU per streamed event, layer by layer, against this machine's floor.
+
+A streamed answer costs the client one network read per event, and at the reference rate every
+event arrives alone: the process sleeps, wakes, reads and sleeps again. This benchmark streams the
+same events (one chat chunk of ~256 tokens each, spaced by ``--gap-ms``) from a local server
+process and measures the client's CPU per event, side by side:
+
+- ``floor: bare asyncio read``: a raw asyncio socket reading the bytes and nothing else. It is what
+  waking up for an event costs on this machine; no HTTP client can cost less.
+- ``httpx on anyio``: httpx's own async network layer, reading the body (the client before).
+- ``httpx on asyncio_network``: the same httpx and httpcore on :mod:`expansion_dag.asyncio_network`.
+- ``send_chat``: the whole streamed request as the engine makes it: the above, plus the SSE and
+  JSON parsing and the loop detector.
+
+    .venv/bin/python bench/bench_stream_read.py            # ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from expansion_dag.degeneration import LoopThresholds
+from expansion_dag.server_api import SGLANG, make_client, send_chat
+from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+HOST = "127.0.0.1"
+WORDS = ("the", "model", "answer", "token", "server", "prompt", "shard", "slot", "event", "count", "of", "a")
+
+
+def events(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` chat chunks of ~256 tokens of varied text (no loop), a finish chunk and the usage."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(128))
+        chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+        out.append(chunk)
+    out.append({"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    out.append({"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 256 * n}})
+    return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in out] + [b"data: [DONE]\n\n"]
+
+
+async def serve(port: int, n: int, gap_s: float) -> None:
+    body = events(n)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for event in body:
+                await asyncio.sleep(gap_s)
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+
+    server = await asyncio.start_server(handle, HOST, port)
+    async with server:
+        await server.serve_forever()
+
+
+REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+
+
+async def bare(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps(REQUEST).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    tail = b""
+    while not tail.endswith(b"0\r\n\r\n"):
+        data = await reader.read(65536)
+        if not data:
+            break
+        tail = (tail + data)[-16:]
+    writer.close()
+
+
+async def read_body(client: httpx.AsyncClient, url: str) -> None:
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=REQUEST) as response:
+        async for _ in response.aiter_raw():
+            pass
+
+
+def tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+async def measure(name: str, url: str, repeats: int) -> float:
+    """Seconds of this process's CPU over ``repeats`` streamed requests (the client built first)."""
+    if name == "floor: bare asyncio read":
+        run = lambda: bare(url)  # noqa: E731
+        client = None
+    elif name == "httpx on anyio":
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1), transport=httpx.AsyncHTTPTransport(verify=tls()))
+        run = lambda: read_body(client, url)  # noqa: E731
+    else:
+        client = make_client(timeout_s=60.0, connect_timeout_s=5.0, tls=tls())
+        if name == "httpx on asyncio_network":
+            run = lambda: read_body(client, url)  # noqa: E731
+        else:
+            run = lambda: send_chat(client, url, REQUEST, SGLANG, LoopThresholds(), stream_interval=256)  # noqa: E731
+    await run()  # connect and warm up outside the measurement
+    cpu = time.process_time()
+    for _ in range(repeats):
+        await run()
+    cpu = time.process_time() - cpu
+    if client is not None:
+        await client.aclose()
+    return cpu
+
+
+NAMES = ("floor: bare asyncio read", "httpx on anyio", "httpx on asyncio_network", "send_chat")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--events", type=int, default=100, help="events per streamed request")
+    p.add_argument("--repeats", type=int, default=4, help="requests per measurement")
+    p.add_argument("--gap-ms", type=float, nargs="+", default=[1.0, 10.0], help="time between events")
+    p.add_argument("--rounds", type=int, default=3, help="each measurement this many times, interleaved; the median is kept")
+    p.add_argument("--port", type=int, default=34700)
+    p.add_argument("--serve", type=float, help=argparse.SUPPRESS)  # internal: be the server, events every SERVE s
+    args = p.parse_args(argv)
+    if args.serve is not None:
+        asyncio.run(serve(args.port, args.events, args.serve))
+        return 0
+    cpu, memory = cpu_model_and_memory_gib()
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "python": platform.python_version()},
+        "args": vars(args),
+        "us_cpu_per_event": {},
+    }
+    for n, gap_ms in enumerate(args.gap_ms):
+        port = args.port + n
+        server = subprocess.Popen([sys.executable, __file__, "--serve", str(gap_ms / 1000), "--port", str(port),
+                                   "--events", str(args.events)])
+        try:
+            time.sleep(1.5)
+            url = f"http://{HOST}:{port}"
+            samples: dict[str, list[float]] = {name: [] for name in NAMES}
+            for _ in range(args.rounds):
+                for name in NAMES:
+                    seconds = asyncio.run(measure(name, url, args.repeats))
+                    samples[name].append(1e6 * seconds / (args.repeats * (args.events + 3)))
+        finally:
+            server.terminate()
+            server.wait(10)
+        figures = {name: round(sorted(s)[len(s) // 2], 1) for name, s in samples.items()}
+        result["us_cpu_per_event"][f"{gap_ms:g} ms apart"] = figures
+        floor = figures[NAMES[0]]
+        print(f"\nevents {gap_ms:g} ms apart: client CPU per event (median of {args.rounds})")
+        print(f"| {'layer':<26} | us | above the floor |\n|---|---:|---:|")
+        for name, us in figures.items():
+            print(f"| {name:<26} | {us:.1f} | {us - floor:.1f} |")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / f"stream-read-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwritten to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The generation clients' network layer, over real sockets: a small HTTP/1.1 server on 127.0.0.1
+whose misbehaviours are chosen per request path."""
+
+import asyncio
+import contextlib
+import ssl
+
+import pytest
+import trustme
+
+from expansion_dag.asyncio_network import AsyncioStream
+from expansion_dag.errors import ConnectError, TimeoutError_
+from expansion_dag.server_api import SGLANG, VLLM, make_client, send_chat
+from expansion_dag_tests.helpers import free_ports
+
+BIG = bytes(range(256)) * (5 * 4096)  # 5 MiB, past the read buffer's high-water mark
+EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(3)]
+
+
+class Server:
+    """Answers by path; counts the connections it accepted."""
+
+    def __init__(self):
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                path = head.split(b" ")[1].decode().split("/")[1]  # send_chat appends its own path
+                if not await self.respond(path, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def respond(self, path: str, writer: asyncio.StreamWriter) -> bool:
+        """Write the answer to ``path``; False: close the connection after it."""
+        if path == "events":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for event in EVENTS:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                await asyncio.sleep(0.02)
+            writer.write(b"0\r\n\r\n")
+            return True
+        if path in ("big", "big-then-close"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(BIG), BIG))
+            await writer.drain()
+            return path == "big"
+        if path == "silent":
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            await asyncio.sleep(30)
+        if path == "cut":
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\ndata:")
+            await writer.drain()
+        return False
+
+
+@contextlib.asynccontextmanager
+async def serving(tls: ssl.SSLContext | None = None):
+    server = Server()
+    port = free_ports(1)[0]
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", port, ssl=tls)
+    async with listener:
+        yield server, f"{'https' if tls else 'http'}://{'localhost' if tls else '127.0.0.1'}:{port}"
+
+
+def client(tls: ssl.SSLContext | None = None, timeout_s: float = 10.0):
+    return make_client(timeout_s=timeout_s, connect_timeout_s=2.0, tls=tls or ssl.create_default_context())
+
+
+def test_requests_share_one_kept_alive_connection_and_stream_events_arrive_one_by_one():
+    async def main():
+        async with serving() as (server, url), client() as c:
+            plain = await c.get(f"{url}/big")
+            async with c.stream("GET", f"{url}/events") as response:
+                assert isinstance(response.extensions["network_stream"], AsyncioStream)
+                chunks = [chunk async for chunk in response.aiter_raw()]
+            again = await c.get(f"{url}/big")
+            return server.connections, plain.content, chunks, again.content
+
+    connections, plain, chunks, again = asyncio.run(main())
+    assert connections == 1
+    assert plain == again == BIG
+    assert chunks == EVENTS  # each event read as the server sent it, not batched at the end
+
+
+def test_a_large_body_read_slowly_arrives_whole():
+    async def main():
+        async with serving() as (_, url), client() as c, c.stream("GET", f"{url}/big") as response:
+            await asyncio.sleep(0.3)  # the whole body lands in the buffer; the socket is paused
+            return b"".join([chunk async for chunk in response.aiter_raw()])
+
+    assert asyncio.run(main()) == BIG
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_not_reused():
+    async def main():
+        async with serving() as (server, url), client() as c:
+            first = await c.get(f"{url}/big-then-close")
+            await asyncio.sleep(0.1)  # the close reaches the idle connection
+            second = await c.get(f"{url}/big")
+            return server.connections, first.content, second.content
+
+    connections, first, second = asyncio.run(main())
+    assert (connections, first, second) == (2, BIG, BIG)
+
+
+def test_a_server_silent_past_the_read_timeout_is_a_timeout_and_a_cut_stream_a_connect_error():
+    async def main():
+        async with serving() as (_, url), client(timeout_s=0.3) as c:
+            errors = []
+            for path in ("silent", "cut"):
+                request = {"model": "m", "messages": [], "stream": True}
+                with pytest.raises((TimeoutError_, ConnectError)) as caught:
+                    await send_chat(c, f"{url}/{path}", request, SGLANG)
+                errors.append(caught.value.kind)
+            return errors
+
+    assert asyncio.run(main()) == ["timeout", "connect"]
+
+
+def test_a_refused_connection_is_a_connect_error():
+    async def main():
+        async with client() as c:
+            request = {"model": "m", "messages": []}
+            with pytest.raises(ConnectError, match="ConnectError"):
+                await send_chat(c, f"http://127.0.0.1:{free_ports(1)[0]}", request, VLLM)
+
+    asyncio.run(main())
+
+
+def test_tls_is_verified_against_the_shared_context():
+    ca = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_tls)
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+
+    async def main():
+        async with serving(server_tls) as (_, url):
+            async with client(trusting) as c:
+                body = (await c.get(f"{url}/big")).content
+            async with client() as c:  # the system's CAs only: this server's certificate is unknown
+                with pytest.raises(ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                    await send_chat(c, url, {"model": "m", "messages": []}, VLLM)
+            return body
+
+    assert asyncio.run(main()) == BIG
