@@ -140,7 +140,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             raise httpcore.ConnectError(str(exc)) from exc
         if transport is None:
             raise httpcore.ConnectError("the connection closed during the TLS handshake")
-        return AsyncioStream(typing.cast(asyncio.Transport, transport), self._protocol)
+        # The protocol now hears from the TLS transport (start_tls does not call connection_made):
+        # its read pauses must go to that one, which the reads resume.
+        self._protocol.transport = typing.cast(asyncio.Transport, transport)
+        return AsyncioStream(self._protocol.transport, self._protocol)
 
     def get_extra_info(self, info: str) -> typing.Any:
         t = self._transport

@@ -91,11 +91,16 @@ def test_requests_share_one_kept_alive_connection_and_stream_events_arrive_one_b
     assert chunks == EVENTS  # each event read as the server sent it, not batched at the end
 
 
+async def read_slowly(c, url):
+    async with c.stream("GET", f"{url}/big") as response:
+        await asyncio.sleep(0.3)  # the whole body lands in the buffer; the socket is paused
+        return b"".join([chunk async for chunk in response.aiter_raw()])
+
+
 def test_a_large_body_read_slowly_arrives_whole():
     async def main():
-        async with serving() as (_, url), client() as c, c.stream("GET", f"{url}/big") as response:
-            await asyncio.sleep(0.3)  # the whole body lands in the buffer; the socket is paused
-            return b"".join([chunk async for chunk in response.aiter_raw()])
+        async with serving() as (_, url), client() as c:
+            return await read_slowly(c, url)
 
     assert asyncio.run(main()) == BIG
 
@@ -146,7 +151,7 @@ def test_tls_is_verified_against_the_shared_context():
     async def main():
         async with serving(server_tls) as (_, url):
             async with client(trusting) as c:
-                body = (await c.get(f"{url}/big")).content
+                body = await read_slowly(c, url)
             async with client() as c:  # the system's CAs only: this server's certificate is unknown
                 with pytest.raises(ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                     await send_chat(c, url, {"model": "m", "messages": []}, VLLM)
