@@ -33,7 +33,6 @@ class _Protocol(asyncio.Protocol):
         self.buffer = bytearray()
         self.eof = False
         self.error: Exception | None = None
-        self.paused_reading = False
         self.waiter: asyncio.Future[None] | None = None
         self.drained: asyncio.Future[None] | None = None
 
@@ -42,8 +41,7 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        if len(self.buffer) > _READ_HIGH_WATER and not self.paused_reading and self.transport is not None:
-            self.paused_reading = True
+        if len(self.buffer) > _READ_HIGH_WATER and self.transport is not None and self.transport.is_reading():
             self.transport.pause_reading()
         self._wake()
 
@@ -99,8 +97,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if p.buffer:
             data = bytes(p.buffer[:max_bytes])
             del p.buffer[:max_bytes]
-            if p.paused_reading and len(p.buffer) < _READ_HIGH_WATER // 4:
-                p.paused_reading = False
+            if len(p.buffer) < _READ_HIGH_WATER // 4 and not self._transport.is_reading():
                 self._transport.resume_reading()
             return data
         if p.error is not None:
@@ -146,41 +143,21 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         return AsyncioStream(self._protocol.transport, self._protocol)
 
     def get_extra_info(self, info: str) -> typing.Any:
-        t = self._transport
+        # What httpcore asks of a stream: the TLS object (HTTP/2 negotiation) and, of an idle
+        # kept-alive connection, whether it is readable: anything received, or the close, means
+        # the server is done with it. The protocol has already read what the socket held.
         if info == "ssl_object":
-            return t.get_extra_info("ssl_object")
-        if info == "client_addr":
-            return t.get_extra_info("sockname")
-        if info == "server_addr":
-            return t.get_extra_info("peername")
-        if info == "socket":
-            return t.get_extra_info("socket")
+            return self._transport.get_extra_info("ssl_object")
         if info == "is_readable":
-            # httpcore asks this of an idle kept-alive connection: anything received, or the close,
-            # means the server is done with it. The protocol has already read what the socket held.
             p = self._protocol
-            return bool(p.buffer) or p.eof or t.is_closing()
+            return bool(p.buffer) or p.eof or self._transport.is_closing()
         return None
 
 
-async def _connect(
-    connect: typing.Callable[[], typing.Awaitable[tuple[asyncio.BaseTransport, asyncio.BaseProtocol]]],
-    timeout: float | None,
-    socket_options: Iterable[httpcore.SOCKET_OPTION] | None,
-) -> AsyncioStream:
-    try:
-        transport, protocol = await asyncio.wait_for(connect(), timeout)
-    except asyncio.TimeoutError as exc:
-        raise httpcore.ConnectTimeout(f"could not connect in {timeout} s") from exc
-    except OSError as exc:
-        raise httpcore.ConnectError(str(exc)) from exc
-    sock = transport.get_extra_info("socket")
-    for option in socket_options or ():
-        sock.setsockopt(*option)
-    return AsyncioStream(typing.cast(asyncio.Transport, transport), typing.cast(_Protocol, protocol))
-
-
 class AsyncioBackend(httpcore.AsyncNetworkBackend):
+    """TCP only: :func:`asyncio_transport` builds its pool without ``uds`` or ``retries``, so
+    httpcore never asks it for a unix socket or a sleep."""
+
     async def connect_tcp(
         self,
         host: str,
@@ -191,17 +168,18 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
     ) -> httpcore.AsyncNetworkStream:
         loop = asyncio.get_running_loop()
         local = None if local_address is None else (local_address, 0)
-        # asyncio sets TCP_NODELAY on its TCP sockets, as anyio does.
-        return await _connect(lambda: loop.create_connection(_Protocol, host, port, local_addr=local), timeout, socket_options)
-
-    async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        return await _connect(lambda: loop.create_unix_connection(_Protocol, path), timeout, socket_options)
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
+        try:
+            # asyncio sets TCP_NODELAY on its TCP sockets, as anyio does.
+            transport, protocol = await asyncio.wait_for(
+                loop.create_connection(_Protocol, host, port, local_addr=local), timeout
+            )
+        except asyncio.TimeoutError as exc:
+            raise httpcore.ConnectTimeout(f"could not connect in {timeout} s") from exc
+        except OSError as exc:
+            raise httpcore.ConnectError(str(exc)) from exc
+        for option in socket_options or ():
+            transport.get_extra_info("socket").setsockopt(*option)
+        return AsyncioStream(transport, protocol)
 
 
 def asyncio_transport(*, tls: ssl.SSLContext, limits: httpx.Limits) -> httpx.AsyncHTTPTransport:

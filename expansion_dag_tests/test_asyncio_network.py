@@ -22,6 +22,7 @@ class Server:
 
     def __init__(self):
         self.connections = 0
+        self.body = b""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -30,8 +31,10 @@ class Server:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
                 path = head.split(b" ")[1].decode().split("/")[1]  # send_chat appends its own path
+                if path == "echo-late":
+                    await asyncio.sleep(0.3)  # the client's send buffer fills; its writes must wait
+                self.body = await reader.readexactly(length)
                 if not await self.respond(path, writer):
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -48,6 +51,10 @@ class Server:
                 await writer.drain()
                 await asyncio.sleep(0.02)
             writer.write(b"0\r\n\r\n")
+            return True
+        if path == "echo-late":
+            size = b"%d" % len(self.body)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(size), size))
             return True
         if path in ("big", "big-then-close"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(BIG), BIG))
@@ -103,6 +110,16 @@ def test_a_large_body_read_slowly_arrives_whole():
             return await read_slowly(c, url)
 
     assert asyncio.run(main()) == BIG
+
+
+def test_a_large_request_body_to_a_server_that_reads_late_is_sent_whole():
+    async def main():
+        async with serving() as (server, url), client() as c:
+            response = await c.post(f"{url}/echo-late", content=BIG)
+            return int(response.text), server.body
+
+    length, received = asyncio.run(main())
+    assert (length, received) == (len(BIG), BIG)
 
 
 def test_a_connection_the_server_closed_while_idle_is_replaced_not_reused():
