@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from expansion_dag import server_api
+from expansion_dag import event_loop, server_api
 from expansion_dag.answer_lengths import AnswerLengths
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.errors import RequestError, ShardAborted
@@ -120,6 +120,9 @@ class EngineConfig:
     loop_min_repeats: int = 4
     loop_min_chars: int = 1200
     loop_window_chars: int = 8192
+    #: While streamed events come often, read every stream once a tick instead of waking up for
+    #: each event (``expansion_dag.event_loop``); an event is read at most this late. 0: never.
+    client_tick_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -130,6 +133,8 @@ class EngineConfig:
             raise ValueError("breaker_failure_fraction must be within (0, 1]")
         if self.spill_poll_s <= 0:
             raise ValueError(f"spill_poll_s must be positive, got {self.spill_poll_s}")
+        if self.client_tick_s < 0:
+            raise ValueError(f"client_tick_s must be at least 0, got {self.client_tick_s}")
         self.loop_thresholds()  # validates the loop fields
 
     def loop_thresholds(self) -> LoopThresholds | None:
@@ -705,7 +710,8 @@ def generate_shard(
     on_progress: Callable[[Progress], None] | None = None,
     lengths: AnswerLengths | None = None,
 ) -> ShardReport:
-    """Run a shard to the end (or to its abort) on a fresh event loop; the synchronous entry point.
+    """Run a shard to the end (or to its abort) on a fresh event loop (``config.client_tick_s``);
+    the synchronous entry point.
 
     ``lengths``: answer lengths learned from the store (``answer_lengths.learn``); the run refines
     them in place, so the caller can show what they became.
@@ -727,4 +733,4 @@ def generate_shard(
         )
         return await run.run()
 
-    return asyncio.run(main())
+    return event_loop.run(main(), tick_s=config.client_tick_s)

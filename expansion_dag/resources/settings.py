@@ -19,6 +19,10 @@ from expansion_dag.engine import EngineConfig, SamplingSettings
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from expansion_dag.training_set import TrainingSetConfig
 
+#: Settings that change how fast a shard runs and reports, never what it generates: left out of
+#: the record the configuration drift check compares.
+_NOT_RECORDED = frozenset({"progress_interval_s", "client_tick_s"})
+
 
 class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
     """How prompts are budgeted, sampled, retried and turned into training samples."""
@@ -71,6 +75,7 @@ class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
             loop_min_repeats=self.loop_min_repeats,
             loop_min_chars=self.loop_min_chars,
             loop_window_chars=self.loop_window_chars,
+            client_tick_s=self.client_tick_s,
         )
 
     def training_set_config(self, context_length: int) -> TrainingSetConfig:
@@ -84,4 +89,4 @@ class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
 
     def as_metadata(self) -> dict[str, Any]:
         """The settings as recorded with each shard, for the configuration drift check."""
-        return {k: v for k, v in self.model_dump().items() if k not in {"progress_interval_s"}}
+        return {k: v for k, v in self.model_dump().items() if k not in _NOT_RECORDED}

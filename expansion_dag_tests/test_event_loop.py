@@ -1,0 +1,131 @@
+"""The generation client's event loop: frequent events from many sockets share a wake-up, a lone
+event is read at once, timers keep their time. Real sockets, a sender thread playing the servers."""
+
+import asyncio
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+
+from expansion_dag.event_loop import CoalescingSelector, run
+
+STREAMS = 24
+
+
+class Counting(CoalescingSelector):
+    """Records how many sockets each poll returned, and whether it was coalescing then."""
+
+    def __init__(self, tick_s):
+        super().__init__(tick_s)
+        self.polls: list[tuple[bool, int]] = []
+
+    def select(self, timeout=None):
+        coalescing = self.coalescing
+        ready = super().select(timeout)
+        if ready:
+            self.polls.append((coalescing, len(ready)))
+        return ready
+
+
+def send(pairs, gaps):
+    """From a thread, one timestamped event on the next socket after each gap, as servers stream."""
+    for i, gap in enumerate(gaps):
+        time.sleep(gap)
+        pairs[i % len(pairs)][1].send(repr(time.monotonic()).encode().ljust(32))
+
+
+async def receive(pairs, gaps) -> list[float]:
+    """Each event's delay from sent to read, in the order read."""
+    loop = asyncio.get_running_loop()
+    delays: list[float] = []
+    done = asyncio.Event()
+
+    def readable(sock):
+        data = sock.recv(1 << 16)
+        for i in range(0, len(data), 32):
+            delays.append(time.monotonic() - float(data[i : i + 32]))
+        if len(delays) == len(gaps):
+            done.set()
+
+    for reader, _ in pairs:
+        reader.setblocking(False)
+        loop.add_reader(reader, readable, reader)
+    sender = threading.Thread(target=send, args=(pairs, gaps))
+    sender.start()
+    try:
+        await asyncio.wait_for(done.wait(), sum(gaps) + 10)
+    finally:
+        sender.join()
+        for reader, _ in pairs:
+            loop.remove_reader(reader)
+    return delays
+
+
+@pytest.fixture
+def pairs():
+    made = [socket.socketpair() for _ in range(STREAMS)]
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def test_frequent_events_share_a_wake_up_and_rare_ones_are_read_at_once(pairs):
+    tick = 0.2
+    frequent = [0.005] * 600  # 200 events/s for 3 s: ~40 a tick
+    rare = [0.7] * 5  # 1.4 events/s: fewer than 2 a tick
+    selector = Counting(tick)
+    loop = asyncio.SelectorEventLoop(selector)
+    try:
+        fast = loop.run_until_complete(receive(pairs, frequent))
+        assert selector.coalescing
+        slow = loop.run_until_complete(receive(pairs, rare))
+    finally:
+        loop.close()
+
+    batches = [n for coalescing, n in selector.polls if coalescing]
+    # Once the rate is known, a poll takes the events of a whole tick from many sockets at once.
+    assert len(batches) >= 5 and statistics.median(batches) >= 8, selector.polls
+    assert len(fast) == len(frequent)
+    assert max(fast) < tick + 0.15, "an event waited longer than a tick"
+    # The rare events: the rate falls below 2 a tick within a second, and then each is read at
+    # once instead of at the next tick.
+    assert not selector.coalescing
+    assert len(slow) == len(rare)
+    assert statistics.median(slow[2:]) < 0.05, slow
+
+
+def test_plain_asyncio_takes_one_event_a_wake_up(pairs):
+    """The baseline the coalescing is measured against: with a tick too short to gather 2 events,
+    the selector waits as asyncio's own does, and every event wakes the loop."""
+    selector = Counting(1e-4)
+    loop = asyncio.SelectorEventLoop(selector)
+    try:
+        delays = loop.run_until_complete(receive(pairs, [0.005] * 200))
+    finally:
+        loop.close()
+    assert len(delays) == 200
+    plain = [n for coalescing, n in selector.polls]
+    assert statistics.median(plain) == 1, selector.polls
+
+
+def test_timers_keep_their_time_while_coalescing(pairs):
+    tick = 0.3
+
+    async def main():
+        receiving = asyncio.ensure_future(receive(pairs, [0.005] * 600))  # 3 s of frequent events
+        await asyncio.sleep(1.5)  # past the first rate window: coalescing by now
+        started = time.monotonic()
+        await asyncio.sleep(0.05)
+        slept = time.monotonic() - started
+        await receiving
+        return slept
+
+    assert run(main(), tick_s=tick) < 0.05 + 0.1, "a timer waited for the tick"
+
+
+def test_a_tick_must_be_positive():
+    with pytest.raises(ValueError, match="tick_s"):
+        CoalescingSelector(0)
