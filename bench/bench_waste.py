@@ -211,7 +211,7 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
     """The phases on the same prompts, each against simulators launched with its stream interval,
     each on the event loop ``generate_shard`` runs it on (``EngineConfig.client_tick_s``)."""
     shards = part_a_items(args.requests, args.servers)
-    tick = EngineConfig().client_tick_s
+    tick = EngineConfig().client_tick_s if args.client_tick_s is None else args.client_tick_s
     phases = [
         ("stream+stop", True, args.stream_interval, tick),
         ("stream+stop, a wake-up an event", True, args.stream_interval, 0.0),
@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="part B: requests on 8 x 72 slots, one run per value (fewer: a bigger tail)")
     p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                    help="part A: tokens per streamed event (a phase at 1 runs beside it)")
+    p.add_argument("--client-tick-s", type=float, default=None,
+                   help="part A: the engine's client_tick_s (default: its default); a phase without it runs beside")
     p.add_argument("--base-port", type=int, default=32500)
     p.add_argument("--skip-a", action="store_true")
     args = p.parse_args(argv)

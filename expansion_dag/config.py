@@ -103,7 +103,7 @@ class GenerationConfig(BaseModel):
     loop_min_chars: int = Field(default=1200, ge=1, description="Characters the repeats must cover together.")
     loop_window_chars: int = Field(default=8192, ge=1, description="How far back from the end a loop is looked for.")
     client_tick_s: float = Field(
-        default=0.05,
+        default=0.1,
         ge=0,
         description="While streamed events come often, the client reads all streams once a tick instead of "
         "waking up for each event; an event is read at most this late. 0: wake up for every event.",

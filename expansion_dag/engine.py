@@ -122,7 +122,7 @@ class EngineConfig:
     loop_window_chars: int = 8192
     #: While streamed events come often, read every stream once a tick instead of waking up for
     #: each event (``expansion_dag.event_loop``); an event is read at most this late. 0: never.
-    client_tick_s: float = 0.05
+    client_tick_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
