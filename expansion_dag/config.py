@@ -105,8 +105,10 @@ class GenerationConfig(BaseModel):
     client_tick_s: float = Field(
         default=0.1,
         ge=0,
+        # Seconds, not ms: a tick typed as 100 would hold every answer back 100 s.
+        le=1.0,
         description="While streamed events come often, the client reads all streams once a tick instead of "
-        "waking up for each event; an event is read at most this late. 0: wake up for every event.",
+        "waking up for each event; an event is read at most this late (seconds, at most 1). 0: wake up for every event.",
     )
 
     @pydantic.field_validator("chat_template_kwargs", mode="before")

@@ -97,18 +97,17 @@ def test_frequent_events_share_a_wake_up_and_rare_ones_are_read_at_once(pairs):
     assert statistics.median(slow[2:]) < 0.05, slow
 
 
-def test_plain_asyncio_takes_one_event_a_wake_up(pairs):
-    """The baseline the coalescing is measured against: with a tick too short to gather 2 events,
-    the selector waits as asyncio's own does, and every event wakes the loop."""
-    selector = Counting(1e-4)
+def test_fewer_than_two_events_a_tick_never_switch_coalescing_on(pairs):
+    """Below 2 events a tick most ticks would find nothing: the selector keeps waiting on the sockets."""
+    selector = Counting(0.005)  # 200 events/s: 1 a tick
     loop = asyncio.SelectorEventLoop(selector)
     try:
-        delays = loop.run_until_complete(receive(pairs, [0.005] * 200))
+        delays = loop.run_until_complete(receive(pairs, [0.005] * 500))
     finally:
         loop.close()
-    assert len(delays) == 200
-    plain = [n for coalescing, n in selector.polls]
-    assert statistics.median(plain) == 1, selector.polls
+    assert len(delays) == 500
+    assert not any(coalescing for coalescing, _ in selector.polls)
+    assert statistics.median(n for _, n in selector.polls) == 1, selector.polls
 
 
 def test_timers_keep_their_time_while_coalescing(pairs):
