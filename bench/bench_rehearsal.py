@@ -29,7 +29,8 @@ simulators' CPU apart), peak RSS (the largest of any process of the stage) and b
 growth of the storage root), and it measures the physical limits in the same run: the raw batched
 tokenizer (``encode_batch_fast``) on the training set's own texts, and a sequential read and write
 of the store's bytes. It also measures the resume scan (``CompletionStore.scan``) on the final store,
-against a shard's run time.
+against a shard's run time, and a shard run's reads of the records (the whole store for the answer
+lengths, its folder for its checks) from each record's whole JSON, against the segments' digests.
 
 The accounting: every prompt selected is completed, failed with a reason, or set aside by the
 budget with a reason, and the training set's rows (read back from its files) equal the completions
@@ -411,6 +412,8 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     from expansion_dag import training_set as ts
     from expansion_dag.config import current_config
     from expansion_dag.partitions import SHARD_KEYS
+    from expansion_dag.answer_lengths import learn
+    from expansion_dag.shard_figures import shard_figures
     from expansion_dag.store import CompletionStore, Identity
     from expansion_dag.tokenizer import load_tokenizer
 
@@ -466,6 +469,22 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     )
     completed = len(keys & scan.done)
     failed = len(keys & scan.failed)
+
+    # What a shard run reads of the records themselves, besides its scans: the whole store to learn
+    # answer lengths, its own folder for its checks. The whole JSON of each record, against the
+    # segments' digests built from it, then the digests kept from an earlier read.
+    shard = SHARD_KEYS[0]
+    shard_keys = {identity.key(p) for p in budgeted.filter(pl.col("shard") == shard)["prompt_id"].to_list()}
+    store_reads = {}
+    for label, digest in (("whole_records", False), ("digests_built", True), ("digests_kept", True)):
+        if label == "digests_built":
+            for path in (storage / "completions").rglob("seg-*.jsonl.digest"):
+                path.unlink()
+        start = time.perf_counter()
+        learned = learn(store.latest_records(digest=digest), identity.owns)
+        figures = shard_figures(store.latest_records(shards=[shard], digest=digest), shard_keys, identity.owns, scan.done)
+        store_reads[f"{label}_s"] = round(time.perf_counter() - start, 3)
+        store_reads["answers_learned"], store_reads["shard_completions"] = learned.answers, figures.ok
     accounting = {
         "prompts_selected": prompts.height,
         "budgeted": budgeted.height,
@@ -492,6 +511,7 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
                           "tokens_per_s": round(tokens / encode_s) if encode_s else 0},  # fmt: skip
         "store_io": io,
         "resume_scan": {"s": round(scan_s, 3), "keys": len(scan.done) + len(scan.failed), "shards": len(SHARD_KEYS)},
+        "store_reads": store_reads,
         "manifest": {
             "samples": manifest.samples,
             "tokens": manifest.tokens,
@@ -561,6 +581,11 @@ def summarize(n: int, inputs: dict[str, Any], stages: dict[str, Any], after: dic
             "client_cpu_ms_per_request": round(client_cpu_ms, 3),
             # Two whole-store scans per shard run (before and after), at the final store's size: an upper bound.
             "resume_scans_over_shard_run": round(2 * after["resume_scan"]["s"] / gen["wall_s"], 4),
+            # A shard run's record reads (lengths and checks), from the digests an earlier read kept.
+            "store_reads_over_shard_run": round(after["store_reads"]["digests_kept_s"] / gen["wall_s"], 4),
+            "store_reads_whole_records_over_digests_kept": round(
+                after["store_reads"]["whole_records_s"] / after["store_reads"]["digests_kept_s"], 1
+            ),
         },
         "projection": {
             "note": "to the reference run's prompts, linearly: the fixed costs (process starts, Dagster runs) "

@@ -31,6 +31,13 @@ What is durable when:
   the next run generates them again. Readers see uploaded segments only, read through a local
   cache of them (``.../segments/``: an object never changes once uploaded).
 
+Digests: beside the local file of each segment (the segment itself, or a remote segment's cached
+copy), ``<segment>.digest`` holds the same lines with each record cut to ``DIGEST_FIELDS``, no
+texts. A shard run reads every record of the store to learn answer lengths and those of its folder
+for its checks; from the digests that costs a small fraction of parsing each completion again, each
+night, as the store grows. A digest is derived data: it covers a prefix of its append-only
+segment, is extended on read, and rebuilt when missing.
+
 A key is the completion identity (``completion_key``): the prompt plus everything that shapes the
 answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
 next run retries it.
@@ -306,36 +313,35 @@ class CompletionStore:
                 latest[key] = loc
         return [r for r in (_read_record(loc) for loc in latest.values()) if r is not None]
 
-    def latest_records(self, shards: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    def latest_records(self, shards: list[str] | None = None, *, digest: bool = False) -> Iterator[dict[str, Any]]:
         """Each key's record once, in file order: one sequential read of every segment, no seeks.
 
         A key's first completion as it comes (a later ``ok`` line of the same key is a duplicate,
         skipped), then, once every segment is read, the last failure of each key that never
         succeeded. Failure records are small and few, so they are held until the end; completions
         are parsed one at a time and let go.
+
+        ``digest``: each record holds only ``DIGEST_FIELDS``, read from the segments' digests
+        (``_digest``), so a shard run's checks and its length learning do not parse every
+        completion's text again each night.
         """
         done: set[str] = set()
         failures: dict[str, dict[str, Any]] = {}
         for shard in self.shards() if shards is None else shards:
             for path in self._segments(shard):
-                with open(path, "rb") as fh:
-                    for raw in fh:
-                        parts = raw.split(b"\t", 2)
-                        if not raw.endswith(b"\n") or len(parts) != 3:
-                            continue  # torn
-                        key, status = parts[0].decode(), parts[1]
-                        if status == _OK_BYTES and key in done:
-                            continue
-                        try:
-                            record = json.loads(parts[2])
-                        except ValueError:
-                            continue  # a line cut inside its JSON by a crash: torn, ignored
-                        if status == _OK_BYTES:
-                            done.add(key)
-                            failures.pop(key, None)
-                            yield record
-                        elif status == _FAILED_BYTES and key not in done:
-                            failures[key] = record
+                for key, status, payload in _digest(path) if digest else _intact_lines(path):
+                    if status == _OK_BYTES and key in done:
+                        continue
+                    try:
+                        record = json.loads(payload)
+                    except ValueError:
+                        continue  # a line cut inside its JSON by a crash: torn, ignored
+                    if status == _OK_BYTES:
+                        done.add(key)
+                        failures.pop(key, None)
+                        yield record
+                    elif status == _FAILED_BYTES and key not in done:
+                        failures[key] = record
         yield from failures.values()
 
     def writer(self, shard: str, *, identity: Identity | None = None, fsync_interval_s: float = 2.0) -> SegmentWriter:
@@ -382,6 +388,74 @@ class CompletionStore:
             finally:
                 os.close(fd)
         self._recovered = True
+
+
+def _intact_lines(path: Path) -> Iterator[tuple[str, bytes, bytes]]:
+    """(key, status, JSON) of each whole line of a segment; torn ones are skipped."""
+    with open(path, "rb") as fh:
+        for raw in fh:
+            parts = raw.split(b"\t", 2)
+            if raw.endswith(b"\n") and len(parts) == 3:
+                yield parts[0].decode(), parts[1], parts[2]
+
+
+#: What a digest keeps of a record: what the shard checks (``shard_figures``) and the answer-length
+#: learning (``answer_lengths.learn``) read, and the two fields that say whose record it is.
+DIGEST_FIELDS = (
+    "key", "status", "prompt_id", "source", "finish_reason", "error",
+    "prompt_tokens", "local_prompt_tokens", "completion_tokens",
+)  # fmt: skip
+_DIGEST_SUFFIX = ".digest"
+
+
+def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
+    """The segment's lines with each record cut to ``DIGEST_FIELDS``, kept beside the segment's local file.
+
+    A segment is only ever appended to, so its digest stays true of the bytes it covers (its first
+    line) and is extended by the lines written since: each line's JSON is parsed once, not on
+    every read. A line not yet whole is left for the next read. Where the digest cannot be written
+    (a read-only store), it is recomputed in memory.
+    """
+    cache = path.with_name(path.name + _DIGEST_SUFFIX)
+    covered, lines = _read_digest(cache)
+    if covered > path.stat().st_size:  # not this segment's digest (a file replaced under its name)
+        covered, lines = 0, []
+    start, fresh = covered, []
+    with open(path, "rb") as fh:
+        fh.seek(covered)
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # the last line, still being written or torn: left for the next read
+            covered += len(raw)
+            parts = raw.split(b"\t", 2)
+            try:
+                record = json.loads(parts[2]) if len(parts) == 3 else None
+            except ValueError:
+                record = None  # torn inside its JSON: covered, never kept
+            if isinstance(record, dict):
+                small = {f: record[f] for f in DIGEST_FIELDS if f in record}
+                payload = json.dumps(small, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+                fresh.append((parts[0].decode(), parts[1], payload))
+    lines += fresh
+    if covered != start:
+        try:
+            with write_atomically(as_upath(cache)) as staged:
+                body = b"".join(b"%s\t%s\t%s" % (k.encode(), st, pl) for k, st, pl in lines)
+                staged.write_bytes(b"%d\n" % covered + body)
+        except OSError:
+            pass  # a store this process may read but not write: the digest is not kept
+    return lines
+
+
+def _read_digest(cache: Path) -> tuple[int, list[tuple[str, bytes, bytes]]]:
+    """(bytes of the segment covered, lines) of a digest file; (0, []) when absent or unreadable."""
+    try:
+        with open(cache, "rb") as fh:
+            covered = int(fh.readline())
+            lines = [(p[0].decode(), p[1], p[2]) for p in (raw.split(b"\t", 2) for raw in fh)]
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return 0, []
+    return covered, lines
 
 
 def _read_record(loc: _Location) -> dict[str, Any] | None:

@@ -179,7 +179,11 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
             "training_set/manifest.json", "exports/conversations.jsonl"} <= set(stored)
     assert {f"assets/shard_prompts/{key}.parquet" for key in SHARD_KEYS} <= set(stored)
     assert sum(o.startswith("completions/") for o in stored) > len(SHARD_KEYS)  # rolled segments
-    assert not list((tmp_path / "local").rglob("seg-*.jsonl.*"))  # no partial downloads left
+    # No partial download (nor staged digest) left: both are hidden files named after their segment.
+    assert not list((tmp_path / "local").rglob(".seg-*"))
+    # Digests sit beside the local copies only: the object store holds segments and nothing derived.
+    assert list((tmp_path / "local").rglob("seg-*.jsonl.digest"))
+    assert not [o for o in stored if o.endswith(".digest")]
     assert not Path("s3:").exists()  # nothing took the URL for a local path
 
     # Every prompt was sent once and completed once.

@@ -52,3 +52,11 @@ def test_the_result_says_it_is_simulated_and_measures_every_stage(rehearsal):
     per_completion = rehearsal["manifest"]["output_tokens"] / rehearsal["accounting"]["completed"]
     assert 2200 < per_completion < 3200
     assert 0 < rehearsal["manifest"]["useful_token_share"] <= 1
+
+
+def test_a_shard_run_learns_from_every_completion_through_the_digests(rehearsal):
+    reads = rehearsal["store_reads"]
+    # Each completion of the store is learned from once, read from the segments' digests.
+    assert reads["answers_learned"] == rehearsal["accounting"]["completed"]
+    assert 0 < reads["shard_completions"] < reads["answers_learned"]
+    assert all(reads[f"{label}_s"] > 0 for label in ("whole_records", "digests_built", "digests_kept"))

@@ -5,7 +5,15 @@ import time
 
 import pytest
 
-from expansion_dag.store import FAILED, OK, CompletionStore, Identity, MixedStoreError, completion_key
+from expansion_dag.store import (
+    DIGEST_FIELDS,
+    FAILED,
+    OK,
+    CompletionStore,
+    Identity,
+    MixedStoreError,
+    completion_key,
+)
 
 
 def ok(key, **extra):
@@ -95,6 +103,59 @@ def test_one_pass_in_file_order_gives_each_key_once_and_failures_last(tmp_path):
     records = list(store.latest_records())
     assert [(r["key"], r["status"]) for r in records] == [("c", OK), ("a", OK), ("b", OK), ("d", FAILED)]
     assert records[-1]["message"] == "second"
+
+
+def cut_to_digest(record):
+    return {f: record[f] for f in DIGEST_FIELDS if f in record}
+
+
+def test_digests_give_the_same_records_cut_to_what_the_checks_and_learning_read(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("a", source="math", finish_reason="stop", completion_tokens=900, local_prompt_tokens=40,
+                    prompt_tokens=41, reasoning_content="think " * 50, messages=[{"role": "user", "content": "q"}]))
+        w.append(failed("b") | {"error": "degenerate", "content": "loop " * 100})
+        w.append(failed("c"))
+        w.append(ok("c", finish_reason="length"))
+    with store.writer("shard-01") as w:
+        w.append(ok("a"))  # a duplicate in another shard
+        path = w.path
+    with open(path, "ab") as fh:
+        fh.write(b'e\tok\t{"key": "e", "content": "torn')
+    full = list(store.latest_records())
+    for _ in range(2):  # built, then read back from the digest files
+        assert list(store.latest_records(digest=True)) == [cut_to_digest(r) for r in full]
+    assert "content" not in str(list(store.latest_records(digest=True)))
+    assert sorted(p.name.split(".", 1)[1] for p in (tmp_path / "shard-00").iterdir()) == ["jsonl", "jsonl.digest"]
+    assert store.shards() == ["shard-00", "shard-01"]
+
+
+def test_a_digest_is_read_instead_of_the_segment_and_extended_as_the_segment_grows(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("a", completion_tokens=100))
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100]
+        # The covered bytes change under the digest (same length): the digest, not the segment, is read.
+        w.path.write_bytes(w.path.read_bytes().replace(b":100", b":999"))
+        w.append(ok("b", completion_tokens=200))
+        with open(w.path, "ab") as fh:  # a line still being written is left for the next read
+            fh.write(b'c\tok\t{"key":"c","completion_tokens":3')
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100, 200]
+        with open(w.path, "ab") as fh:
+            fh.write(b"00}\n")
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100, 200, 300]
+        # A digest that covers more than its segment holds is not this segment's: rebuilt from it.
+        w.path.write_bytes(w.path.read_bytes().split(b"\n")[0] + b"\n")  # its first line alone
+    assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [999]
+
+
+def test_a_digest_that_cannot_be_written_is_computed_in_memory(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("a", completion_tokens=100))
+        path = w.path
+    path.with_name(path.name + ".digest").mkdir()  # stands where the digest file would go
+    assert list(store.latest_records(digest=True)) == [cut_to_digest(ok("a", completion_tokens=100))]
 
 
 def test_a_writer_that_wrote_nothing_leaves_no_file(tmp_path):

@@ -119,7 +119,7 @@ def completions(
     # Expected answer lengths, learned from this identity's completions in the store (earlier
     # nights, other shards) and refined by the run: they order the queue, the typed priors only
     # where nothing was learned.
-    lengths = learn((record for one in store.shards() for record in store.records(one)), identity.owns)
+    lengths = learn(store.latest_records(digest=True), identity.owns)
     learned_from_store = lengths.answers
     cells = [(i.source, i.prompt_tokens, i.expected_output_tokens) for i in items]
     estimates_before = cell_estimates(lengths, cells)
@@ -224,7 +224,7 @@ def stored_figures(
     ``done_anywhere``: the keys completed in any folder (a whole-store scan when not given).
     """
     done = store.scan().done if done_anywhere is None else done_anywhere
-    return shard_figures(store.latest_records(shards=[shard]), keys, identity.owns, done)
+    return shard_figures(store.latest_records(shards=[shard], digest=True), keys, identity.owns, done)
 
 
 def stored_checks(figures: ShardFigures, settings: GenerationSettings, *, context_retries: int = 0):
