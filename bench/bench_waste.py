@@ -12,7 +12,10 @@ alone. 3% of answers loop until the cap (``--loop-rate``). Phases on the same pr
 detector), ``stream+stop, a wake-up an event`` (the same on asyncio's own event loop, without the
 client's coalesced wake-ups, ``client_tick_s: 0``), ``stream+stop, every token`` (the servers'
 default interval of 1, for the CPU it costs) and ``plain`` (no streaming, every answer runs to
-its end). Reported: slot-seconds on answers the training set drops (by reason),
+its end). The answers that are not loops are lognormal (median ``ANSWER_MEDIAN``, sigma
+``ANSWER_SIGMA``): 0.4% of them are longer than the cap and cut there, in every phase, which no
+stopping rule can save; ``--natural-max-tokens`` under the cap ends them first, so that loops are
+the only answers cut. Reported: slot-seconds on answers the training set drops (by reason),
 the useful token share, client CPU per request, and what that CPU means at the reference rate.
 The fleet here is ``--servers`` x 72 slots, fewer than 8, so that the simulator and the client
 fit on a small machine; the rate per slot is the reference one times the time factor.
@@ -119,6 +122,8 @@ def start_simulator(args: argparse.Namespace, port: int, stream_interval: int) -
         "--output-median-tokens", str(ANSWER_MEDIAN), "--output-sigma", str(ANSWER_SIGMA),
         "--reasoning-parser", "qwen3", "--loop-rate", str(args.loop_rate), "--log-level", "warning",
     ]  # fmt: skip
+    if args.natural_max_tokens is not None:
+        command += ["--output-max-tokens", str(args.natural_max_tokens)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     urls = [f"http://{HOST}:{p}" for p in ports]
     deadline = time.monotonic() + 120
@@ -392,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=432, help="part A: requests per phase")
     p.add_argument("--time-factor", type=float, default=8.0, help="part A: simulated time runs this much faster")
     p.add_argument("--loop-rate", type=float, default=0.03)
+    p.add_argument("--natural-max-tokens", type=int, default=None,
+                   help="part A: the longest answer that is not a loop (the simulator's --output-max-tokens); "
+                        f"under the cap ({CONTEXT - 64}), only loops are cut: the workload of loops alone")  # fmt: skip
     p.add_argument("--model-requests", type=int, nargs="+", default=[19_543, 4_000],
                    help="part B: requests on 8 x 72 slots, one run per value (fewer: a bigger tail)")
     p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,

@@ -119,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
         help="answer medians scale as (prompt tokens / 64) ** this",
     )
     sim.add_argument(
+        "--output-max-tokens",
+        type=int,
+        default=_DEFAULTS.output_max_tokens,
+        help="the longest natural answer (default: the context length); under the requests' cap, only loops reach it",
+    )
+    sim.add_argument(
         "--reasoning-share",
         type=float,
         default=_DEFAULTS.reasoning_share,
@@ -185,6 +191,7 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         output_sigma=args.output_sigma,
         output_median_by_marker=tuple(args.output_median_by_marker),
         output_prompt_exponent=args.output_prompt_exponent,
+        output_max_tokens=args.output_max_tokens,
         reasoning_share=args.reasoning_share,
         seed=args.seed,
         fail_rate=args.fail_rate,

@@ -48,7 +48,9 @@ class SimServerConfig:
     the rendered prompt, the request's ``seed`` and ``seed`` here. Answer lengths depend on the
     prompt as real ones do: ``output_median_by_marker`` gives the median of answers whose rendered
     prompt contains a marker (the first that matches, e.g. a source's instruction text), and the
-    median scales as ``(prompt_tokens / 64) ** output_prompt_exponent``. Fault injection is
+    median scales as ``(prompt_tokens / 64) ** output_prompt_exponent``. ``output_max_tokens``
+    bounds the natural answers (None: the context length): set under the requests' ``max_tokens``,
+    no answer but a loop reaches the cap. Fault injection is
     deterministic by request counter: ``fail_rate`` answers that share of generation requests
     with ``fail_status``, ``hang_rate`` leaves that share of the rest unanswered until the client
     disconnects, ``die_after_requests`` kills the server after that many completions, and
@@ -86,6 +88,7 @@ class SimServerConfig:
     output_sigma: float = DEFAULT_OUTPUT_SIGMA
     output_median_by_marker: tuple[tuple[str, int], ...] = ()
     output_prompt_exponent: float = 0.0
+    output_max_tokens: int | None = None
     reasoning_share: float = DEFAULT_REASONING_SHARE
     seed: int = DEFAULT_SEED
     fail_rate: float = 0.0
@@ -164,6 +167,8 @@ def _problems(c: SimServerConfig):
     for marker, tokens in c.output_median_by_marker:
         if not marker or type(tokens) is not int or tokens < 1:
             yield f"output_median_by_marker needs non-empty markers and medians >= 1, got {(marker, tokens)!r}"
+    if c.output_max_tokens is not None and c.output_max_tokens < 1:
+        yield f"output_max_tokens must be None or >= 1, got {c.output_max_tokens}"
     if not (math.isfinite(c.output_prompt_exponent) and abs(c.output_prompt_exponent) <= 4):
         yield f"output_prompt_exponent must be within [-4, 4], got {c.output_prompt_exponent}"
     if not 0 < c.reasoning_share < 1:

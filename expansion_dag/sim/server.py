@@ -477,7 +477,7 @@ class SimServer:
         self._eos_token_id = self._tokenizer.eos_token_id
         self._output = OutputModel(
             tokenizer_spec=config.tokenizer,
-            max_length=config.context_length,
+            max_length=min(config.context_length, config.output_max_tokens or config.context_length),
             median_tokens=config.output_median_tokens,
             sigma=config.output_sigma,
             reasoning_share=config.reasoning_share,

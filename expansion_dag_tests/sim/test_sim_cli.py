@@ -204,7 +204,8 @@ def test_invalid_flags_exit_with_a_clear_message(args, message, capsys):
 
 def test_answer_length_flags_reach_the_server_config():
     args = _parser().parse_args(["--output-median-by-marker", "[math]=3000", "--output-median-by-marker",
-                                 "a=b=20", "--output-prompt-exponent", "0.5"])
+                                 "a=b=20", "--output-prompt-exponent", "0.5", "--output-max-tokens", "900"])
     [config] = _configs(args)
+    assert config.output_max_tokens == 900
     assert config.output_median_by_marker == (("[math]", 3000), ("a=b", 20))
     assert config.output_prompt_exponent == 0.5

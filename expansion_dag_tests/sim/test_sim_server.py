@@ -194,6 +194,12 @@ def test_completion_tokens_are_the_qwen3_count_of_the_text(start_fleet, fast, ch
     assert count_tokens(tokenizer, texts) == [a["usage"]["completion_tokens"] for a in answers]
 
 
+def test_output_max_tokens_ends_long_answers_before_the_cap(start_fleet, fast, chat):
+    url = start_fleet(fast(output_median_tokens=300, output_sigma=0.0, output_max_tokens=120)).urls[0]
+    answer = chat(url, POEM, max_tokens=1000, chat_template_kwargs={"enable_thinking": False}).json()
+    assert (answer["choices"][0]["finish_reason"], answer["usage"]["completion_tokens"]) == ("stop", 120)
+
+
 def test_max_tokens_cuts_with_finish_reason_length(start_fleet, fast, chat, tokenizer):
     url = start_fleet(fast(output_median_tokens=300, output_sigma=0.0)).urls[0]
     thinking_off = {"enable_thinking": False}
