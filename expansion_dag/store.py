@@ -220,13 +220,12 @@ class CompletionStore:
             offset = 0
             with open(path, "rb") as fh:
                 for raw in fh:
-                    length = len(raw)
-                    parts = raw.split(b"\t", 2)
-                    if not raw.endswith(b"\n") or len(parts) != 3:
+                    line = _split_line(raw)
+                    if line is None:
                         yield "", "", None
                     else:
-                        yield parts[0].decode(), parts[1].decode(), _Location(path, offset, length)
-                    offset += length
+                        yield line[0], line[1].decode(), _Location(path, offset, len(raw))
+                    offset += len(raw)
 
     def scan(self, shard: str | None = None) -> ScanResult:
         """Which keys are done and which only failed, in one shard or (``None``) the whole store.
@@ -390,13 +389,21 @@ class CompletionStore:
         self._recovered = True
 
 
+def _split_line(raw: bytes) -> tuple[str, bytes, bytes] | None:
+    """(key, status, JSON) of a line of a segment or a digest; None for a torn one (no newline, or
+    not three fields): the one rule every reader of the store follows."""
+    parts = raw.split(b"\t", 2)
+    if not raw.endswith(b"\n") or len(parts) != 3:
+        return None
+    return parts[0].decode(), parts[1], parts[2]
+
+
 def _intact_lines(path: Path) -> Iterator[tuple[str, bytes, bytes]]:
     """(key, status, JSON) of each whole line of a segment; torn ones are skipped."""
     with open(path, "rb") as fh:
         for raw in fh:
-            parts = raw.split(b"\t", 2)
-            if raw.endswith(b"\n") and len(parts) == 3:
-                yield parts[0].decode(), parts[1], parts[2]
+            if (line := _split_line(raw)) is not None:
+                yield line
 
 
 #: What a digest keeps of a record: what the shard checks (``shard_figures``) and the answer-length
@@ -427,15 +434,17 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
             if not raw.endswith(b"\n"):
                 break  # the last line, still being written or torn: left for the next read
             covered += len(raw)
-            parts = raw.split(b"\t", 2)
+            line = _split_line(raw)
+            if line is None:
+                continue  # not three fields: covered, never kept
             try:
-                record = json.loads(parts[2]) if len(parts) == 3 else None
+                record = json.loads(line[2])
             except ValueError:
-                record = None  # torn inside its JSON: covered, never kept
+                continue  # torn inside its JSON: covered, never kept
             if isinstance(record, dict):
                 small = {f: record[f] for f in DIGEST_FIELDS if f in record}
                 payload = json.dumps(small, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-                fresh.append((parts[0].decode(), parts[1], payload))
+                fresh.append((line[0], line[1], payload))
     lines += fresh
     if covered != start:
         try:
@@ -448,23 +457,26 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
 
 
 def _read_digest(cache: Path) -> tuple[int, list[tuple[str, bytes, bytes]]]:
-    """(bytes of the segment covered, lines) of a digest file; (0, []) when absent or unreadable."""
+    """(bytes of the segment covered, lines) of a digest file; (0, []) when absent or unreadable
+    (a digest is written whole, so a torn line means it was damaged: it is rebuilt)."""
     try:
         with open(cache, "rb") as fh:
             covered = int(fh.readline())
-            lines = [(p[0].decode(), p[1], p[2]) for p in (raw.split(b"\t", 2) for raw in fh)]
-    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+            lines = [_split_line(raw) for raw in fh]
+    except (OSError, ValueError, UnicodeDecodeError):
         return 0, []
-    return covered, lines
+    intact = [line for line in lines if line is not None]
+    return (covered, intact) if len(intact) == len(lines) else (0, [])
 
 
 def _read_record(loc: _Location) -> dict[str, Any] | None:
     with open(loc.path, "rb") as fh:
         fh.seek(loc.offset)
         raw = fh.read(loc.length)
+    line = _split_line(raw)
     try:
-        return json.loads(raw.split(b"\t", 2)[2])
-    except (ValueError, IndexError):
+        return json.loads(line[2]) if line is not None else None
+    except ValueError:
         return None  # a line cut inside its JSON by a crash: torn, ignored
 
 

@@ -149,6 +149,19 @@ def test_a_digest_is_read_instead_of_the_segment_and_extended_as_the_segment_gro
     assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [999]
 
 
+def test_a_damaged_digest_is_rebuilt_from_its_segment(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("a", completion_tokens=100))
+        w.append(ok("b", completion_tokens=200))
+        path = w.path
+    list(store.latest_records(digest=True))
+    digest = path.with_name(path.name + ".digest")
+    digest.write_bytes(digest.read_bytes()[:-10])  # its last line cut short
+    assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100, 200]
+    assert digest.read_bytes().endswith(b"}\n")
+
+
 def test_a_digest_that_cannot_be_written_is_computed_in_memory(tmp_path):
     store = CompletionStore(tmp_path)
     with store.writer("shard-00") as w:

@@ -103,6 +103,11 @@ def test_answer_lengths_depend_on_the_source_marker_and_the_prompt_length():
     assert median("[chat]", prompt_tokens=128) == pytest.approx(100, rel=0.1)
 
 
+def test_a_bad_output_bound_is_refused():
+    with pytest.raises(ValueError, match="output_max_tokens must be None or >= 1, got 0"):
+        SimServerConfig(output_max_tokens=0)
+
+
 def test_a_bad_marker_median_is_refused():
     with pytest.raises(ValueError, match="output_median_by_marker"):
         SimServerConfig(output_median_by_marker=(("", 10),))
