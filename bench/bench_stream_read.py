@@ -8,9 +8,12 @@ process and measures the client's CPU per event, side by side:
 - ``floor: bare asyncio read``: a raw asyncio socket reading the bytes and nothing else. It is what
   waking up for an event costs on this machine; no HTTP client can cost less.
 - ``httpx on anyio``: httpx's own async network layer, reading the body (the client before).
-- ``httpx on asyncio_network``: the same httpx and httpcore on :mod:`expansion_dag.asyncio_network`.
-- ``send_chat``: the whole streamed request as the engine makes it: the above, plus the SSE and
-  JSON parsing and the loop detector.
+- ``httpx on asyncio_network``: the same ``httpx.AsyncClient`` and httpcore on
+  :mod:`expansion_dag.asyncio_network`.
+- ``HttpClient``: :mod:`expansion_dag.http_client`, the workers' client: the same transport
+  without ``AsyncClient``, the body read as the transport's byte stream.
+- ``send_chat``: the whole streamed request as the engine makes it: ``HttpClient``, plus the SSE
+  and JSON parsing and the loop detector.
 
     .venv/bin/python bench/bench_stream_read.py            # ~1 min
 """
@@ -32,8 +35,10 @@ from typing import Any
 
 import httpx
 
+from expansion_dag.asyncio_network import asyncio_transport
 from expansion_dag.degeneration import LoopThresholds
-from expansion_dag.server_api import SGLANG, make_client, send_chat
+from expansion_dag.http_client import HttpClient, make_client
+from expansion_dag.server_api import SGLANG, send_chat
 from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +107,13 @@ async def read_body(client: httpx.AsyncClient, url: str) -> None:
             pass
 
 
+async def read_stream(client: HttpClient, url: str) -> None:
+    response = await client.post(f"{url}/v1/chat/completions", REQUEST)
+    async for _ in response.stream:
+        pass
+    await response.aclose()
+
+
 def tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
@@ -114,10 +126,13 @@ async def measure(name: str, url: str, repeats: int) -> float:
     elif name == "httpx on anyio":
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1), transport=httpx.AsyncHTTPTransport(verify=tls()))
         run = lambda: read_body(client, url)  # noqa: E731
+    elif name == "httpx on asyncio_network":
+        client = httpx.AsyncClient(transport=asyncio_transport(tls=tls()))
+        run = lambda: read_body(client, url)  # noqa: E731
     else:
         client = make_client(timeout_s=60.0, connect_timeout_s=5.0, tls=tls())
-        if name == "httpx on asyncio_network":
-            run = lambda: read_body(client, url)  # noqa: E731
+        if name == "HttpClient":
+            run = lambda: read_stream(client, url)  # noqa: E731
         else:
             run = lambda: send_chat(client, url, REQUEST, SGLANG, LoopThresholds(), stream_interval=256)  # noqa: E731
     await run()  # connect and warm up outside the measurement
@@ -130,7 +145,7 @@ async def measure(name: str, url: str, repeats: int) -> float:
     return cpu
 
 
-NAMES = ("floor: bare asyncio read", "httpx on anyio", "httpx on asyncio_network", "send_chat")
+NAMES = ("floor: bare asyncio read", "httpx on anyio", "httpx on asyncio_network", "HttpClient", "send_chat")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,9 @@ the client's own CPU per event (BENCHMARKS.md, "Client CPU of a streamed event, 
 187 us above a bare socket's, 110 us here). Here a read is a buffer slice when data is waiting,
 else one future and, with a timeout, one timer handle.
 
-Only the network layer changes: httpx builds the request, httpcore runs the connection pool and
-h11 parses HTTP, exactly as before, and their exceptions are the ones the callers already map.
+A worker's one connection is held by :class:`OneConnection` instead of httpcore's pool. httpx
+still maps errors, httpcore's ``AsyncHTTP11Connection`` runs the connection and h11 parses HTTP, as
+before, and their exceptions are the ones the callers already map.
 """
 
 from __future__ import annotations
@@ -155,8 +156,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
 
 class AsyncioBackend(httpcore.AsyncNetworkBackend):
-    """TCP only: :func:`asyncio_transport` builds its pool without ``uds`` or ``retries``, so
-    httpcore never asks it for a unix socket or a sleep."""
+    """TCP only: :class:`OneConnection` asks it for nothing else."""
 
     async def connect_tcp(
         self,
@@ -182,18 +182,66 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
         return AsyncioStream(transport, protocol)
 
 
-def asyncio_transport(*, tls: ssl.SSLContext, limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
-    """httpx's own transport, its connection pool on :class:`AsyncioBackend`.
+class OneConnection:
+    """A worker's one keep-alive HTTP/1.1 connection, in place of httpcore's connection pool.
 
-    httpx takes no network backend, so the pool it built is replaced by the same pool with one:
-    ``AsyncHTTPTransport._pool`` (httpx 0.27 and 0.28; a test checks the backend is the one used).
+    A worker sends one request at a time on one connection, so a pool has nothing to choose; yet
+    httpcore's pool takes a lock, shields a cancellation and walks its connections twice on every
+    request and again when each response closes: 15-18% of the engine's CPU per streamed request
+    (BENCHMARKS.md, "Client CPU without AsyncClient"). Here the connection is reused while it is
+    idle, unexpired and to the same origin, and replaced otherwise, as the pool does for a pool of
+    one: a server that closed it while idle, a body left unread (a stopped loop) or a request to
+    another server (the spill loop's load polls) opens a new one.
     """
-    transport = httpx.AsyncHTTPTransport(verify=tls, limits=limits)
-    transport._pool = httpcore.AsyncConnectionPool(
-        ssl_context=tls,
-        max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive_connections,
-        keepalive_expiry=limits.keepalive_expiry,
-        network_backend=AsyncioBackend(),
-    )
+
+    def __init__(self, *, tls: ssl.SSLContext, keepalive_expiry: float | None):
+        self._tls = tls
+        self._keepalive_expiry = keepalive_expiry
+        self._backend = AsyncioBackend()
+        self._connection: httpcore.AsyncHTTP11Connection | None = None
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        connection = self._connection
+        if connection is not None and not (
+            connection.is_available() and not connection.has_expired() and connection.can_handle_request(request.url.origin)
+        ):
+            self._connection = None
+            await connection.aclose()
+            connection = None
+        if connection is None:
+            connection = self._connection = await self._connect(request)
+        return await connection.handle_async_request(request)
+
+    async def _connect(self, request: httpcore.Request) -> httpcore.AsyncHTTP11Connection:
+        origin = request.url.origin
+        host = origin.host.decode("ascii")
+        timeout = request.extensions.get("timeout", {}).get("connect")
+        stream = await self._backend.connect_tcp(host, origin.port, timeout=timeout)
+        if origin.scheme == b"https":
+            self._tls.set_alpn_protocols(["http/1.1"])
+            stream = await stream.start_tls(self._tls, server_hostname=host, timeout=timeout)
+        return httpcore.AsyncHTTP11Connection(origin=origin, stream=stream, keepalive_expiry=self._keepalive_expiry)
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.aclose()
+
+    # What httpx's transport asks of its pool besides requests.
+    async def __aenter__(self) -> OneConnection:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def asyncio_transport(*, tls: ssl.SSLContext, keepalive_expiry: float | None = 5.0) -> httpx.AsyncHTTPTransport:
+    """httpx's own transport on one connection (:class:`OneConnection`) over asyncio's transports.
+
+    httpx takes no network backend and no pool, so the pool it built is replaced:
+    ``AsyncHTTPTransport._pool`` (httpx 0.27 and 0.28; a test checks the connection is the one
+    used). httpx still builds the request, maps httpcore's errors to its own, and h11 parses HTTP.
+    """
+    transport = httpx.AsyncHTTPTransport(verify=tls)
+    transport._pool = OneConnection(tls=tls, keepalive_expiry=keepalive_expiry)  # type: ignore[assignment]
     return transport

@@ -42,6 +42,7 @@ from expansion_dag import event_loop, server_api
 from expansion_dag.answer_lengths import AnswerLengths
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.errors import RequestError, ShardAborted
+from expansion_dag.http_client import HttpClient, make_client
 from expansion_dag.server_api import SGLANG, Answer, DegenerateError, Dialect, RetryPolicy
 from expansion_dag.store import FAILED, OK, SegmentWriter, completion_key
 
@@ -438,8 +439,8 @@ class ShardRun:
     def _stats(self, server: Server) -> ServerStats:
         return self.report.servers.get(server.url) or self.report.helpers[server.url]
 
-    def _client(self) -> httpx.AsyncClient:
-        return server_api.make_client(
+    def _client(self) -> HttpClient:
+        return make_client(
             timeout_s=self._config.request_timeout_s,
             connect_timeout_s=self._config.connect_timeout_s,
             tls=self._tls,
@@ -555,7 +556,7 @@ class ShardRun:
         return self._helper_open.get(helper.url, False) and helper.url not in self._benched
 
     async def _process(
-        self, client: httpx.AsyncClient, item: WorkItem, server: Server, *, borrowed: bool = False
+        self, client: HttpClient, item: WorkItem, server: Server, *, borrowed: bool = False
     ) -> RequestError | None:
         """Send one prompt, write its completion or failure record; return the error if any.
 

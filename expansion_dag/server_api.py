@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import ssl
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,6 @@ import httpx
 import pydantic_core
 import stamina
 
-from expansion_dag.asyncio_network import asyncio_transport
 from expansion_dag.degeneration import Loop, LoopDetector, LoopThresholds
 from expansion_dag.errors import (
     AuthError,
@@ -52,6 +50,7 @@ from expansion_dag.errors import (
 
 if TYPE_CHECKING:
     from expansion_dag.engine import SamplingSettings
+    from expansion_dag.http_client import HttpClient
 
 #: The oldest SGLang whose surface is read here (``/get_server_info``, ``/get_load``, ``/v1/models``
 #: with ``max_model_len``); older servers are refused with this version named.
@@ -272,15 +271,16 @@ class ChatStream:
         self.chunks = 0
         self._detectors = (LoopDetector(thresholds), LoopDetector(thresholds)) if thresholds else None
         #: The unfinished last line of the text fed so far.
-        self._partial = ""
+        self._partial = b""
 
-    def feed_text(self, text: str) -> Loop | None:
-        """Feed the stream's text as it arrives, cut anywhere; ``end`` once it is over.
+    def feed(self, data: bytes) -> Loop | None:
+        """Feed the stream's bytes as they arrive, cut anywhere; ``end`` once it is over.
 
-        One call per network read rather than per line: a streamed answer has two lines a
-        token, and a per-line async iterator costs more CPU than the parsing.
+        One call per network read rather than per line: a per-line async iterator costs more CPU
+        than the parsing. Bytes, not text: a newline byte is never inside a UTF-8 character, and
+        each event's JSON is parsed from its bytes, so nothing is decoded twice.
         """
-        lines = (self._partial + text).split("\n")
+        lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
         for line in lines:
             if line:
@@ -291,14 +291,14 @@ class ChatStream:
 
     def end(self) -> Loop | None:
         """Feed the last line if the stream did not end with a newline."""
-        line, self._partial = self._partial, ""
+        line, self._partial = self._partial, b""
         return self.feed_line(line) if line else None
 
-    def feed_line(self, line: str) -> Loop | None:
-        if not line.startswith("data:"):
+    def feed_line(self, line: bytes) -> Loop | None:
+        if not line.startswith(b"data:"):
             return None  # blank separators, comments, ``event:`` names
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             self._done = True
             return None
         try:
@@ -306,13 +306,13 @@ class ChatStream:
             # json.loads per chunk, and parsing is most of the client's CPU per streamed request.
             chunk = pydantic_core.from_json(data)
         except ValueError as exc:
-            raise BadResponseError(f"not a chat completion chunk: {data[:200]}", status=200) from exc
+            raise BadResponseError(f"not a chat completion chunk: {_text(data[:200])}", status=200) from exc
         if not isinstance(chunk, dict):
-            raise BadResponseError(f"not a chat completion chunk: {data[:200]}", status=200)
+            raise BadResponseError(f"not a chat completion chunk: {_text(data[:200])}", status=200)
         if chunk.get("error") or chunk.get("object") == "error":
             error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
             code = error.get("code")
-            raise error_from_status(code if isinstance(code, int) and code >= 400 else 500, data)
+            raise error_from_status(code if isinstance(code, int) and code >= 400 else 500, _text(data))
         usage = chunk.get("usage")
         choices = chunk.get("choices")
         if not choices:
@@ -328,7 +328,7 @@ class ChatStream:
             reasoning = next((delta[f] for f in self._dialect.reasoning_fields if delta.get(f)), None)
             finish = choice.get("finish_reason")
         except (AttributeError, IndexError, KeyError, TypeError) as exc:
-            raise BadResponseError(f"not a chat completion chunk: {data[:200]}", status=200) from exc
+            raise BadResponseError(f"not a chat completion chunk: {_text(data[:200])}", status=200) from exc
         if finish:
             self._finish = finish
         loop = None
@@ -397,7 +397,7 @@ class ChatStream:
         )
 
 
-def parse_chat_stream(lines: Iterable[str], dialect: Dialect, thresholds: LoopThresholds | None = None) -> Answer:
+def parse_chat_stream(lines: Iterable[bytes], dialect: Dialect, thresholds: LoopThresholds | None = None) -> Answer:
     """:class:`ChatStream` over a whole stream's lines: the answer, or the DegenerateError of its loop."""
     stream = ChatStream(dialect, thresholds)
     for line in lines:
@@ -517,13 +517,13 @@ def parse_idle_slots(body: object, dialect: Dialect, slots: int | None = None) -
 
 
 async def read_idle_slots(
-    client: httpx.AsyncClient, url: str, dialect: Dialect, *, slots: int | None, timeout_s: float
+    client: HttpClient, url: str, dialect: Dialect, *, slots: int | None, timeout_s: float
 ) -> int | None:
     """:func:`parse_idle_slots` of the server's load now; None when it cannot say (never an error)."""
     if dialect.loads_path is None:
         return None
     try:
-        response = await client.get(url + dialect.loads_path, timeout=timeout_s)
+        response = await client.get(url + dialect.loads_path, timeout_s=timeout_s)
         if response.status_code != 200:
             return None
         return parse_idle_slots(response.json(), dialect, slots)
@@ -664,31 +664,6 @@ def serves_without_key(url: str, *, timeout_s: float) -> bool:
 # --- generation ----------------------------------------------------------------------------------
 
 
-def make_client(
-    *,
-    timeout_s: float,
-    connect_timeout_s: float,
-    tls: ssl.SSLContext,
-    api_key: str | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-) -> httpx.AsyncClient:
-    """One worker's client: a single keep-alive connection, so checkout costs nothing.
-
-    ``tls`` is shared by all workers: building one loads the CA bundle (~20 ms of CPU each). The
-    connection runs on asyncio's own transports (:mod:`.asyncio_network`) unless ``transport`` is
-    given (tests).
-    """
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    return httpx.AsyncClient(
-        verify=tls,
-        limits=limits,
-        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None),
-        headers=headers,
-        transport=transport or asyncio_transport(tls=tls, limits=limits),
-    )
-
-
 def chat_request(
     model: str,
     messages: Sequence[Mapping[str, Any]],
@@ -760,7 +735,7 @@ class Exchange:
 
 
 async def send_chat(
-    client: httpx.AsyncClient,
+    client: HttpClient,
     url: str,
     request: Mapping[str, Any],
     dialect: Dialect,
@@ -771,8 +746,7 @@ async def send_chat(
     """One attempt: the complete answer, or the RequestError that says why there is none.
 
     A streamed request (``request["stream"]``) is read chunk by chunk; with ``thresholds``, a
-    loop ends it at once: leaving the ``client.stream`` block with the body unread closes the
-    connection, which is how both servers learn to stop decoding. SGLang's streaming response
+    loop ends it at once: closing the response with the body unread closes the connection, which is how both servers learn to stop decoding. SGLang's streaming response
     carries a background ``TokenizerManager.create_abort_task``, which aborts the request by
     ``rid`` 2 s after the stream ends (0.5.23): a stopped loop decodes about 2 s longer than an
     explicit ``/abort_request`` would let it, ~1% of the ~170 s a looping answer takes at the
@@ -783,18 +757,21 @@ async def send_chat(
     if not request.get("stream"):
         return await _send_plain(client, url, request, dialect)
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=request) as response:
+        response = await client.post(f"{url}/v1/chat/completions", request)
+        try:
             if response.status_code != 200:
                 await response.aread()
                 raise error_from_status(response.status_code, response.text)
             stream = ChatStream(dialect, thresholds, stream_interval=stream_interval)
-            async for text in response.aiter_text():
-                loop = stream.feed_text(text)
+            async for data in response.stream:
+                loop = stream.feed(data)
                 if loop is not None:
                     raise stream.degenerate(loop)
             loop = stream.end()
             if loop is not None:
                 raise stream.degenerate(loop)
+        finally:
+            await response.aclose()
     except httpx.HTTPError as exc:
         raise error_from_exception(exc) from exc
     answer = stream.answer()
@@ -804,9 +781,13 @@ async def send_chat(
     return answer
 
 
-async def _send_plain(client: httpx.AsyncClient, url: str, request: Mapping[str, Any], dialect: Dialect) -> Answer:
+async def _send_plain(client: HttpClient, url: str, request: Mapping[str, Any], dialect: Dialect) -> Answer:
     try:
-        response = await client.post(f"{url}/v1/chat/completions", json=request)
+        response = await client.post(f"{url}/v1/chat/completions", request)
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
     except httpx.HTTPError as exc:
         raise error_from_exception(exc) from exc
     if response.status_code != 200:
@@ -823,7 +804,7 @@ async def _send_plain(client: httpx.AsyncClient, url: str, request: Mapping[str,
 
 
 async def generate(
-    client: httpx.AsyncClient,
+    client: HttpClient,
     url: str,
     request: Mapping[str, Any],
     dialect: Dialect,
@@ -883,6 +864,10 @@ async def generate(
     except RequestError as error:
         return Exchange(None, error, attempts, max_tokens)
     return Exchange(answer, None, attempts, max_tokens)
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
 
 
 def _quote(body: object, limit: int) -> str:

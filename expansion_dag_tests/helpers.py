@@ -1,9 +1,12 @@
 """Helpers shared by tests: prompt frames and resources bound to a simulated fleet."""
 
 import socket
+import ssl
 
+import httpx
 import polars as pl
 
+from expansion_dag.http_client import HttpClient, make_client
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import ParquetIOManager, StorageResource
@@ -42,3 +45,9 @@ def free_ports(n):
     for s in sockets:
         s.close()
     return ports
+
+
+def mock_client(handler) -> HttpClient:
+    """A generation client whose requests ``handler`` answers in-process (httpx's MockTransport)."""
+    return make_client(timeout_s=10.0, connect_timeout_s=2.0, tls=ssl.create_default_context(),
+                       transport=httpx.MockTransport(handler))

@@ -5,16 +5,23 @@ import asyncio
 import contextlib
 import ssl
 
+import httpx
 import pytest
 import trustme
 
-from expansion_dag.asyncio_network import AsyncioStream
+from expansion_dag.asyncio_network import AsyncioStream, asyncio_transport
 from expansion_dag.errors import ConnectError, TimeoutError_
-from expansion_dag.server_api import SGLANG, VLLM, make_client, send_chat
+from expansion_dag.http_client import make_client
+from expansion_dag.server_api import SGLANG, VLLM, send_chat
 from expansion_dag_tests.helpers import free_ports
 
 BIG = bytes(range(256)) * (5 * 4096)  # 5 MiB, past the read buffer's high-water mark
 EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(3)]
+CHAT = [
+    b'data: {"choices":[{"index":0,"delta":{"content":"Hello"}}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n',
+]
 
 
 class Server:
@@ -44,9 +51,9 @@ class Server:
 
     async def respond(self, path: str, writer: asyncio.StreamWriter) -> bool:
         """Write the answer to ``path``; False: close the connection after it."""
-        if path == "events":
+        if path in ("events", "chat"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-            for event in EVENTS:
+            for event in EVENTS if path == "events" else CHAT:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
                 await asyncio.sleep(0.02)
@@ -79,6 +86,14 @@ async def serving(tls: ssl.SSLContext | None = None):
 
 
 def client(tls: ssl.SSLContext | None = None, timeout_s: float = 10.0):
+    """httpx's client on the network layer, for requests of any method and body."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=2.0), transport=asyncio_transport(tls=tls or ssl.create_default_context())
+    )
+
+
+def chat_client(tls: ssl.SSLContext | None = None, timeout_s: float = 10.0):
+    """The generation workers' own client on the same layer."""
     return make_client(timeout_s=timeout_s, connect_timeout_s=2.0, tls=tls or ssl.create_default_context())
 
 
@@ -96,6 +111,38 @@ def test_requests_share_one_kept_alive_connection_and_stream_events_arrive_one_b
     assert connections == 1
     assert plain == again == BIG
     assert chunks == EVENTS  # each event read as the server sent it, not batched at the end
+
+
+def test_the_workers_client_streams_answers_on_one_kept_alive_connection():
+    async def main():
+        async with serving() as (server, url), chat_client() as c:
+            request = {"model": "m", "messages": [], "stream": True}
+            answers = [await send_chat(c, f"{url}/chat", request, SGLANG) for _ in range(3)]
+            return server.connections, answers
+
+    connections, answers = asyncio.run(main())
+    assert connections == 1
+    assert [(a.content, a.finish_reason, a.completion_tokens) for a in answers] == [("Hello", "stop", 1)] * 3
+
+
+def test_a_body_left_unread_closes_its_connection_and_another_server_gets_its_own():
+    """A stopped loop leaves its stream unread: that connection must not carry the next request.
+    The spill loop polls several servers on one client: each poll reaches the server it names."""
+    async def main():
+        request = {"model": "m", "messages": [], "stream": True}
+        async with serving() as (server, url), serving() as (other, other_url), chat_client() as c:
+            response = await c.post(f"{url}/events/v1/chat/completions", request)
+            async for _ in response.stream:
+                break  # one event read, the rest left on the wire
+            await response.aclose()
+            after_stop = await send_chat(c, f"{url}/chat", request, SGLANG)
+            elsewhere = await send_chat(c, f"{other_url}/chat", request, SGLANG)
+            back = await send_chat(c, f"{url}/chat", request, SGLANG)
+            return server.connections, other.connections, [after_stop, elsewhere, back]
+
+    connections, other_connections, answers = asyncio.run(main())
+    assert (connections, other_connections) == (3, 1)
+    assert [a.content for a in answers] == ["Hello"] * 3
 
 
 async def read_slowly(c, url):
@@ -136,7 +183,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_not_reused():
 
 def test_a_server_silent_past_the_read_timeout_is_a_timeout_and_a_cut_stream_a_connect_error():
     async def main():
-        async with serving() as (_, url), client(timeout_s=0.3) as c:
+        async with serving() as (_, url), chat_client(timeout_s=0.3) as c:
             errors = []
             for path in ("silent", "cut"):
                 request = {"model": "m", "messages": [], "stream": True}
@@ -150,7 +197,7 @@ def test_a_server_silent_past_the_read_timeout_is_a_timeout_and_a_cut_stream_a_c
 
 def test_a_refused_connection_is_a_connect_error():
     async def main():
-        async with client() as c:
+        async with chat_client() as c:
             request = {"model": "m", "messages": []}
             with pytest.raises(ConnectError, match="ConnectError"):
                 await send_chat(c, f"http://127.0.0.1:{free_ports(1)[0]}", request, VLLM)
@@ -169,7 +216,7 @@ def test_tls_is_verified_against_the_shared_context():
         async with serving(server_tls) as (_, url):
             async with client(trusting) as c:
                 body = await read_slowly(c, url)
-            async with client() as c:  # the system's CAs only: this server's certificate is unknown
+            async with chat_client() as c:  # the system's CAs only: this server's certificate is unknown
                 with pytest.raises(ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                     await send_chat(c, url, {"model": "m", "messages": []}, VLLM)
             return body

@@ -12,6 +12,7 @@ import pytest
 from expansion_dag import errors, server_api
 from expansion_dag.engine import SamplingSettings
 from expansion_dag.server_api import SGLANG, SGLANG_MIN_VERSION, VLLM, dialect_for
+from expansion_dag_tests.helpers import mock_client
 
 SGLANG_OVERFLOW = (
     "Requested token count exceeds the model's maximum context length of 8192 tokens. You requested a total "
@@ -280,7 +281,7 @@ def exchange(handler, policy=FAST):
     retries = []
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with mock_client(handler) as client:
             request = {"model": "m", "messages": [], "max_tokens": 100}
             return await server_api.generate(client, "http://gpu-0:30000", request, SGLANG, policy, on_retry=retries.append)
 

@@ -11,13 +11,15 @@ from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.engine import SamplingSettings
 from expansion_dag.errors import BadResponseError, ContextLengthError, TransientError
 from expansion_dag.server_api import SGLANG, VLLM, ChatStream, DegenerateError, parse_chat_completion, parse_chat_stream
+from expansion_dag_tests.helpers import mock_client
 
 URL = "http://gpu-0:30000"
 THRESHOLDS = LoopThresholds()
 
 
 def sse(chunks):
-    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    """The bytes of an event stream, non-ASCII text as UTF-8 (as both servers send it)."""
+    return ("".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
 
 
 def stream_of(dialect, content_pieces, reasoning_pieces=(), finish="stop", usage=None, *, include_usage=True):
@@ -81,7 +83,7 @@ def test_a_looping_stream_raises_degenerate_with_its_text():
 
 def send(handler, request, dialect=SGLANG, thresholds=None):
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with mock_client(handler) as client:
             return await server_api.send_chat(client, URL, request, dialect, thresholds)
 
     return asyncio.run(main())
@@ -92,7 +94,7 @@ def test_streamed_and_plain_requests_over_http_give_the_same_answer():
         body = json.loads(request.content)
         if body.get("stream"):
             assert body["stream_options"] == {"include_usage": True}
-            return httpx.Response(200, text=stream_of(SGLANG, ["x = 1\n"] * 5, ["think"]))
+            return httpx.Response(200, content=stream_of(SGLANG, ["x = 1\n"] * 5, ["think"]))
         return httpx.Response(200, json=body_of(SGLANG, "x = 1\n" * 5, "think"))
 
     messages = [{"role": "user", "content": "hi"}]
@@ -121,21 +123,21 @@ def test_a_loop_stops_reading_the_stream_and_an_error_status_is_classified():
 
 
 def test_a_stream_cut_anywhere_reads_as_the_same_answer():
-    """Network reads split lines and events anywhere; the answer does not depend on where."""
+    """Network reads split lines, events and UTF-8 characters anywhere; the answer does not depend on where."""
     events = [
-        {"choices": [{"index": 0, "delta": {"content": f" word{i}"}, "finish_reason": None}]} for i in range(50)
+        {"choices": [{"index": 0, "delta": {"content": f" wörd{i} 数"}, "finish_reason": None}]} for i in range(50)
     ] + [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
          {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 50}}]
-    text = "".join(f"data: {json.dumps(e)}\r\n\r\n" for e in events) + "data: [DONE]"
+    data = ("".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]").encode()
     whole = ChatStream(SGLANG)
-    assert whole.feed_text(text) is None and whole.end() is None
+    assert whole.feed(data) is None and whole.end() is None
     for cut in (1, 7, 64):
         stream = ChatStream(SGLANG)
-        for start in range(0, len(text), cut):
-            assert stream.feed_text(text[start:start + cut]) is None
+        for start in range(0, len(data), cut):
+            assert stream.feed(data[start:start + cut]) is None
         stream.end()
         assert stream.answer() == whole.answer()
-    assert whole.answer().content == "".join(f" word{i}" for i in range(50))
+    assert whole.answer().content == "".join(f" wörd{i} 数" for i in range(50))
     assert whole.answer().completion_tokens == 50 and whole.answer().finish_reason == "stop"
 
 
@@ -150,11 +152,11 @@ def test_a_stopped_answers_tokens_are_the_servers_count_when_its_chunks_carry_on
     stream = ChatStream(VLLM, LoopThresholds(min_loop_chars=200), stream_interval=256)
     loop = None
     for event in events:
-        loop = loop or stream.feed_line(f"data: {json.dumps(event)}")
+        loop = loop or stream.feed_line(f"data: {json.dumps(event)}".encode())
     error = stream.degenerate(loop)
     assert error.tokens == error.chunks == len(error.content) // len(" loop") < 400
     # Without the server's count (SGLang), the interval rule: the first token alone, then 256 each.
     counted = ChatStream(SGLANG, stream_interval=256)
     for event in events[:3]:
-        counted.feed_line(f"data: {json.dumps({'choices': event['choices']})}")
+        counted.feed_line(f"data: {json.dumps({'choices': event['choices']})}".encode())
     assert counted.streamed_tokens == 1 + 2 * 256

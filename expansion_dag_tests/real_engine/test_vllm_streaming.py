@@ -55,7 +55,8 @@ import pytest
 
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.engine import SamplingSettings
-from expansion_dag.server_api import VLLM, ChatStream, DegenerateError, chat_request, make_client, send_chat
+from expansion_dag.http_client import make_client
+from expansion_dag.server_api import VLLM, ChatStream, DegenerateError, chat_request, send_chat
 from expansion_dag_tests.real_engine.conftest import API_KEY, CONTEXT_LENGTH, SLOTS
 from expansion_dag_tests.real_engine.support import VllmServer
 
@@ -218,8 +219,9 @@ def read_stream(server: VllmServer, request: dict[str, Any]) -> tuple[ChatStream
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=request, headers=server.headers(),
                       timeout=REQUEST_TIMEOUT_S) as response:
         assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            stream.feed_line(line)
+        for data in response.iter_bytes():
+            stream.feed(data)
+        stream.end()
     return stream, stream.chunks
 
 

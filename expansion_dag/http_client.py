@@ -1,0 +1,97 @@
+"""The generation workers' HTTP client: httpx's transport, without ``httpx.AsyncClient`` around it.
+
+A worker sends one kind of request, a JSON POST, on one keep-alive connection, hundreds of
+thousands of times in a run. ``AsyncClient`` spent more of the client's CPU on each than the
+connection did: it merges the URL and the default headers, runs the auth, redirect and cookie
+machinery, and reads the body through four wrappers (text decoding, content decoding, chunking,
+timing), none of which a chat request needs. Here the request is an ``httpx.Request`` with its URL
+parsed once per server, handed to httpx's transport (one httpcore connection and h11, on
+:mod:`.asyncio_network`), and the body is read as the transport's own byte stream. Errors are
+httpx's, as before (the transport maps httpcore's). BENCHMARKS.md, "Client CPU without
+AsyncClient", measures it side by side.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import pydantic_core
+
+from expansion_dag.asyncio_network import asyncio_transport
+
+_JSON = (b"Content-Type", b"application/json")
+
+
+class HttpClient:
+    """JSON POSTs and GETs over one transport; ``async with`` closes its connections."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, *, timeout: httpx.Timeout, api_key: str | None = None):
+        self._transport = transport
+        self._extensions = {"timeout": timeout.as_dict()}
+        self._auth = [(b"Authorization", f"Bearer {api_key}".encode())] if api_key else []
+        self._urls: dict[str, httpx.URL] = {}
+
+    def _url(self, url: str) -> httpx.URL:
+        target = self._urls.get(url)
+        if target is None:
+            target = self._urls[url] = httpx.URL(url)
+        return target
+
+    async def post(self, url: str, body: Mapping[str, Any]) -> httpx.Response:
+        """POST ``body`` as JSON: the response with its headers read and its body not yet.
+
+        The caller reads the body (``response.stream`` for the raw bytes as they come, or
+        ``aread``) and closes it: a body left unread closes the connection.
+        """
+        # What httpx's ``json=`` sends (compact UTF-8), by pydantic's Rust encoder: a sixth of
+        # ``json.dumps``'s CPU on prompts with non-ASCII text.
+        content = pydantic_core.to_json(body)
+        request = httpx.Request(
+            "POST", self._url(url), headers=[_JSON, *self._auth], content=content, extensions=self._extensions
+        )
+        return await self._transport.handle_async_request(request)
+
+    async def get(self, url: str, *, timeout_s: float) -> httpx.Response:
+        """GET ``url`` within ``timeout_s``: the response, its body read."""
+        request = httpx.Request(
+            "GET", self._url(url), headers=self._auth, extensions={"timeout": httpx.Timeout(timeout_s).as_dict()}
+        )
+        response = await self._transport.handle_async_request(request)
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        return response
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def make_client(
+    *,
+    timeout_s: float,
+    connect_timeout_s: float,
+    tls: ssl.SSLContext,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> HttpClient:
+    """One worker's client: a single keep-alive connection (:class:`.asyncio_network.OneConnection`).
+
+    ``tls`` is shared by all workers: building one loads the CA bundle (~20 ms of CPU each). The
+    connection runs on asyncio's own transports (:mod:`.asyncio_network`) unless ``transport`` is
+    given (tests).
+    """
+    return HttpClient(
+        transport or asyncio_transport(tls=tls),
+        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None),
+        api_key=api_key,
+    )
