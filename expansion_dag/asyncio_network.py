@@ -188,7 +188,7 @@ class OneConnection:
     A worker sends one request at a time on one connection, so a pool has nothing to choose; yet
     httpcore's pool takes a lock, shields a cancellation and walks its connections twice on every
     request and again when each response closes: 15-18% of the engine's CPU per streamed request
-    (BENCHMARKS.md, "Client CPU without AsyncClient"). Here the connection is reused while it is
+    (BENCHMARKS.md, "The client without AsyncClient"). Here the connection is reused while it is
     idle, unexpired and to the same origin, and replaced otherwise, as the pool does for a pool of
     one: a server that closed it while idle, a body left unread (a stopped loop) or a request to
     another server (the spill loop's load polls) opens a new one.
@@ -203,7 +203,9 @@ class OneConnection:
     async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
         connection = self._connection
         if connection is not None and not (
-            connection.is_available() and not connection.has_expired() and connection.can_handle_request(request.url.origin)
+            connection.is_available()
+            and not connection.has_expired()
+            and connection.can_handle_request(request.url.origin)
         ):
             self._connection = None
             await connection.aclose()
@@ -239,8 +241,8 @@ def asyncio_transport(*, tls: ssl.SSLContext, keepalive_expiry: float | None = 5
     """httpx's own transport on one connection (:class:`OneConnection`) over asyncio's transports.
 
     httpx takes no network backend and no pool, so the pool it built is replaced:
-    ``AsyncHTTPTransport._pool`` (httpx 0.27 and 0.28; a test checks the connection is the one
-    used). httpx still builds the request, maps httpcore's errors to its own, and h11 parses HTTP.
+    ``AsyncHTTPTransport._pool`` (httpx 0.27 and 0.28; a test checks that the connection runs on
+    :class:`AsyncioStream`). httpx still builds the request, maps httpcore's errors to its own, and h11 parses HTTP.
     """
     transport = httpx.AsyncHTTPTransport(verify=tls)
     transport._pool = OneConnection(tls=tls, keepalive_expiry=keepalive_expiry)  # type: ignore[assignment]

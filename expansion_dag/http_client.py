@@ -7,7 +7,7 @@ machinery, and reads the body through four wrappers (text decoding, content deco
 timing), none of which a chat request needs. Here the request is an ``httpx.Request`` with its URL
 parsed once per server, handed to httpx's transport (one httpcore connection and h11, on
 :mod:`.asyncio_network`), and the body is read as the transport's own byte stream. Errors are
-httpx's, as before (the transport maps httpcore's). BENCHMARKS.md, "Client CPU without
+httpx's, as before (the transport maps httpcore's). BENCHMARKS.md, "The client without
 AsyncClient", measures it side by side.
 """
 

@@ -746,11 +746,12 @@ async def send_chat(
     """One attempt: the complete answer, or the RequestError that says why there is none.
 
     A streamed request (``request["stream"]``) is read chunk by chunk; with ``thresholds``, a
-    loop ends it at once: closing the response with the body unread closes the connection, which is how both servers learn to stop decoding. SGLang's streaming response
-    carries a background ``TokenizerManager.create_abort_task``, which aborts the request by
-    ``rid`` 2 s after the stream ends (0.5.23): a stopped loop decodes about 2 s longer than an
-    explicit ``/abort_request`` would let it, ~1% of the ~170 s a looping answer takes at the
-    reference rate, for no second request. vLLM's generator is cancelled on disconnect and
+    loop ends it at once: closing the response with the body unread closes the connection, which
+    is how both servers learn to stop decoding. SGLang's streaming response carries a background
+    ``TokenizerManager.create_abort_task``, which aborts the request by ``rid`` 2 s after the
+    stream ends (0.5.23): a stopped loop decodes about 2 s longer than an explicit
+    ``/abort_request`` would let it, ~1% of the ~170 s a looping answer takes at the reference
+    rate, for no second request. vLLM's generator is cancelled on disconnect and
     ``AsyncLLM.generate`` aborts the request at once (proved against the real engine,
     ``real_engine/test_vllm_streaming.py``).
     """
