@@ -15,10 +15,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # transformers is imported by tokenizer.load_tokenizer, when needed
+    from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.tokenizer import count_prompt_tokens
 
