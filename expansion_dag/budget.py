@@ -15,12 +15,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
-
-if TYPE_CHECKING:  # transformers is imported by tokenizer.load_tokenizer, when needed
-    from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.tokenizer import count_prompt_tokens
 

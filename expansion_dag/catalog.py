@@ -21,13 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import datasets
 import pyarrow as pa
 import yaml
-
-if TYPE_CHECKING:
-    import datasets
 
 from expansion_dag.extract import (
     DEFAULT_MAX_CHARS,
@@ -273,10 +271,6 @@ def load_source(spec: SourceSpec, *, cache_dir: str | os.PathLike[str] | None = 
     Hub sources use ``HF_TOKEN`` from the environment (gated datasets need it); no message this
     raises or logs contains it. Any failure is a ``SourceLoadError`` naming the source.
     """
-    # Imported here, as in _load_part: ~1.5 s that every process loading the code location, a
-    # shard's run included, would otherwise pay for a step that only the raw-datasets run takes.
-    import datasets
-
     token = os.environ.get("HF_TOKEN") or None
     parts = []
     for config, split in spec.parts():
@@ -344,8 +338,6 @@ def _load_part(
     token: str | None,
     cache_dir: str | os.PathLike[str] | None,
 ) -> datasets.Dataset:
-    import datasets
-
     if spec.local_path is None:
         return datasets.load_dataset(
             spec.hub_id, config, split=split, revision=spec.revision, token=token, cache_dir=cache_dir

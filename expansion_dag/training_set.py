@@ -53,14 +53,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-if TYPE_CHECKING:  # transformers is imported by tokenizer.load_tokenizer, when needed
-    from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.histogram import bar_chart_png, png_data_uri
 from expansion_dag.store import OK, Identity

@@ -13,6 +13,7 @@ import huggingface_hub
 import polars as pl
 import pytest
 
+from expansion_dag import catalog as catalog_module
 from expansion_dag.catalog import (
     Catalog,
     CatalogError,
@@ -150,7 +151,7 @@ def test_token_in_a_library_error_is_masked_and_the_chain_dropped(monkeypatch, t
     def leaky_load(*args, **kwargs):
         raise OSError(f"401 Unauthorized for https://hub.example/api?token={kwargs['token']}")
 
-    monkeypatch.setattr(datasets, "load_dataset", leaky_load)
+    monkeypatch.setattr(catalog_module.datasets, "load_dataset", leaky_load)
     spec = load_catalog("production").source("webinstructsub")
     with pytest.raises(SourceLoadError) as excinfo:
         load_source(spec, cache_dir=tmp_path)

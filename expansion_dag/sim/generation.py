@@ -19,10 +19,8 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # transformers is imported by tokenizer.load_tokenizer, when needed
-    from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.tokenizer import count_tokens, load_tokenizer
 
