@@ -32,6 +32,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """Every test a worker collected must carry its group: pytest-xdist drops groups without a
+    word (as with pytest 9.2), and each worker would then start the session fixtures, `dagster dev`
+    and a vLLM server included, of every group it is sent tests from."""
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid]
+    if ungrouped and node.config.getvalue("dist") == "loadgroup":
+        pytest.exit(f"pytest-xdist did not group {len(ungrouped)} tests, e.g. {ungrouped[0]}", returncode=3)
+
+
 @pytest.fixture
 def instance(tmp_path):
     home = tmp_path / "dagster_home"
