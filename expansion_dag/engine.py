@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import hashlib
 import json
@@ -42,7 +43,7 @@ from expansion_dag import event_loop, server_api
 from expansion_dag.answer_lengths import AnswerLengths
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.errors import RequestError, ShardAborted
-from expansion_dag.http_client import HttpClient, make_client
+from expansion_dag.http_client import HttpClient, make_client, tls_context
 from expansion_dag.server_api import SGLANG, Answer, DegenerateError, Dialect, RetryPolicy
 from expansion_dag.store import FAILED, OK, SegmentWriter, completion_key
 
@@ -247,6 +248,8 @@ class ShardReport:
     #: Other shards' servers that ran some of this shard's prompts while they were idle.
     helpers: dict[str, ServerStats] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    #: The process's CPU seconds while the run lasted: what the client costs, start-up apart.
+    client_cpu_s: float = 0.0
     aborted: str | None = None
     #: Output tokens generated, by outcome: the finish reason of an answer (``stop``, ``length``),
     #: ``degenerate`` for a stopped loop (the tokens it streamed, estimated from its chunks).
@@ -390,7 +393,7 @@ class ShardRun:
         self._drained = asyncio.Event()
         self._api_key = api_key
         self._transport = transport
-        self._tls = httpx.create_ssl_context()
+        self._tls = tls_context()
         self._writer = writer
         self._model = model
         self._sampling = sampling
@@ -405,10 +408,12 @@ class ShardRun:
             helpers={h.url: ServerStats(h.slots) for h in self._helpers},
         )
         self._start = time.monotonic()
+        self._cpu_start = time.process_time()
         self._workers: list[asyncio.Task[None]] = []
 
     async def run(self) -> ShardReport:
         self._start = time.monotonic()
+        self._cpu_start = time.process_time()
         for stats in self._all_stats():
             stats._since = self._start
         progress = asyncio.create_task(self._progress_loop()) if self._on_progress else None
@@ -430,6 +435,7 @@ class ShardRun:
     def _close_books(self) -> None:
         now = time.monotonic()
         self.report.elapsed_s = now - self._start
+        self.report.client_cpu_s = time.process_time() - self._cpu_start
         for stats in self._all_stats():
             stats._account(now)
 
@@ -530,7 +536,10 @@ class ShardRun:
     async def _spill(self) -> None:
         """Start workers on other servers' idle slots while this shard still has queued prompts."""
         spilled: list[asyncio.Task[None]] = []
-        async with self._client() as client:
+        async with contextlib.AsyncExitStack() as stack:
+            # A client a helper: one client for all of them would reconnect on every poll, each
+            # helper being another origin to its one connection.
+            clients = {h.url: await stack.enter_async_context(self._client()) for h in self._helpers}
             while self._queue and not self.report.aborted:
                 try:
                     await asyncio.wait_for(self._drained.wait(), timeout=self._config.spill_poll_s)
@@ -541,7 +550,11 @@ class ShardRun:
                     if helper.url in self._benched:
                         continue
                     idle = await server_api.read_idle_slots(
-                        client, helper.url, helper.dialect, slots=helper.slots, timeout_s=self._config.connect_timeout_s
+                        clients[helper.url],
+                        helper.url,
+                        helper.dialect,
+                        slots=helper.slots,
+                        timeout_s=self._config.connect_timeout_s,
                     )
                     self._helper_open[helper.url] = idle is not None and idle >= 0
                     if not self._open(helper):

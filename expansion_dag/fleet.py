@@ -20,6 +20,7 @@ import httpx
 
 from expansion_dag import server_api
 from expansion_dag.errors import FleetError, FleetMismatchError, ServerUnreachableError
+from expansion_dag.http_client import tls_context
 from expansion_dag.server_api import Dialect
 
 Backend = Literal["sglang", "vllm"]
@@ -111,7 +112,7 @@ def probe_server(
     """
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context()) as client:
         facts = server_api.read_server_facts(client, url, backend)
     if api_key and server_api.serves_without_key(url, timeout_s=timeout_s):
         raise FleetError(

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from expansion_dag.errors import FleetError, ServerStartError
+from expansion_dag.http_client import tls_context
 
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
 SIMULATOR_MODULE = "expansion_dag.sim"
@@ -36,7 +37,7 @@ def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
     """``/health`` runs a real 1-token generation; a loaded server may answer 503 once, so ask twice."""
     for _ in range(attempts):
         try:
-            if httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200:
+            if httpx.get(url.rstrip("/") + "/health", timeout=timeout_s, verify=tls_context()).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
@@ -67,7 +68,7 @@ def wait_ready(
     last = "no answer yet"
     while True:
         try:
-            status = httpx.get(url + "/health", timeout=max(poll_s, 5.0)).status_code
+            status = httpx.get(url + "/health", timeout=max(poll_s, 5.0), verify=tls_context()).status_code
             if status == 200:
                 return
             last = f"HTTP {status} (warming up)" if status == 503 else f"HTTP {status}"
@@ -91,7 +92,7 @@ def wait_ready(
 def _get_json(url: str, path: str, api_key: str | None = None) -> object:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(url + path, headers=headers, timeout=5.0)
+        response = httpx.get(url + path, headers=headers, timeout=5.0, verify=tls_context())
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

@@ -47,10 +47,10 @@ from expansion_dag.errors import (
     UnfinishedError,
     error_from_exception,
 )
+from expansion_dag.http_client import HttpClient, tls_context
 
 if TYPE_CHECKING:
     from expansion_dag.engine import SamplingSettings
-    from expansion_dag.http_client import HttpClient
 
 #: The oldest SGLang whose surface is read here (``/get_server_info``, ``/get_load``, ``/v1/models``
 #: with ``max_model_len``); older servers are refused with this version named.
@@ -656,7 +656,7 @@ PROTECTED_PATH = "/v1/models"
 def serves_without_key(url: str, *, timeout_s: float) -> bool:
     """Whether the server answers a protected route to a request with no key (it has none set)."""
     try:
-        return httpx.get(url + PROTECTED_PATH, timeout=timeout_s).status_code == 200
+        return httpx.get(url + PROTECTED_PATH, timeout=timeout_s, verify=tls_context()).status_code == 200
     except httpx.HTTPError as exc:
         raise ServerUnreachableError(f"{url}{PROTECTED_PATH}: cannot reach the server ({exc})") from exc
 

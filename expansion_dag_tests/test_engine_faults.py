@@ -2,7 +2,10 @@
 completion or one failure record, nothing duplicated and nothing lost."""
 
 import collections
+import threading
+import time
 
+import httpx
 import pytest
 
 from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
@@ -129,3 +132,33 @@ def test_a_borrowed_server_that_dies_mid_request_costs_the_shard_nothing(tmp_pat
     assert_each_prompt_once(store, items)
     assert store.scan(SHARD).done == {i.key for i in items}
     assert 0 < sum(r["server"] == helper for r in store.records(SHARD)) <= 5
+
+
+def test_polling_busy_servers_for_idle_slots_keeps_one_connection_to_each(tmp_path):
+    store = CompletionStore(tmp_path)
+    busy = dict(port=0, max_running_requests=1, ttft_s=0.001, token_latency_s=0.01, output_median_tokens=10_000)
+    config = EngineConfig(**FAST, spill_poll_s=0.05)
+    with SimulatedFleet([SimServerConfig(**{**SIM, "token_latency_s": 0.004}), SimServerConfig(**busy),
+                         SimServerConfig(**busy)]) as fleet:
+        own, *helpers = fleet.urls
+        # Each helper's one slot taken for ~4 s: every poll finds it full, so nothing is lent.
+        hogs = [threading.Thread(target=_occupy, args=(url,)) for url in helpers]
+        for hog in hogs:
+            hog.start()
+        time.sleep(0.2)
+        with store.writer(SHARD) as writer:
+            report = generate_shard(work(40), [Server(own, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+                                    config=config, helpers=[Server(url, 1) for url in helpers])
+        stats = [fleet.stats(i) for i in (1, 2)]
+        for hog in hogs:
+            hog.join()
+    assert report.ok == 40 and sum(h.requests for h in report.helpers.values()) == 0
+    for s in stats:
+        assert s["load_reads"] >= 5, "the shard ended before it polled"
+        # The hog's connection and the poller's: not one per poll.
+        assert s["connections_opened"] == 2
+
+
+def _occupy(url):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Take your time."}], "max_tokens": 400}
+    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)

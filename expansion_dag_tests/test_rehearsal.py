@@ -52,6 +52,10 @@ def test_the_result_says_it_is_simulated_and_measures_every_stage(rehearsal):
     per_completion = rehearsal["manifest"]["output_tokens"] / rehearsal["accounting"]["completed"]
     assert 2200 < per_completion < 3200
     assert 0 < rehearsal["manifest"]["useful_token_share"] <= 1
+    # The engine's own CPU, from each shard's metadata, is a part of the shard processes' CPU.
+    engine, accounting = rehearsal["stages"]["generate"]["engine"], rehearsal["accounting"]
+    assert engine["shards"] == 8 and engine["requests"] == accounting["completed"] + accounting["failed"]
+    assert 0 < engine["client_cpu_s"] < rehearsal["stages"]["generate"]["cpu_s"]
 
 
 def test_a_shard_run_learns_from_every_completion_through_the_digests(rehearsal):

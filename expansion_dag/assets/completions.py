@@ -377,6 +377,9 @@ def _metadata(
         # Figures from a simulated fleet say so: they are not GPU throughput.
         "output_tokens_per_s": round(report.output_tokens / report.elapsed_s, 1) if report.elapsed_s else 0.0,
         "fleet_utilization": round(report.utilization(), 4),
+        # The client's own cost, to see how many servers one process can feed.
+        "client_cpu_s": round(report.client_cpu_s, 2),
+        "client_cpu_ms_per_request": round(1000 * report.client_cpu_s / report.done, 3) if report.done else 0.0,
         "servers": dg.MetadataValue.md(
             markdown_table(
                 columns=["server", "role", "slots", "requests", "output tokens", f"output tok/s{label}", "utilization"],

@@ -519,6 +519,9 @@ class SimServer:
         self._aborted = 0
         self._abort_finishes = 0
         self._hung = 0
+        #: Connections accepted and load reads answered: how a client's polling treats a server.
+        self._connections_opened = 0
+        self._load_reads = 0
         self._prompt_tokens_total = 0
         self._completion_tokens_total = 0
         self._max_requested_tokens = 0
@@ -566,10 +569,14 @@ class SimServer:
         """Return once the server has stopped (killed, died or shut down)."""
         await asyncio.shield(self._stopped)
 
+    def _new_connection(self) -> HttpConnection:
+        self._connections_opened += 1
+        return HttpConnection(self._dispatch, self._connections)
+
     async def _serve_after_startup_delay(self) -> None:
         await asyncio.sleep(self.config.startup_delay_s)
         self._listener = await self._loop.create_server(
-            lambda: HttpConnection(self._dispatch, self._connections), sock=self._sock, backlog=_BACKLOG
+            self._new_connection, sock=self._sock, backlog=_BACKLOG
         )
         self._state = _WARMING
         logger.info(
@@ -769,6 +776,7 @@ class SimServer:
 
     def _loads(self, request: HttpRequest, conn: HttpConnection) -> None:
         """``/v1/loads`` (0.5.8+): one LoadSnapshot per DP rank, as ``managers/load_snapshot.py``."""
+        self._load_reads += 1
         used = self._used_tokens(time.monotonic())
         running = len(self._running)
         load = {
@@ -819,6 +827,7 @@ class SimServer:
 
     def _get_load(self, request: HttpRequest, conn: HttpConnection) -> None:
         """``/get_load`` (before 0.5.21): per DP rank, requests running or waiting, and their tokens."""
+        self._load_reads += 1
         used = self._used_tokens(time.monotonic())
         load: dict[str, Any] = {
             "rid": None,
@@ -859,6 +868,8 @@ class SimServer:
             "aborted": self._aborted,
             "abort_finishes": self._abort_finishes,
             "hung": self._hung,
+            "connections_opened": self._connections_opened,
+            "load_reads": self._load_reads,
             "prompt_tokens_total": self._prompt_tokens_total,
             "completion_tokens_total": self._completion_tokens_total,
             "max_requested_total_tokens": self._max_requested_tokens,

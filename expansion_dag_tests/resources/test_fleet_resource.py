@@ -1,5 +1,6 @@
 """The fleet resource's launch scopes, with the simulator launched as a real process."""
 
+import ssl
 import sys
 
 from expansion_dag.fleet import SLOTS_FROM_SERVER
@@ -7,7 +8,10 @@ from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNC
 from expansion_dag_tests.helpers import free_ports
 
 
-def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp_path):
+def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp_path, monkeypatch):
+    built = []
+    create = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or create(*a, **k))
     [port] = free_ports(1)
     fleet = FleetResource(
         mode="launch", launch_scope="run", launch_command=SIMULATOR_LAUNCH_COMMAND, num_servers=8,
@@ -20,6 +24,8 @@ def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp
         # Launched with --stream-interval, and the server says so.
         assert info.servers[0].stream_interval == 24
         assert fleet.server_for_shard(5) == (f"http://127.0.0.1:{port}", False)
+        # Health checks and probes share the process's TLS context: each costs ~20 ms of CPU to build.
+        assert len(built) <= 1
     finally:
         assert len(fleet.stop()) == 1
 
