@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import random
-import ssl
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ import httpx
 
 from expansion_dag.asyncio_network import asyncio_transport
 from expansion_dag.degeneration import LoopThresholds
-from expansion_dag.http_client import HttpClient, make_client
+from expansion_dag.http_client import HttpClient, make_client, tls_context
 from expansion_dag.server_api import SGLANG, send_chat
 from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
 
@@ -114,23 +113,19 @@ async def read_stream(client: HttpClient, url: str) -> None:
     await response.aclose()
 
 
-def tls() -> ssl.SSLContext:
-    return ssl.create_default_context()
-
-
 async def measure(name: str, url: str, repeats: int) -> float:
     """Seconds of this process's CPU over ``repeats`` streamed requests (the client built first)."""
     if name == "floor: bare asyncio read":
         run = lambda: bare(url)  # noqa: E731
         client = None
     elif name == "httpx on anyio":
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1), transport=httpx.AsyncHTTPTransport(verify=tls()))
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1), transport=httpx.AsyncHTTPTransport(verify=tls_context()))
         run = lambda: read_body(client, url)  # noqa: E731
     elif name == "httpx on asyncio_network":
-        client = httpx.AsyncClient(transport=asyncio_transport(tls=tls()))
+        client = httpx.AsyncClient(transport=asyncio_transport(tls=tls_context()))
         run = lambda: read_body(client, url)  # noqa: E731
     else:
-        client = make_client(timeout_s=60.0, connect_timeout_s=5.0, tls=tls())
+        client = make_client(timeout_s=60.0, connect_timeout_s=5.0)
         if name == "HttpClient":
             run = lambda: read_stream(client, url)  # noqa: E731
         else:

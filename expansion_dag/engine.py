@@ -43,7 +43,7 @@ from expansion_dag import event_loop, server_api
 from expansion_dag.answer_lengths import AnswerLengths
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.errors import RequestError, ShardAborted
-from expansion_dag.http_client import HttpClient, make_client, tls_context
+from expansion_dag.http_client import HttpClient, make_client
 from expansion_dag.server_api import SGLANG, Answer, DegenerateError, Dialect, RetryPolicy
 from expansion_dag.store import FAILED, OK, SegmentWriter, completion_key
 
@@ -393,7 +393,6 @@ class ShardRun:
         self._drained = asyncio.Event()
         self._api_key = api_key
         self._transport = transport
-        self._tls = tls_context()
         self._writer = writer
         self._model = model
         self._sampling = sampling
@@ -449,7 +448,6 @@ class ShardRun:
         return make_client(
             timeout_s=self._config.request_timeout_s,
             connect_timeout_s=self._config.connect_timeout_s,
-            tls=self._tls,
             api_key=self._api_key,
             transport=self._transport,
         )

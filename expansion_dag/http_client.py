@@ -93,18 +93,18 @@ def make_client(
     *,
     timeout_s: float,
     connect_timeout_s: float,
-    tls: ssl.SSLContext,
+    tls: ssl.SSLContext | None = None,
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> HttpClient:
     """One worker's client: a single keep-alive connection (:class:`.asyncio_network.OneConnection`).
 
-    ``tls`` is shared by all workers (:func:`tls_context`). The
-    connection runs on asyncio's own transports (:mod:`.asyncio_network`) unless ``transport`` is
-    given (tests).
+    ``tls``: the process's shared context (:func:`tls_context`) unless given (tests trusting their
+    own certificate). The connection runs on asyncio's own transports (:mod:`.asyncio_network`)
+    unless ``transport`` is given (tests).
     """
     return HttpClient(
-        transport or asyncio_transport(tls=tls),
+        transport or asyncio_transport(tls=tls or tls_context()),
         timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None),
         api_key=api_key,
     )
