@@ -293,6 +293,8 @@ def write_config(folder: Path, catalog: str, args: argparse.Namespace) -> Path:
     }
     if args.client_tick_s is not None:
         config["generation"]["client_tick_s"] = args.client_tick_s
+    if args.plain:
+        config["generation"]["stop_degenerate"] = False
     path = folder / "rehearsal.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -616,7 +618,7 @@ def summarize(n: int, inputs: dict[str, Any], stages: dict[str, Any], after: dic
         },
         "config": {"servers": args.servers, "slots": args.slots, "token_latency_ms": args.token_latency_ms,
                    "ttft_ms": args.ttft_ms, "context_length": CONTEXT_LENGTH, "max_output_tokens": MAX_OUTPUT_TOKENS,
-                   "output_sigma": OUTPUT_SIGMA, "client_tick_s": args.client_tick_s,
+                   "output_sigma": OUTPUT_SIGMA, "client_tick_s": args.client_tick_s, "plain": args.plain,
                    "output_median_tokens": output_median(MEAN_OUTPUT_TOKENS, OUTPUT_SIGMA, MAX_OUTPUT_TOKENS)},  # fmt: skip
     }
 
@@ -649,6 +651,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--client-tick-s", type=float, default=None,
                    help="generation.client_tick_s (default: the configuration's; 0: a wake-up an event)")
+    # The simulator here never loops, so both send the same answers: the difference is the stream.
+    p.add_argument("--plain", action="store_true",
+                   help="plain requests (generation.stop_degenerate: false) instead of streamed ones")
     p.add_argument("--work-dir", type=Path, default=None, help="default: a temporary folder, removed at the end")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--json", type=Path, default=None, help="where to write the result (default: bench/results/)")

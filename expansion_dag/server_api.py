@@ -47,7 +47,7 @@ from expansion_dag.errors import (
     UnfinishedError,
     error_from_exception,
 )
-from expansion_dag.http_client import HttpClient, tls_context
+from expansion_dag.http_client import HttpClient, read_body, tls_context
 
 if TYPE_CHECKING:
     from expansion_dag.engine import SamplingSettings
@@ -761,8 +761,7 @@ async def send_chat(
         response = await client.post(f"{url}/v1/chat/completions", request)
         try:
             if response.status_code != 200:
-                await response.aread()
-                raise error_from_status(response.status_code, response.text)
+                raise error_from_status(response.status_code, _text(await read_body(response)))
             stream = ChatStream(dialect, thresholds, stream_interval=stream_interval)
             async for data in response.stream:
                 loop = stream.feed(data)
@@ -786,17 +785,17 @@ async def _send_plain(client: HttpClient, url: str, request: Mapping[str, Any], 
     try:
         response = await client.post(f"{url}/v1/chat/completions", request)
         try:
-            await response.aread()
+            data = await read_body(response)
         finally:
             await response.aclose()
     except httpx.HTTPError as exc:
         raise error_from_exception(exc) from exc
     if response.status_code != 200:
-        raise error_from_status(response.status_code, response.text)
+        raise error_from_status(response.status_code, _text(data))
     try:
-        body = response.json()
+        body = json.loads(data)
     except ValueError as exc:
-        raise BadResponseError(f"not a chat completion: {response.text[:200]}", status=200) from exc
+        raise BadResponseError(f"not a chat completion: {_text(data[:200])}", status=200) from exc
     answer = parse_chat_completion(body, dialect)
     error = finish_error(answer)
     if error is not None:

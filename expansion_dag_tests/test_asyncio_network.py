@@ -3,6 +3,7 @@ whose misbehaviours are chosen per request path."""
 
 import asyncio
 import contextlib
+import json
 import ssl
 
 import httpx
@@ -22,6 +23,10 @@ CHAT = [
     b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
     b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n',
 ]
+COMPLETION = (
+    '{"choices":[{"index":0,"message":{"role":"assistant","content":"Grüße, %s"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":3,"completion_tokens":2}}' % ("x" * 70_000)
+).encode()  # past one socket read
 
 
 class Server:
@@ -29,13 +34,14 @@ class Server:
 
     def __init__(self):
         self.connections = 0
+        self.head = b""
         self.body = b""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                head = self.head = await reader.readuntil(b"\r\n\r\n")
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 path = head.split(b" ")[1].decode().split("/")[1]  # send_chat appends its own path
@@ -58,6 +64,10 @@ class Server:
                 await writer.drain()
                 await asyncio.sleep(0.02)
             writer.write(b"0\r\n\r\n")
+            return True
+        if path == "completion":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(COMPLETION), COMPLETION))
             return True
         if path == "echo-late":
             size = b"%d" % len(self.body)
@@ -123,6 +133,30 @@ def test_the_workers_client_streams_answers_on_one_kept_alive_connection():
     connections, answers = asyncio.run(main())
     assert connections == 1
     assert [(a.content, a.finish_reason, a.completion_tokens) for a in answers] == [("Hello", "stop", 1)] * 3
+
+
+def test_the_workers_client_sends_the_headers_servers_route_and_frame_by_and_reads_plain_answers_whole():
+    """Host with the port (proxies route by it), the JSON type, the body's exact length (a server
+    frames the request by it) and the key; a plain answer longer than one read arrives whole."""
+    request = {"model": "m", "messages": [{"role": "user", "content": "héllo ✓"}], "max_tokens": 9}
+
+    async def main():
+        async with serving() as (server, url):
+            async with make_client(timeout_s=10.0, connect_timeout_s=2.0, api_key="sk-1") as c:
+                answers = [await send_chat(c, f"{url}/completion", request, SGLANG) for _ in range(2)]
+            return server, url, answers
+
+    server, url, answers = asyncio.run(main())
+    head = dict(line.split(b": ", 1) for line in server.head.strip().split(b"\r\n")[1:])
+    assert {k.lower(): v for k, v in head.items()} == {
+        b"host": url.removeprefix("http://").encode(),
+        b"content-type": b"application/json",
+        b"content-length": b"%d" % len(server.body),
+        b"authorization": b"Bearer sk-1",
+    }
+    assert json.loads(server.body) == request
+    assert server.connections == 1
+    assert [(a.content, a.finish_reason, a.completion_tokens) for a in answers] == [("Grüße, " + "x" * 70_000, "stop", 2)] * 2
 
 
 def test_a_body_left_unread_closes_its_connection_and_another_server_gets_its_own():
