@@ -66,8 +66,8 @@ class HttpClient:
         content = pydantic_core.to_json(body)
         target, headers = self._target(url)
         # The body as a stream, with the headers httpx would add (Host, Content-Length) given here:
-        # ``content=`` has httpx look each one up in the headers and rebuild them, a tenth of the
-        # client's CPU on a plain request (BENCHMARKS.md, "Plain requests").
+        # with ``content=``, httpx looks each one up in the headers and rebuilds them, CPU a plain
+        # request can spare (BENCHMARKS.md, "Plain and streamed requests side by side").
         request = httpx.Request(
             "POST",
             target,
