@@ -46,18 +46,14 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import datetime
 import heapq
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,17 +62,12 @@ from typing import Any, TextIO
 
 import httpx
 import polars as pl
+from harness import RESULTS_DIR, SimulatedFleet, header, machine_cpu_s, write_result  # (bench/ is on sys.path)
 
 from expansion_dag.budget import assign_shards, shard_keys
-from expansion_dag.engine import (
-    EngineConfig,
-    SamplingSettings,
-    Server,
-    ShardRun,
-    WorkItem,
-    dispatch_order,
-)
-from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
+from expansion_dag.dispatch import PromptQueue, WorkItem
+from expansion_dag.engine import EngineConfig, Server, ShardRun
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
 from expansion_dag.sim.generation import OutputModel
@@ -88,9 +79,6 @@ from expansion_dag.tokenizer import (
     render_prompts,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "bench" / "results"
-HOST = "127.0.0.1"
 MODEL = "Qwen/Qwen3-8B"
 #: Tokens kept free below the context when budgeting, as BudgetConfig.margin.
 MARGIN = 16
@@ -402,6 +390,12 @@ def workload_summary(prompts: list[Prompt], ttft_s: float, token_latency_s: floa
     }
 
 
+def prior_order(items: list[WorkItem]) -> list[WorkItem]:
+    """ShardRun's order before any answer returns: its queue's, on the budget's priors alone."""
+    queue = PromptQueue(items)
+    return [queue.take() for _ in range(len(queue))]
+
+
 def policy_model(
     shards: list[list[WorkItem]], items: list[WorkItem], duration: dict[str, float], servers: int, slots: int
 ) -> dict[str, Any]:
@@ -416,7 +410,7 @@ def policy_model(
         """Each server runs its shard in ShardRun's order after the canary (the shortest expected
         answer, alone); with ``spill``, a slot whose shard has nothing queued takes the next prompt
         of the shard with the most queued (the poll delay is ignored)."""
-        queues = [collections.deque(sorted(w, key=dispatch_order)) for w in shards]
+        queues = [collections.deque(prior_order(w)) for w in shards]
         free: list[tuple[float, int]] = []
         for server, queue in enumerate(queues):
             start = duration[queue.pop().key] if queue else 0.0
@@ -443,7 +437,7 @@ def policy_model(
     baseline_ends = [max(worker_sums[s * slots : (s + 1) * slots]) for s in range(servers)]
     # For reference only, not what the project does: the same order fed to all servers from one
     # queue, which removes the cost of static per-server shards.
-    shared = sorted(items, key=dispatch_order)
+    shared = prior_order(items)
     free = [0.0] * (servers * slots)
     shared_end = 0.0
     for item in shared:
@@ -482,119 +476,19 @@ def assign(prompts: list[Prompt], n_shards: int) -> list[list[WorkItem]]:
     return shards
 
 
-# --------------------------------------------------------------------------------------------
-# The simulator, in its own process
-
-
-def free_port_run(start: int, count: int) -> int:
-    """The first port >= start beginning ``count`` consecutive free ports on 127.0.0.1."""
-    port = start
-    while port + count <= 65535:
-        for offset in range(count):
-            with socket.socket() as s:
-                try:
-                    s.bind((HOST, port + offset))
-                except OSError:
-                    port += offset + 1
-                    break
-        else:
-            return port
-    raise RuntimeError(f"no {count} consecutive free ports from {start}")
-
-
-#: Runs the simulator CLI after asking Linux to SIGTERM it when this process dies (even by
-#: SIGKILL), so that no simulator outlives the benchmark; set in the child after exec, not in a
-#: preexec_fn.
-_SIM_LAUNCHER = """
-import ctypes, os, runpy, signal, sys
-try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-except Exception:
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("the benchmark exited before the simulator started")
-sys.argv = ["expansion-sim", *sys.argv[2:]]
-runpy.run_module("expansion_dag.sim", run_name="__main__")
-"""
-
-
-class Simulator:
-    def __init__(self, args: argparse.Namespace, first_port: int):
-        self.ports = list(range(first_port, first_port + args.servers))
-        self.urls = [f"http://{HOST}:{p}" for p in self.ports]
-        self.command = [
-            sys.executable, "-m", "expansion_dag.sim",  # what is run, shown in the results
-            "--host", HOST,
-            "--ports", f"{self.ports[0]}-{self.ports[-1]}",
-            "--max-running-requests", str(args.slots),
-            "--context-length", str(args.context_length),
-            "--ttft-ms", str(args.ttft_ms),
-            "--token-latency-ms", str(args.token_latency_ms),
-            "--output-median-tokens", str(SIM_OUTPUT_MEDIAN),
-            "--output-sigma", str(SIM_OUTPUT_SIGMA),
-            "--reasoning-parser", "qwen3",
-            "--stream-interval", str(args.stream_interval),
-            "--seed", str(args.sim_seed),
-            "--log-level", "warning",
-        ]  # fmt: skip
-        self.log_path = Path(tempfile.gettempdir()) / f"bench-generation-sim-{os.getpid()}.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        launch = [sys.executable, "-c", _SIM_LAUNCHER, str(os.getpid()), *self.command[3:]]
-        self.process = subprocess.Popen(
-            launch, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
-        pending = set(self.urls)
-        with httpx.Client(timeout=2.0) as client:
-            while pending:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"simulator exited with {self.process.returncode}: {self.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"simulator not healthy after {timeout_s:.0f} s: {self.log_tail()}")
-                for url in sorted(pending):
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get(f"{url}/health").status_code == 200:
-                            pending.discard(url)
-                if pending:
-                    time.sleep(0.2)
-
-    def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-2000:]
-        return ""
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds of the simulator process so far."""
-        assert self.process is not None
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stats(self) -> list[dict[str, Any]]:
-        with httpx.Client(timeout=10.0) as client:
-            return [client.get(f"{url}/sim/stats").json() for url in self.urls]
-
-    def wait_idle(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while any(s["num_running"] or s["num_waiting"] for s in self.stats()):
-            if time.monotonic() > deadline:
-                raise RuntimeError("simulator still busy after the previous phase")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        if self.process.returncode in (0, -signal.SIGTERM):
-            self.log_path.unlink(missing_ok=True)  # kept when the simulator failed, for its errors
+def simulated_fleet(args: argparse.Namespace) -> SimulatedFleet:
+    return SimulatedFleet(args.servers, [
+        "--max-running-requests", str(args.slots),
+        "--context-length", str(args.context_length),
+        "--ttft-ms", str(args.ttft_ms),
+        "--token-latency-ms", str(args.token_latency_ms),
+        "--output-median-tokens", str(SIM_OUTPUT_MEDIAN),
+        "--output-sigma", str(SIM_OUTPUT_SIGMA),
+        "--reasoning-parser", "qwen3",
+        "--stream-interval", str(args.stream_interval),
+        "--seed", str(args.sim_seed),
+        "--log-level", "warning",
+    ], base_port=args.base_port)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,18 +610,11 @@ async def run_baseline(
 # Measuring a phase
 
 
-def _machine_cpu() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]
-    return sum(values) - idle, sum(values)
-
-
-def measure(name: str, sim: Simulator, make_coro) -> dict[str, Any]:
+def measure(name: str, sim: SimulatedFleet, make_coro) -> dict[str, Any]:
     sim.wait_idle()
     before = sim.stats()
     sim_cpu0 = sim.cpu_s()
-    busy0, total0 = _machine_cpu()
+    busy0, total0 = machine_cpu_s()
     usage0 = os.times()
     cpu0 = time.process_time()
     t0, started_at = time.perf_counter(), time.monotonic()
@@ -736,7 +623,7 @@ def measure(name: str, sim: Simulator, make_coro) -> dict[str, Any]:
     ended_at = time.monotonic()  # the simulator's clock too (CLOCK_MONOTONIC)
     cpu = time.process_time() - cpu0
     usage1 = os.times()
-    busy1, total1 = _machine_cpu()
+    busy1, total1 = machine_cpu_s()
     sim_cpu = sim.cpu_s() - sim_cpu0
     after = sim.stats()
 
@@ -760,7 +647,7 @@ def measure(name: str, sim: Simulator, make_coro) -> dict[str, Any]:
     for a, b in zip(after, before):
         for code, count in a["chat_requests_by_status"].items():
             statuses[code] = statuses.get(code, 0) + count - b["chat_requests_by_status"].get(code, 0)
-    machine_busy_s = (busy1 - busy0) / os.sysconf("SC_CLK_TCK")
+    machine_busy_s = busy1 - busy0
     finished = outcome["server_finished_at_s"]
     own = sum(a["busy_slot_seconds"] - b["busy_slot_seconds"] for a, b in zip(after, before)) / sum(
         a["slots"] * f for a, f in zip(after, finished)
@@ -860,26 +747,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _shown_path(path: str) -> str:
-    """A path relative to the repository when it is inside it (``.venv/bin/python``)."""
-    try:
-        return str(Path(path).relative_to(ROOT))
-    except ValueError:
-        return path
-
-
-def _machine() -> dict[str, Any]:
-    model, mem_gib = cpu_model_and_memory_gib()
-    return {
-        "cores": os.cpu_count(),
-        "cpu_model": model,
-        "memory_gib": mem_gib,
-        "python": platform.python_version(),
-        "httpx": httpx.__version__,
-        "platform": platform.platform(),
-    }
-
-
 def _table(results: list[dict[str, Any]], feeds: dict[str, dict[str, Any]]) -> str:
     rows = [
         ("utilization (busy slot-s / slots x makespan)", "utilization", "{:.3f}"),
@@ -933,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.token_latency_ms == _parser().get_default("token_latency_ms"):
             args.token_latency_ms = 1.0
     started = time.perf_counter()
-    load_at_start = os.getloadavg()
+    document = header("generation", "httpx", simulator=True, argv=argv)
     print(f"building {args.requests:,} prompts ...", flush=True)
     prompts = build_workload(
         args.requests,
@@ -956,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    sim = Simulator(args, free_port_run(args.base_port, args.servers))
+    sim = simulated_fleet(args)
     scratch = Path(tempfile.mkdtemp(prefix="bench-generation-"))
 
     def on_term(signum, frame):  # make `kill` run the finally blocks
@@ -1028,24 +895,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{gpu['requests_per_s_for_100_servers']:,.0f} requests/s at the GPU time model ({gpu['mean_request_s']:.1f} s: "
         f"{args.real_ttft_ms:.0f} ms + {mean_output:.0f} tokens x {args.real_token_latency_ms:.0f} ms)."
     )
-    report = {
-        "benchmark": "generation",
-        "simulator": True,
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([_shown_path(sys.executable), *sys.argv]),
+    document.update({
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {**_machine(), "load_average_at_start": load_at_start},
         "simulator_command": sim.command,
         "workload": summary,
         "policy_model": model,
         "results": results,
         "feeding_100_servers": feeds,
         "total_wall_s": round(time.perf_counter() - started, 1),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"generation-{datetime.datetime.now().strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"total {report['total_wall_s']:.0f} s; results written to {path}")
+    })
+    path = write_result("generation", document, out_dir=args.out)
+    print(f"total {document['total_wall_s']:.0f} s; results written to {path}")
     return 0
 
 

@@ -51,13 +51,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,11 +67,20 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
+from harness import (  # noqa: E402  (bench/ is on sys.path when run as a script)
+    DATA_PACKAGES,
+    Clock,
+    add_phase_options,
+    header,
+    reset_peak,
+    run_phase,
+    run_phase_here,
+    stats,
+    window_peak_mib,
+    write_result,
+)
+from text_model import TextModel, lognormal_ints  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "bench" / "results"
-DEFAULT_DATA_DIR = Path(tempfile.gettempdir()) / "expansion_dag_bench"
 
 FULL_ROWS = 654_676  # BAAI/Infinity-Instruct, config 0625
 FULL_BUDGET_PROMPTS = 193_010
@@ -84,111 +89,7 @@ NUM_SHARDS = 8
 DATA_VERSION = 1  # bump when the generator changes, so that a stale cache is not reused
 READ_COLUMNS = ["conversations", "langdetect"]
 SOURCE_NAME = "infinity_instruct"
-RESULT_MARK = "@@RESULT "
 CHUNK_ROWS = 32_768  # rows generated and written (one row group) at a time
-
-
-# ---------------------------------------------------------------------------------------------
-# Text model: Zipf-weighted English words from the tokenizer's own vocabulary, punctuation,
-# sentence capitals, newlines and list items, some numbers and code, a little non-ASCII.
-# Everything is numpy over whole batches: no Python per word or per text.
-
-_SHORT_WORDS = frozenset("a to of in is it on be as at by or an we he if do no so up my me us".split())
-_ASCII_EXTRA = (
-    "42", "2023", "3.14", "100", "1", "0", "x", "y", "f(x)", "=", "+", "def", "return", "print()",
-    "i++", "{", "}", "[1, 2, 3]", "I", "The", "It", "This", "SQL", "API", "JSON", "Python",
-)  # fmt: skip
-_NON_ASCII = ("café", "naïve", "résumé", "über", "façade", "—", "“", "”", "→", "°C", "π", "±", "é", "’s")
-_SEPARATORS = (
-    (" ", 0.80), (", ", 0.06), (". ", 0.07), (".\n", 0.015), (".\n\n", 0.015), ("? ", 0.005),
-    (": ", 0.01), ("\n- ", 0.01), (" (", 0.0075), (") ", 0.0075),
-)  # fmt: skip
-_TABLE_BITS = 20  # inverse-CDF lookup tables of 2**20 entries: sampling is one gather
-
-
-class TextModel:
-    """Random English-like text, fast enough to write gigabytes in a minute on one core.
-
-    About 6 characters and 1.27 Qwen3 tokens per word (4.8 characters per token); about one text in
-    seven of 100 words holds a non-ASCII character, so Unicode normalization has work to do.
-    """
-
-    def __init__(self, vocab: dict[str, int], seed: int):
-        words = sorted(
-            (index, token[1:])
-            for token, index in vocab.items()
-            if token.startswith("Ġ")
-            and token[1:].isascii()
-            and token[1:].isalpha()
-            and token[1:].islower()
-            and (len(token) > 3 or token[1:] in _SHORT_WORDS)
-        )
-        # BPE merges come roughly in frequency order: the token id serves as a frequency rank.
-        zipf = 1.0 / (np.arange(len(words)) + 10.0)
-        weights = np.concatenate(
-            [
-                zipf / zipf.sum() * 0.9835,
-                np.full(len(_ASCII_EXTRA), 0.015 / len(_ASCII_EXTRA)),
-                np.full(len(_NON_ASCII), 0.0015 / len(_NON_ASCII)),
-            ]
-        )
-        separators = [s for s, _ in _SEPARATORS]
-        pieces = [w.encode() for _, w in words] + [w.encode() for w in (*_ASCII_EXTRA, *_NON_ASCII)]
-        self._n_words = len(pieces)
-        pieces += [s.encode() for s in separators]
-        self._len = np.array([len(p) for p in pieces], np.int64)
-        self._start = np.concatenate([[0], np.cumsum(self._len)[:-1]])
-        self._bytes = np.frombuffer(b"".join(pieces), np.uint8)
-        self._word_table = _inverse_cdf(weights)
-        self._sep_table = _inverse_cdf(np.array([p for _, p in _SEPARATORS])) + self._n_words
-        self._period = self._n_words + separators.index(". ")
-        self._capitalizes = np.zeros(len(pieces), bool)
-        for k, sep in enumerate(separators):
-            self._capitalizes[self._n_words + k] = sep.endswith((". ", "\n", "? ", "- "))
-        self.rng = np.random.default_rng(seed)
-
-    def texts(self, n_words: np.ndarray) -> pa.Array:
-        """One text per entry of ``n_words`` (0 gives an empty text), as an Arrow string array."""
-        n_words = np.asarray(n_words, np.int64)
-        count, total_words = len(n_words), int(n_words.sum())
-        table_size = 1 << _TABLE_BITS
-        pieces = np.empty(2 * total_words, np.int64)  # word, separator, word, separator...
-        pieces[0::2] = self._word_table[self.rng.integers(0, table_size, total_words)]
-        pieces[1::2] = self._sep_table[self.rng.integers(0, table_size, total_words)]
-        word_end = np.cumsum(n_words)
-        nonempty = n_words > 0
-        last_sep = 2 * word_end[nonempty] - 1
-        pieces[last_sep] = self._period
-        lengths = self._len[pieces]
-        lengths[last_sep] = 1  # a text ends with "." and no space
-        out = np.concatenate([[0], np.cumsum(lengths)])
-        size = int(out[-1])
-        data = self._bytes[np.repeat(self._start[pieces] - out[:-1], lengths) + np.arange(size)]
-        # Capitals: each text's first word and every word after a sentence end or a list dash.
-        capital = np.zeros(total_words, bool)
-        capital[1:] = self._capitalizes[pieces[1:-1:2]]
-        capital[(word_end - n_words)[nonempty]] = True
-        at = out[0:-1:2][capital]
-        first = data[at]
-        data[at] = np.where((first >= 97) & (first <= 122), first - 32, first)
-        offsets = out[2 * np.concatenate([[0], word_end])]
-        large = size >= 2**31
-        return pa.Array.from_buffers(
-            pa.large_string() if large else pa.string(),
-            count,
-            [None, pa.py_buffer(offsets.astype(np.int64 if large else np.int32)), pa.py_buffer(data)],
-        )
-
-
-def _inverse_cdf(weights: np.ndarray) -> np.ndarray:
-    cdf = np.cumsum(weights)
-    cdf /= cdf[-1]
-    grid = (np.arange(1 << _TABLE_BITS) + 0.5) / (1 << _TABLE_BITS)
-    return np.minimum(np.searchsorted(cdf, grid), len(weights) - 1).astype(np.int64)
-
-
-def lognormal_ints(rng: np.random.Generator, n: int, *, median: float, sigma: float, low: int, high: int) -> np.ndarray:
-    return np.clip(np.rint(rng.lognormal(np.log(median), sigma, n)), low, high).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,87 +210,6 @@ def write_infinity_instruct(path: Path, rows: int, seed: int, vocab: dict[str, i
     return {"path": str(path), "bytes": path.stat().st_size}
 
 
-# ---------------------------------------------------------------------------------------------
-# Measurement
-
-
-def cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
-    return usage.ru_utime + usage.ru_stime
-
-
-def maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def reset_peak() -> float:
-    """Start a fresh peak-RSS window (Linux ``clear_refs`` 5) and return the process peak so far.
-
-    Setup (imports, the tokenizer, loading the inputs) can peak higher than the measured work; after
-    the reset, ``ru_maxrss`` and ``VmHWM`` are the peak of what follows (starting from the RSS now).
-    """
-    global WINDOW_START_RSS_MIB
-    peak = maxrss_mib()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # not Linux, or not allowed: the figure stays the process peak
-    WINDOW_START_RSS_MIB = round(rss_mib(), 1)
-    return round(peak, 1)
-
-
-WINDOW_START_RSS_MIB: float | None = None
-
-
-def window_peak_mib() -> float:
-    """Peak RSS since the last ``reset_peak`` (``VmHWM``; ``ru_maxrss`` keeps peaks that exited
-    threads recorded before the reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return round(maxrss_mib(), 1)
-
-
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-class Clock:
-    """Wall and CPU seconds of named spans, summed when a name repeats."""
-
-    def __init__(self) -> None:
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def span(self, name: str) -> Iterator[None]:
-        w, c = time.perf_counter(), cpu_s()
-        try:
-            yield
-        finally:
-            self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - w
-            self.cpu[name] = self.cpu.get(name, 0.0) + cpu_s() - c
-
-    def wrap(self, module: Any, attribute: str, name: str) -> None:
-        """Time every call of ``module.attribute`` (a module-level function called by global name)."""
-        original = getattr(module, attribute)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.span(name):
-                return original(*args, **kwargs)
-
-        setattr(module, attribute, timed)
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "wall_s": {k: round(v, 4) for k, v in self.wall.items()},
-            "cpu_s": {k: round(v, 4) for k, v in self.cpu.items()},
-        }
-
-
 def data_path(args: argparse.Namespace) -> Path:
     return args.data_dir / f"infinity_instruct-{args.rows}-s{args.seed}-v{DATA_VERSION}.parquet"
 
@@ -418,22 +238,22 @@ def read_columns(path: Path):
     return pl.read_parquet(path, columns=READ_COLUMNS)
 
 
+def extract(raw, spec):
+    """``extract_prompts`` on one catalog source, called as the prompts asset calls it."""
+    from expansion_dag.extract import extract_prompts
+
+    return extract_prompts(
+        raw, source=spec.name, extractor=spec.extractor, turn=spec.turn, max_chars=spec.max_chars,
+        filters=spec.filter_map(),
+    )  # fmt: skip
+
+
 def extract_and_select(raw, catalog):
     """``extract_prompts`` then ``select_prompts``, called as the prompts asset calls them."""
-    from expansion_dag.extract import extract_prompts, select_prompts
+    from expansion_dag.extract import select_prompts
 
-    results = [
-        extract_prompts(
-            raw,
-            source=s.name,
-            extractor=s.extractor,
-            turn=s.turn,
-            max_chars=s.max_chars,
-            filters=s.filter_map(),
-        )
-        for s in catalog.sources
-    ]
-    return results, select_prompts(results, catalog=catalog)
+    results = [extract(raw, s) for s in catalog.sources]
+    return results, select_prompts(results, plan=catalog)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,20 +316,12 @@ def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
     with clock.span("read"):
         raw = read_columns(data_path(args))
     read_maxrss = window_peak_mib()
-    from expansion_dag.extract import extract_prompts, select_prompts
+    from expansion_dag.extract import select_prompts
 
-    spec = catalog.sources[0]
     with clock.span("extract"):
-        result = extract_prompts(
-            raw,
-            source=spec.name,
-            extractor=spec.extractor,
-            turn=spec.turn,
-            max_chars=spec.max_chars,
-            filters=spec.filter_map(),
-        )
+        result = extract(raw, catalog.sources[0])
     with clock.span("select"):
-        selection = select_prompts([result], catalog=catalog)
+        selection = select_prompts([result], plan=catalog)
     out = {
         **clock.report(),
         "setup_peak_mib": before,
@@ -552,7 +364,7 @@ def phase_extract_asset(args: argparse.Namespace) -> dict[str, Any]:
         storage = StorageResource(root=root)
         reset_peak()
         with clock.span("extract_select"):
-            select_prompts([_extract(storage, s) for s in catalog.sources], catalog=catalog)
+            select_prompts([_extract(storage, s) for s in catalog.sources], plan=catalog)
     return {**clock.report(), "maxrss_mib": window_peak_mib()}
 
 
@@ -727,21 +539,8 @@ ROUND = ("read", "extract", "read_asset", "tokens")
 
 
 def run_child(args: argparse.Namespace) -> None:
-    # Every phase imports the same modules before its clock starts: no import is ever timed.
-    import polars  # noqa: F401
-
-    import expansion_dag.budget  # noqa: F401
-    import expansion_dag.catalog  # noqa: F401
-    import expansion_dag.extract  # noqa: F401
-    import expansion_dag.tokenizer  # noqa: F401
-
-    start_rss = rss_mib()
-    result = PHASES[args.phase](args)
-    result["start_rss_mib"] = round(start_rss, 1)
-    result["window_start_rss_mib"] = WINDOW_START_RSS_MIB
-    result.setdefault("maxrss_mib", window_peak_mib())  # since the phase's reset_peak: its measured work
-    result["rss_end_mib"] = round(rss_mib(), 1)
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    preload = ("polars", "expansion_dag.budget", "expansion_dag.catalog", "expansion_dag.extract", "expansion_dag.tokenizer")
+    run_phase_here(PHASES[args.phase], args, preload=preload)
 
 
 def spawn(phase: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -753,91 +552,8 @@ def spawn(phase: str, args: argparse.Namespace) -> dict[str, Any]:
     return run_phase(command, phase, quiet_wait_s=args.quiet_wait)
 
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-QUIET_CORES = 0.3  # other processes using less than this are "quiet"
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has been busy (every process, every core), from /proc/stat."""
-    try:
-        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return float("nan")
-    return (sum(values) - values[3] - values[4]) / _TICK  # all but idle and iowait
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def others_cores(seconds: float = 1.0) -> float:
-    """Cores other processes keep busy, sampled over ``seconds`` while no phase runs."""
-    busy, start = machine_busy_s(), time.perf_counter()
-    time.sleep(seconds)
-    return max(0.0, (machine_busy_s() - busy) / (time.perf_counter() - start))
-
-
-def wait_for_quiet(max_wait_s: float) -> tuple[float, float]:
-    """Wait (at most ``max_wait_s``) until other processes use under QUIET_CORES; (waited s, their cores)."""
-    start = time.perf_counter()
-    load = others_cores()
-    while load >= QUIET_CORES and time.perf_counter() - start < max_wait_s:
-        load = others_cores(2.0)
-    return round(time.perf_counter() - start, 1), round(load, 2)
-
-
-def run_phase(command: list[str], phase: str, *, quiet_wait_s: float) -> dict[str, Any]:
-    """Run one phase's subprocess; add how busy the rest of the machine was meanwhile."""
-    waited, before = wait_for_quiet(quiet_wait_s)
-    busy, ours, start = machine_busy_s(), children_cpu_s(), time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - start
-    others = max(0.0, (machine_busy_s() - busy) - (children_cpu_s() - ours)) / wall
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr[-4000:])
-        raise RuntimeError(f"phase {phase} failed with exit status {done.returncode}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
-    result = json.loads(lines[-1][len(RESULT_MARK) :])
-    result["process_s"] = round(wall, 2)
-    result["others_cores"] = round(others, 2)  # cores other processes used during the phase
-    result["others_cores_before"] = before
-    result["quiet_wait_s"] = waited
-    return result
-
-
 # ---------------------------------------------------------------------------------------------
 # Orchestration and report
-
-
-def machine() -> dict[str, Any]:
-    import datasets
-    import polars as pl
-    import tokenizers
-    import transformers
-
-    model, mem_gib = cpu_model_and_memory_gib()
-    return {
-        "nproc": os.cpu_count(),
-        "cpu_model": model,
-        "memory_gib": mem_gib,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "polars": pl.__version__,
-        "pyarrow": pa.__version__,
-        "numpy": np.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "datasets": datasets.__version__,
-        "polars_threads": pl.thread_pool_size(),
-        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM"),
-    }
-
-
-def stats(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 3), "best": round(min(values), 3),
-            "worst": round(max(values), 3), "n": len(values)}  # fmt: skip
 
 
 def rate_stats(values: list[float]) -> dict[str, float]:
@@ -981,18 +697,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeat", type=int, default=3, help="rounds of every phase (default 3)")
     p.add_argument("--slices", type=int, default=8, help="slices of the budgeting input, raw and budget interleaved (default 8)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="cache of the generated data")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON result")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=30.0,
-        help="before each phase, wait up to this many seconds for other processes to use under "
-        f"{QUIET_CORES} cores (default 30; 0 never waits)",
-    )
-    p.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
-    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    add_phase_options(p, PHASES, quiet_wait_s=30.0)
     return p
 
 
@@ -1004,8 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         run_child(args)
         return 0
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    info = machine()
+    document = header("prompts", *DATA_PACKAGES, simulator=False, argv=argv)
     generated = None
     if not data_path(args).exists():
         print(f"generating {args.rows:,} rows into {data_path(args)} ...", flush=True)
@@ -1031,12 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompts asset as it runs today: read needed columns + extract + select "
           f"{asset['wall_s']['extract_select']:.3f} s, peak RSS {asset['maxrss_mib']:.1f} MiB", flush=True)  # fmt: skip
     summary = summarize(runs)
-    info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    document = {
-        "benchmark": "prompts",
-        "started": started.isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "bench/bench_prompts.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": info,
+    document.update({
         "settings": {"rows": args.rows, "budget_prompts": args.budget_prompts, "repeat": args.repeat,
                      "seed": args.seed, "context_length": CONTEXT_LENGTH, "num_shards": NUM_SHARDS,
                      "read_columns": READ_COLUMNS, "data": str(data_path(args)),
@@ -1046,13 +745,10 @@ def main(argv: list[str] | None = None) -> int:
         "pycalls": pycalls,
         "prompts_asset_today": asset,
         "runs": runs,
-    }  # fmt: skip
+    })  # fmt: skip
     print()
     print_table(summary, pycalls)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"prompts-{started.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"\nwritten {path}")
+    print(f"\nwritten {write_result('prompts', document, out_dir=args.out)}")
     return 0
 
 

@@ -46,14 +46,11 @@ accounting does not hold.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import resource
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,11 +63,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from harness import (  # (bench/ is on sys.path when run as a script)
+    DATA_PACKAGES,
+    ROOT,
+    SIMULATOR_LABEL,
+    emit,
+    free_ports,
+    machine,
+    process_cpu_s,
+    process_peak_mib,
+    reset_peak,
+    run_child,
+    window_peak_mib,
+    write_result,
+)
+from text_model import TextModel, lognormal_ints
+
 from expansion_dag.samples.make_samples import AGENT_SPLITS, HERMES_CONFIGS  # the sources' real layouts
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_prompts import RESULTS_DIR, ROOT, TextModel, lognormal_ints, machine  # noqa: E402
 
 REFERENCE_PROMPTS = 193_010
 REFERENCE_OUTPUT_TOKENS = 523_000_000
@@ -102,7 +111,6 @@ DUPLICATES = 0.02  # rows whose prompt repeats an earlier row's
 NON_ENGLISH = 0.09  # Infinity-Instruct rows the langdetect filter drops
 SAMPLES = ROOT / "expansion_dag" / "samples"
 STAGES = ("prepare", "generate", "training_set")
-RESULT_MARK = "@@RESULT "
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,19 +255,6 @@ def output_median(mean: float, sigma: float, cap: int) -> int:
     return round(low)
 
 
-def free_port_block(count: int) -> int:
-    """A base port with ``count`` free ports after it (not the default 30000: tests use those)."""
-    for base in range(41_000, 60_000, 97):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free block of ports")
-
-
 def write_config(folder: Path, catalog: str, args: argparse.Namespace) -> Path:
     median = output_median(MEAN_OUTPUT_TOKENS, OUTPUT_SIGMA, MAX_OUTPUT_TOKENS)
     command = (
@@ -276,7 +271,7 @@ def write_config(folder: Path, catalog: str, args: argparse.Namespace) -> Path:
             "launch": {
                 "command": command,
                 "host": "127.0.0.1",
-                "base_port": free_port_block(args.servers),
+                "base_port": free_ports(args.servers, 41_000),  # not 30000: tests use those
                 "context_length": CONTEXT_LENGTH,
                 "max_running_requests": args.slots,
             },
@@ -308,22 +303,6 @@ def _tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
 
-def _window_peak_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _proc_figures(pid: int) -> tuple[float, float]:
-    """CPU seconds and peak RSS (MiB) of a live process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    peak = next(int(line.split()[1]) / 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("VmHWM:"))  # fmt: skip
-    return cpu, peak
-
-
 def run_pipeline(config_path: Path, home: Path) -> dict[str, Any]:
     """prepare, the shards, the training set: ``expansion-dag run``'s steps, each measured."""
     os.environ["DAGSTER_HOME"] = str(home)
@@ -339,7 +318,7 @@ def run_pipeline(config_path: Path, home: Path) -> dict[str, Any]:
     stages: dict[str, Any] = {}
 
     def measured(name: str, step) -> Any:
-        Path("/proc/self/clear_refs").write_text("5")  # a fresh peak-RSS window for this stage
+        reset_peak()  # a fresh peak-RSS window for this stage
         before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         size, wall = _tree_bytes(storage), time.perf_counter()
         result = step()
@@ -349,7 +328,7 @@ def run_pipeline(config_path: Path, home: Path) -> dict[str, Any]:
             "wall_s": round(time.perf_counter() - wall, 2),
             "cpu_s": round(sum(cpu), 2),
             "cpu_s_this_process": round(cpu[0], 2),
-            "peak_rss_mib_this_process": round(_window_peak_mib(), 1),
+            "peak_rss_mib_this_process": window_peak_mib(),
             # ru_maxrss of children is the largest of any child reaped so far: the shard processes.
             "peak_rss_mib_children": round(after[1].ru_maxrss / 1024, 1) if name == "generate" else None,
             "bytes_written": _tree_bytes(storage) - size,
@@ -363,7 +342,8 @@ def run_pipeline(config_path: Path, home: Path) -> dict[str, Any]:
         shards = measured("generate", lambda: cli._run_shards(SHARD_KEYS))
         if failed := {k: why for k, (_, ok, why) in shards.items() if not ok}:
             raise SystemExit(f"shard runs failed: {failed}")
-        servers = [_proc_figures(int(p.read_text())) for p in sorted((storage / "fleet").glob("server-*.pid"))]
+        pids = [int(p.read_text()) for p in sorted((storage / "fleet").glob("server-*.pid"))]
+        servers = [(process_cpu_s(pid), process_peak_mib(pid)) for pid in pids]
         stages["generate"]["engine"] = _engine_cpu()
         run_id, ok, why = measured("training_set", lambda: cli._execute("training_set_job"))
         if not ok:
@@ -439,6 +419,7 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     identity = Identity.from_dict(manifest.identity)
     config = ts.TrainingSetConfig(**{k: v for k, v in manifest.config.items()})
     tokenizer = load_tokenizer()
+    thinking = ts.thinking_mode(tokenizer, config)
 
     # The raw batched tokenizer on exactly the texts the build tokenizes; the policy recounted.
     encode_s, tokens, passing = 0.0, 0, Counter()
@@ -458,7 +439,7 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
 
     outcomes = Counter()
     for record in store.latest_records():
-        screened = ts._screen(record, config, identity)
+        screened = ts._screen(record, config, identity, thinking)
         if isinstance(screened, str):
             outcomes[screened] += 1
             continue
@@ -546,29 +527,14 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
 
 def child(args: argparse.Namespace) -> None:
     step = run_pipeline if args.child == "pipeline" else limits_and_accounting
-    result = step(Path(args.config), Path(args.home))
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    emit(step(Path(args.config), Path(args.home)))
 
 
-def spawn(kind: str, config: Path, home: Path, log: Path) -> tuple[dict[str, Any], dict[str, float]]:
+def spawn(kind: str, config: Path, home: Path, log: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """A child run of this script; its result, and its wall, CPU and peak RSS as the parent sees them."""
-    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    with open(log, "a") as out:
-        done = subprocess.run(
-            [sys.executable, __file__, "--child", kind, "--config", str(config), "--home", str(home)],
-            stdout=subprocess.PIPE, stderr=out, text=True, cwd=ROOT,
-        )  # fmt: skip
-        out.write(done.stdout)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"the {kind} run failed (exit {done.returncode}); see {log}")
-    [line] = [x for x in done.stdout.splitlines() if x.startswith(RESULT_MARK)]
-    figures = {
-        "wall_s": round(time.perf_counter() - start, 2),
-        "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
-        "peak_rss_mib_any_process": round(after.ru_maxrss / 1024, 1),
-    }
-    return json.loads(line[len(RESULT_MARK) :]), figures
+    command = [sys.executable, __file__, "--child", kind, "--config", str(config), "--home", str(home)]
+    result, figures = run_child(command, f"the {kind} run", log=log)
+    return result, {k: figures[k] for k in ("wall_s", "cpu_s", "peak_rss_mib_any_process")}
 
 
 def summarize(n: int, inputs: dict[str, Any], stages: dict[str, Any], after: dict[str, Any],
@@ -585,6 +551,7 @@ def summarize(n: int, inputs: dict[str, Any], stages: dict[str, Any], after: dic
     return {
         "prompts": n,
         "simulated": True,
+        "label": SIMULATOR_LABEL,
         "inputs": inputs,
         "stages": stages,
         **after,
@@ -680,13 +647,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inputs written in {inputs['generate_s']} s; running the pipeline (log: {log})", flush=True)
         stages, pipeline = spawn("pipeline", config, home, log)
         after, _ = spawn("after", config, home, log)
-        totals = {"pipeline": pipeline, "wall_s": round(time.perf_counter() - start, 1), "machine": machine()}
+        totals = {"pipeline": pipeline, "wall_s": round(time.perf_counter() - start, 1), "machine": machine(*DATA_PACKAGES)}
         summary = summarize(args.prompts, inputs, stages, after, totals, args)
         print_table(summary)
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-        out = args.json or RESULTS_DIR / f"rehearsal-{args.prompts}-{stamp}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=2) + "\n")
+        out = write_result(f"rehearsal-{args.prompts}", summary, path=args.json)
         print(f"\nwritten: {out}", flush=True)
         accounting = summary["accounting"]
         return 0 if accounting["every_prompt_accounted_for"] and accounting["rows_equal_passing_completions"] else 1

@@ -23,26 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
 import httpx
+from harness import HOST, header, write_result  # (bench/ is on sys.path when run as a script)
 
 from expansion_dag.asyncio_network import asyncio_transport
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.http_client import HttpClient, make_client, tls_context
 from expansion_dag.server_api import SGLANG, send_chat
-from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "bench" / "results"
-HOST = "127.0.0.1"
 WORDS = ("the", "model", "answer", "token", "server", "prompt", "shard", "slot", "event", "count", "of", "a")
 
 
@@ -155,13 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve is not None:
         asyncio.run(serve(args.port, args.events, args.serve))
         return 0
-    cpu, memory = cpu_model_and_memory_gib()
-    result: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "python": platform.python_version()},
-        "args": vars(args),
-        "us_cpu_per_event": {},
-    }
+    result = header("stream-read", simulator=False, argv=argv)
+    result.update({"args": vars(args), "us_cpu_per_event": {}})
     for n, gap_ms in enumerate(args.gap_ms):
         port = args.port + n
         server = subprocess.Popen([sys.executable, __file__, "--serve", str(gap_ms / 1000), "--port", str(port),
@@ -184,10 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {'layer':<26} | us | above the floor |\n|---|---:|---:|")
         for name, us in figures.items():
             print(f"| {name:<26} | {us:.1f} | {us - floor:.1f} |")
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / f"stream-read-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {out}")
+    print(f"\nwritten to {write_result('stream-read', result)}")
     return 0
 
 

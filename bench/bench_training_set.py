@@ -44,7 +44,6 @@ Results are printed and written as JSON under ``bench/results/``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import itertools
 import json
@@ -56,30 +55,26 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_prompts  # noqa: E402
-from bench_prompts import (  # noqa: E402
-    DEFAULT_DATA_DIR,
-    RESULTS_DIR,
-    QUIET_CORES,
+from harness import (  # (bench/ is on sys.path when run as a script)
+    DATA_PACKAGES,
     Clock,
-    TextModel,
-    lognormal_ints,
-    machine,
-    maxrss_mib,
+    add_phase_options,
+    header,
     reset_peak,
-    window_peak_mib,
-    rss_mib,
     run_phase,
+    run_phase_here,
     stats,
+    window_peak_mib,
+    window_start_rss_mib,
+    write_result,
 )
-from expansion_dag.store import Identity  # noqa: E402
+from text_model import TextModel, lognormal_ints
+
+from expansion_dag.store import Identity
 
 
 #: The identity the generated records' keys belong to (``completion_key(prompt_id, "settings")``).
 BENCH_IDENTITY = Identity(model="bench", simulated=True, fingerprint="settings")
-RESULT_MARK = "@@RESULT "
 DATA_VERSION = 1
 DEFAULT_RECORDS = 16_000
 DEFAULT_SLICES = 8
@@ -177,7 +172,8 @@ def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) 
     from expansion_dag import training_set as ts
 
     batches = []
-    for samples in ts._screened_chunks(iter(records), config, ts._Tally(BENCH_IDENTITY, {})):
+    thinking = ts.thinking_mode(tokenizer, config)
+    for samples in ts._screened_chunks(iter(records), config, ts._Tally(BENCH_IDENTITY, {}), thinking):
         batches.append([text for triple in ts._segments(samples, tokenizer, config) for text in triple])
     return batches
 
@@ -308,7 +304,7 @@ def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = args.work_dir / f"memory-{os.getpid()}"
     clock = Clock()
     process_peak_before = reset_peak()
-    window_start = bench_prompts.WINDOW_START_RSS_MIB
+    window_start = window_start_rss_mib()
     try:
         with clock.span("build_streamed"):
             manifest = build_training_set(
@@ -325,16 +321,8 @@ PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"throughput
 
 
 def run_child(args: argparse.Namespace) -> None:
-    import datasets  # noqa: F401 -- every phase imports the same modules before its clock starts
-    import polars  # noqa: F401
-
-    import expansion_dag.tokenizer  # noqa: F401
-    import expansion_dag.training_set  # noqa: F401
-
-    result = PHASES[args.phase](args)
-    result["process_peak_rss_mib"] = round(maxrss_mib(), 1)  # the whole process, setup included
-    result["rss_end_mib"] = round(rss_mib(), 1)
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    preload = ("datasets", "polars", "expansion_dag.tokenizer", "expansion_dag.training_set")
+    run_phase_here(PHASES[args.phase], args, preload=preload)
 
 
 def spawn(phase: str, args: argparse.Namespace, **extra: int) -> dict[str, Any]:
@@ -480,19 +468,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"records of the throughput run and of the larger memory run (default {DEFAULT_RECORDS:,})")
     p.add_argument("--slices", type=int, default=DEFAULT_SLICES, help=f"slices of the records (default {DEFAULT_SLICES})")
     p.add_argument("--repeat", type=int, default=2, help="rounds over all slices, one process each (default 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="cache of the generated records")
     p.add_argument("--work-dir", type=Path, default=None, help="where builds write (default: --data-dir)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON result")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=5.0,
-        help="before each process, wait up to this many seconds for other processes to use under "
-        f"{QUIET_CORES} cores (default 5; 0 never waits)",
-    )
-    p.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
-    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    add_phase_options(p, PHASES, quiet_wait_s=5.0)
     p.add_argument("--size", type=int, default=None, help=argparse.SUPPRESS)
     return p  # fmt: skip
 
@@ -505,8 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.data_dir.mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    info = machine()
+    document = header("training_set", *DATA_PACKAGES, simulator=False, argv=argv)
     small = max(1, args.records // 10)
     if not records_path(args, args.records).exists():
         print(f"generating {args.records:,} records into {records_path(args, args.records)} ...", flush=True)
@@ -532,24 +508,16 @@ def main(argv: list[str] | None = None) -> int:
               f"(RSS at its start {result['window_start_rss_mib']:.1f}, process peak {result['process_peak_rss_mib']:.1f})",
               flush=True)  # fmt: skip
     summary = summarize(pairs, memory)
-    info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    document = {
-        "benchmark": "training_set",
-        "started": started.isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "bench/bench_training_set.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": info,
+    document.update({
         "settings": {"records": args.records, "slices": args.slices, "memory_sizes": [small, args.records],
                      "repeat": args.repeat, "seed": args.seed, "config": "TrainingSetConfig() defaults"},
         "summary": summary,
         "pairs": pairs,
         "memory_runs": memory,
-    }  # fmt: skip
+    })  # fmt: skip
     print()
     print_table(summary)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"training_set-{started.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"\nwritten {path}")
+    print(f"\nwritten {write_result('training_set', document, out_dir=args.out)}")
     return 0
 
 

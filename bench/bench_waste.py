@@ -7,7 +7,8 @@ down by ``--time-factor`` (token latency and TTFT divided by it).
 
 Part A (real HTTP, one process): the engine (``ShardRun``, as the Dagster asset builds it) against
 simulated SGLang servers started as a separate process, so the CPU measured here is the client's
-alone. 3% of answers loop until the cap (``--loop-rate``). Phases on the same prompts:
+alone. 3% of prompts loop until the cap each time they are asked (``--looping-prompt-share``),
+and the servers' queues are bounded (``--max-queued-requests``: a 503 beyond it, backpressure). Phases on the same prompts:
 ``stream+stop`` (streaming at ``--stream-interval`` tokens an event, loops stopped by the
 detector), ``stream+stop, a wake-up an event`` (the same on asyncio's own event loop, without the
 client's coalesced wake-ups, ``client_tick_s: 0``), ``stream+stop, every token`` (the servers'
@@ -21,18 +22,23 @@ The fleet here is ``--servers`` x 72 slots, fewer than 8, so that the simulator 
 fit on a small machine; the rate per slot is the reference one times the time factor.
 
 Part B (policy model, no HTTP): the makespan on the reference fleet (8 x 72, unscaled time) of a
-workload whose answer lengths depend on the source and the prompt length, drawn by the
-simulator's own output model (``OutputModel`` with per-source medians and a prompt exponent).
+workload whose answer lengths depend on the source, the prompt length and the instruction's words,
+drawn by the simulator's own output model (``OutputModel`` with per-source medians, a prompt
+exponent and word effects), 3% of its prompts looping (costing what a stopped loop streams).
 The engine's dispatch (one queue per shard, idle servers taking from the longest queue, the
 canary ignored) is modelled with zero client overhead and its own ordering code
-(``AnswerLengths``, ``expected_output_tokens``, the re-order schedule), with no typed priors:
+(its ``PromptQueue``: ``AnswerLengths`` and the re-order schedule), with no typed priors:
 
 - ``learned (earlier night)``: estimates from an earlier night's answers (other prompts, same
   sources), refined as answers return;
 - ``learned (in run only)``: an empty store, estimates from the run's own answers;
+- ``words ignored``: as the first, with no prompt text for the estimate to read;
 - ``no learning``: no priors, no learning (prompt id order);
 - ``plain loop``: 72 workers per server with fixed round-robin shares in dataset order;
 - ``clairvoyant longest-first``: the true lengths, longest first, on one fleet-wide queue.
+
+Each policy reports its makespan over the clairvoyant one and the rank correlation (Spearman's) of
+the length it expected when it took each prompt against the actual length.
 
     .venv/bin/python bench/bench_waste.py           # ~5 min on 2 shared cores
     .venv/bin/python bench/bench_waste.py --quick   # a smoke run, ~1 min
@@ -43,46 +49,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import copy
+import dataclasses
 import heapq
 import json
 import math
-import os
-import platform
 import random
-import shutil
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from harness import SimulatedFleet, header, write_result  # (bench/ is on sys.path when run as a script)
 
 from expansion_dag.answer_lengths import AnswerLengths
 from expansion_dag import event_loop
 from expansion_dag.degeneration import find_loop
-from expansion_dag.engine import (
-    FIRST_REORDER,
-    EngineConfig,
-    SamplingSettings,
-    Server,
-    ShardRun,
-    WorkItem,
-    expected_output_tokens,
-)
+from expansion_dag.dispatch import PromptQueue, WorkItem
+from expansion_dag.engine import EngineConfig, Server, ShardRun
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
+from expansion_dag.shard_report import spearman
 from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.store import CompletionStore
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER
-from hostinfo import cpu_model_and_memory_gib  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "bench" / "results"
-HOST = "127.0.0.1"
 MODEL = "Qwen/Qwen3-8B"
 CONTEXT = 8192
 SLOTS = 72
@@ -111,33 +105,19 @@ PROMPT_SIGMA = 0.6
 # Part A: early stopping and streaming over real HTTP
 
 
-def start_simulator(args: argparse.Namespace, port: int, stream_interval: int) -> tuple[subprocess.Popen, list[str]]:
-    ports = list(range(port, port + args.servers))
-    command = [
-        sys.executable, "-m", "expansion_dag.sim", "--host", HOST, "--ports", f"{ports[0]}-{ports[-1]}",
+def simulated_fleet(args: argparse.Namespace, stream_interval: int) -> SimulatedFleet:
+    options = [
         "--max-running-requests", str(SLOTS), "--context-length", str(CONTEXT),
         "--stream-interval", str(stream_interval),
         "--ttft-ms", str(REFERENCE_TTFT_S * 1000 / args.time_factor),
         "--token-latency-ms", str(REFERENCE_TOKEN_LATENCY_S * 1000 / args.time_factor),
         "--output-median-tokens", str(ANSWER_MEDIAN), "--output-sigma", str(ANSWER_SIGMA),
-        "--reasoning-parser", "qwen3", "--loop-rate", str(args.loop_rate), "--log-level", "warning",
+        "--reasoning-parser", "qwen3", "--looping-prompt-share", str(args.looping_prompt_share),
+        "--max-queued-requests", str(args.max_queued_requests), "--log-level", "warning",
     ]  # fmt: skip
     if args.natural_max_tokens is not None:
-        command += ["--output-max-tokens", str(args.natural_max_tokens)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    urls = [f"http://{HOST}:{p}" for p in ports]
-    deadline = time.monotonic() + 120
-    with httpx.Client(timeout=2.0) as client:
-        for url in urls:
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    process.kill()
-                    raise RuntimeError(f"simulator did not start: {' '.join(command)}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{url}/health").status_code == 200:
-                        break
-                time.sleep(0.2)
-    return process, urls
+        options += ["--output-max-tokens", str(args.natural_max_tokens)]
+    return SimulatedFleet(args.servers, options, base_port=args.base_port)
 
 
 def part_a_items(n: int, servers: int) -> list[list[WorkItem]]:
@@ -196,6 +176,10 @@ async def run_phase(
     return {
         "requests": requests,
         "outcomes": dict(sum((r.finish_reasons + r.failures_by_kind for r in reports), collections.Counter())),
+        # Backpressure: the servers' full queues answered 503; none may cost a prompt.
+        "queue_full_answers": sum(r.backpressure for r in reports),
+        "attempts": sum(r.attempts for r in reports),
+        "prompts_failed_queue_full": sum(r.failures_by_kind["queue_full"] for r in reports),
         "makespan_s": round(wall, 2),
         "slot_seconds_total": round(all_slot_s, 1),
         "dropped_slot_seconds": {k: round(v, 1) for k, v in dropped.items()},
@@ -226,31 +210,25 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
         phases.insert(2, ("stream+stop, every token", True, 1, tick))
     results = {}
     for n, (name, stop, interval, tick_s) in enumerate(phases):
-        process, urls = start_simulator(args, args.base_port + n * args.servers, interval)
-        try:
-            store_root = RESULTS_DIR / f".waste-store-{os.getpid()}-{n}"
+        with simulated_fleet(args, interval) as fleet, tempfile.TemporaryDirectory(prefix="bench-waste-") as scratch:
             # The engine's own loop, as generate_shard runs a shard (tick 0: asyncio's own).
-            results[name] = event_loop.run(run_phase(shards, urls, store_root, stop, interval, tick_s), tick_s=tick_s)
+            phase = run_phase(shards, fleet.urls, Path(scratch), stop, interval, tick_s)
+            results[name] = event_loop.run(phase, tick_s=tick_s)
             results[name]["stream_interval"] = interval if stop else None
             results[name]["client_tick_s"] = tick_s
-            shutil.rmtree(store_root, ignore_errors=True)
-        finally:
-            process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(10)
-            if process.poll() is None:
-                process.kill()
     stream, plain = results["stream+stop"], results["plain"]
-    fall = 1 - stream["dropped_slot_seconds_total"] / plain["dropped_slot_seconds_total"]
-    loops_fall = 1 - stream["dropped_slot_seconds_loops"] / plain["dropped_slot_seconds_loops"]
+
+    def fall(key: str) -> float | None:  # None: nothing was dropped without stopping (a run too small)
+        return round(1 - stream[key] / plain[key], 4) if plain[key] else None
+
     cpu_ratio = stream["client_cpu_ms_per_request"] / plain["client_cpu_ms_per_request"]
     every_wake_up = results["stream+stop, a wake-up an event"]["client_cpu_ms_per_request"]
     # One core's worth at the reference rate: unscaled, a request costs the same client CPU.
     reference_core_share = REFERENCE_RATE * stream["client_cpu_ms_per_request"] / 1000
     return {
         "phases": results,
-        "dropped_slot_seconds_fall": round(fall, 4),
-        "dropped_slot_seconds_fall_loops_only": round(loops_fall, 4),
+        "dropped_slot_seconds_fall": fall("dropped_slot_seconds_total"),
+        "dropped_slot_seconds_fall_loops_only": fall("dropped_slot_seconds_loops"),
         "cpu_ratio_stream_over_plain": round(cpu_ratio, 3),
         "cpu_ratio_stream_a_wake_up_an_event_over_plain": round(every_wake_up / plain["client_cpu_ms_per_request"], 3),
         "reference_rate_core_share_streaming": round(reference_core_share, 4),
@@ -261,8 +239,21 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
 # Part B: the learned order, a policy model on the reference fleet
 
 
+#: Part B's instructions: words of a vocabulary, a tenth of which move answer lengths (the
+#: simulator's ``output_word_sigma``); 3% of prompts loop each time they are asked, stopped by the
+#: detector after about ``LOOP_STOP_TOKENS`` (seen after ~250 tokens, one 256-token event more).
+VOCABULARY = [f"w{i}" for i in range(3000)]
+INSTRUCTION_WORDS = 14
+WORD_SIGMA = 0.6
+LOOPING_SHARE = 0.03
+LOOP_STOP_TOKENS = 512
+
+
 def part_b_workload(n: int, seed: int, output_model: OutputModel) -> tuple[list[WorkItem], dict[str, float]]:
-    """``n`` prompts in dataset order, no typed priors; their true durations (for the model only)."""
+    """``n`` prompts in dataset order, no typed priors; their true durations (for the model only).
+
+    An answer's length follows its source, its prompt's length and its instruction's words; a
+    looping prompt costs what its stopped loop streamed."""
     rng = random.Random(seed)
     names = [s[0] for s in SOURCES]
     weights = [s[1] for s in SOURCES]
@@ -273,26 +264,34 @@ def part_b_workload(n: int, seed: int, output_model: OutputModel) -> tuple[list[
         prompt_tokens = max(8, min(6000, round(rng.lognormvariate(math.log(prompt_medians[source]), PROMPT_SIGMA))))
         prompt_id = f"s{seed}-{i:06d}"
         max_tokens = CONTEXT - prompt_tokens - 16
-        answer = output_model.generate(f"<{source}> {prompt_id}", request_seed=None, cap=max_tokens, thinking=False,
-                                       split_reasoning=False, prompt_tokens=prompt_tokens)
-        item = WorkItem(key=prompt_id, prompt_id=prompt_id, source=source, messages=(), prompt_tokens=prompt_tokens,
-                        max_tokens=max_tokens, expected_output_tokens=0)  # no typed priors
+        # Zipf-like: common words are shared by many prompts, so what one teaches applies to others.
+        words = " ".join(VOCABULARY[int(len(VOCABULARY) * rng.random() ** 3)] for _ in range(INSTRUCTION_WORDS))
+        text = f"<{source}> {words}"
+        if output_model.loops(text, LOOPING_SHARE):
+            tokens = LOOP_STOP_TOKENS
+        else:
+            tokens = output_model.generate(text, request_seed=None, cap=max_tokens, thinking=False, split_reasoning=False,
+                                           prompt_tokens=prompt_tokens, instruction=text).completion_tokens
+        item = WorkItem(key=prompt_id, prompt_id=prompt_id, source=source, messages=({"role": "user", "content": text},),
+                        prompt_tokens=prompt_tokens, max_tokens=max_tokens, expected_output_tokens=0)  # no typed priors
         items.append(item)
-        duration[prompt_id] = REFERENCE_TTFT_S + answer.completion_tokens * REFERENCE_TOKEN_LATENCY_S
+        duration[prompt_id] = REFERENCE_TTFT_S + tokens * REFERENCE_TOKEN_LATENCY_S
     return items, duration
+
+
+def without_words(items: list[WorkItem]) -> list[WorkItem]:
+    """The same prompts with no text for the estimate to read: source and prompt length only."""
+    return [dataclasses.replace(item, messages=()) for item in items]
 
 
 def makespan_engine(items: list[WorkItem], duration: dict[str, float], servers: int, learned: AnswerLengths | None,
                     learn: bool) -> dict[str, float]:
     """The engine's dispatch: shards dealt round-robin (the budget balances equal priors by count),
-    one queue per shard ordered by its own ``AnswerLengths`` (re-ordered at 16, 32, 64... returns),
-    a slot whose shard has nothing queued takes from the longest queue (spill)."""
-    shards = [items[s::servers] for s in range(servers)]
-    models = [_copy(learned) for _ in range(servers)]
-    queues = [collections.deque(sorted(w, key=lambda it, m=models[s]: (-expected_output_tokens(it, m), it.prompt_id)))
-              for s, w in enumerate(shards)]
-    returned = [0] * servers
-    next_reorder = [FIRST_REORDER] * servers
+    one ``PromptQueue`` per shard (the engine's own, re-ordered as answers return), a slot whose
+    shard has nothing queued taking from the longest queue (spill)."""
+    queues = [PromptQueue(items[s::servers], _copy(learned)) for s in range(servers)]
+    # (what the order rested on when each prompt was taken, its actual tokens): the rank correlation
+    expected: list[tuple[int, int]] = []
     events: list[tuple[float, int, int, str | None]] = [(0.0, s, j, None) for s in range(servers) for j in range(SLOTS)]
     heapq.heapify(events)
     by_key = {it.prompt_id: it for it in items}
@@ -301,24 +300,18 @@ def makespan_engine(items: list[WorkItem], duration: dict[str, float], servers: 
         t, server, slot, finished = heapq.heappop(events)
         if finished is not None:
             makespan = max(makespan, t)
-            owner_s, prompt_id = finished.split("|")
-            owner, item = int(owner_s), by_key[prompt_id]
+            owner, prompt_id = finished.split("|")
             if learn:  # the shard that sent it learns from it, as ShardRun does
-                models[owner].observe(item.source, item.prompt_tokens, _tokens(duration[prompt_id]))
-                returned[owner] += 1
-                if returned[owner] >= next_reorder[owner]:
-                    next_reorder[owner] *= 2
-                    m = models[owner]
-                    queues[owner] = collections.deque(
-                        sorted(queues[owner], key=lambda it: (-expected_output_tokens(it, m), it.prompt_id))
-                    )
-        source = server if queues[server] else max(range(servers), key=lambda k: len(queues[k]))
-        if not queues[source]:
+                queues[int(owner)].learn(by_key[prompt_id], _tokens(duration[prompt_id]))
+        source = server if len(queues[server]) else max(range(servers), key=lambda k: len(queues[k]))
+        if not len(queues[source]):
             drained_at = drained_at or t
             continue
-        item = queues[source].popleft()
+        item = queues[source].take()
+        expected.append((queues[source].ordered_on(item), _tokens(duration[item.prompt_id])))
         heapq.heappush(events, (t + duration[item.prompt_id], server, slot, f"{source}|{item.prompt_id}"))
-    return {"makespan_s": makespan, "queue_empty_at_s": drained_at}
+    rank = spearman([e for e, _ in expected], [a for _, a in expected])
+    return {"makespan_s": makespan, "queue_empty_at_s": drained_at, "rank_correlation": rank}
 
 
 def _tokens(duration_s: float) -> int:
@@ -329,11 +322,11 @@ def _copy(lengths: AnswerLengths | None) -> AnswerLengths:
     return copy.deepcopy(lengths) if lengths is not None else AnswerLengths()
 
 
-def makespan_plain(items: list[WorkItem], duration: dict[str, float], servers: int) -> dict[str, float]:
+def makespan_plain(items: list[WorkItem], duration: dict[str, float], servers: int) -> dict[str, Any]:
     sums = [0.0] * (servers * SLOTS)
     for i, item in enumerate(items):
         sums[(i % servers) * SLOTS + (i // servers) % SLOTS] += duration[item.prompt_id]
-    return {"makespan_s": max(sums), "queue_empty_at_s": 0.0}
+    return {"makespan_s": max(sums), "queue_empty_at_s": 0.0, "rank_correlation": None}
 
 
 def makespan_clairvoyant(items: list[WorkItem], duration: dict[str, float], servers: int) -> dict[str, float]:
@@ -344,7 +337,7 @@ def makespan_clairvoyant(items: list[WorkItem], duration: dict[str, float], serv
         last_start = start
         end = max(end, start + duration[item.prompt_id])
         heapq.heappush(free, start + duration[item.prompt_id])
-    return {"makespan_s": end, "queue_empty_at_s": last_start}
+    return {"makespan_s": end, "queue_empty_at_s": last_start, "rank_correlation": 1.0}
 
 
 def part_b(n: int) -> dict[str, Any]:
@@ -352,17 +345,29 @@ def part_b(n: int) -> dict[str, Any]:
         tokenizer_spec=DEFAULT_TOKENIZER, max_length=CONTEXT, median_tokens=ANSWER_MEDIAN, sigma=SOURCE_SIGMA,
         reasoning_share=DEFAULT_REASONING_SHARE, seed=0,
         median_by_marker=tuple((f"<{name}>", median) for name, _, median, _ in SOURCES), prompt_exponent=PROMPT_EXPONENT,
+        word_sigma=WORD_SIGMA,
     )
     items, duration = part_b_workload(n, seed=2, output_model=output_model)
     night, night_duration = part_b_workload(n, seed=1, output_model=output_model)
-    earlier = AnswerLengths()
+    # An earlier night's answers, as the store gives them to a shard run (the loops' are failure
+    # records: no completion tokens to learn from). One queue learns them, as a run's start does.
+    earlier = PromptQueue(night).lengths
+    learner = PromptQueue(night, earlier)
     for item in night:
-        earlier.observe(item.source, item.prompt_tokens, _tokens(night_duration[item.prompt_id]))
+        if _tokens(night_duration[item.prompt_id]) != LOOP_STOP_TOKENS:
+            learner.learn(item, _tokens(night_duration[item.prompt_id]))
+    earlier_sources = PromptQueue(without_words(night)).lengths
+    for item in without_words(night):
+        if _tokens(night_duration[item.prompt_id]) != LOOP_STOP_TOKENS:
+            earlier_sources.observe(item.source, item.prompt_tokens, _tokens(night_duration[item.prompt_id]))
     servers = REFERENCE_SERVERS
     bound = makespan_clairvoyant(items, duration, servers)
     policies = {
-        "learned (earlier night)": makespan_engine(items, duration, servers, earlier, learn=True),
-        "learned (in run only)": makespan_engine(items, duration, servers, None, learn=True),
+        "engine: learned (earlier night)": makespan_engine(items, duration, servers, earlier, learn=True),
+        "engine: learned (in run only)": makespan_engine(items, duration, servers, None, learn=True),
+        "engine, words ignored (earlier night)": makespan_engine(
+            without_words(items), duration, servers, earlier_sources, learn=True
+        ),
         "no learning (no priors)": makespan_engine(items, duration, servers, None, learn=False),
         "plain loop": makespan_plain(items, duration, servers),
         "clairvoyant longest-first": bound,
@@ -381,6 +386,9 @@ def part_b(n: int) -> dict[str, Any]:
                 "utilization": round(work / (servers * SLOTS * r["makespan_s"]), 4),
                 # The tail: from the moment the queue is empty to the last answer.
                 "tail_s": round(r["makespan_s"] - r["queue_empty_at_s"], 1) if r["queue_empty_at_s"] else None,
+                # Expected lengths (when each prompt was taken) against actual ones; none for
+                # the plain loop (no expectation), 1 for the clairvoyant (the lengths themselves).
+                "rank_correlation": None if r.get("rank_correlation") is None else round(r["rank_correlation"], 4),
             }
             for name, r in policies.items()
         },
@@ -396,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", type=int, default=1, help="part A: simulated servers of 72 slots")
     p.add_argument("--requests", type=int, default=432, help="part A: requests per phase")
     p.add_argument("--time-factor", type=float, default=8.0, help="part A: simulated time runs this much faster")
-    p.add_argument("--loop-rate", type=float, default=0.03)
+    p.add_argument("--looping-prompt-share", type=float, default=0.03,
+                   help="part A: share of prompts that loop every time they are asked")
+    p.add_argument("--max-queued-requests", type=int, default=40, help="part A: the servers' bounded queue")
     p.add_argument("--natural-max-tokens", type=int, default=None,
                    help="part A: the longest answer that is not a loop (the simulator's --output-max-tokens); "
                         f"under the cap ({CONTEXT - 64}), only loops are cut: the workload of loops alone")  # fmt: skip
@@ -411,14 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.time_factor, args.model_requests = 144, 20.0, [3000]
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    cpu, memory = cpu_model_and_memory_gib()
-    result: dict[str, Any] = {
-        "label": "SIMULATOR figures (expansion_dag.sim), not GPU figures",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "python": platform.python_version()},
-        "args": vars(args),
-    }
+    result = header("waste", simulator=True, argv=argv)
+    result["args"] = vars(args)
     if not args.skip_a:
         started = time.perf_counter()
         result["part_a"] = part_a(args)
@@ -426,10 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result["part_b"] = [part_b(n) for n in args.model_requests]
     result["part_b_wall_s"] = round(time.perf_counter() - started, 1)
-    out = RESULTS_DIR / f"waste-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    print(f"written to {out}")
+    print(f"written to {write_result('waste', result)}")
     return 0
 
 

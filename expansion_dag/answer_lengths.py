@@ -10,6 +10,13 @@ Each level shrinks toward the one above it by ``prior_weight`` pseudo-answers: a
 few answers leans on its source's mean, a source with a few answers on the prior. So one odd
 answer moves an estimate part of the way, and a handful of answers outweigh a wrong prior.
 
+On top of that, what the prompt says: "write a detailed essay" and "answer in one word" share a
+source and a length bucket but not an answer length. :class:`WordEffects` learns, by online
+regression on hashed words of the prompt's instruction (its first and last words, where
+instructions sit), how far each word moves the answer's log-length from its source and bucket's
+mean. A prompt's features travel with its completion record (``length_features``), so later runs
+learn from the store without reading prompt texts again.
+
 Pure: no I/O. ``learn`` takes store records (``CompletionStore.records``) and keeps those of one
 identity; the caller reads the store once.
 """
@@ -17,7 +24,11 @@ identity; the caller reads the store once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+import itertools
+import math
+import re
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 #: Prompts shorter than this share the first bucket: below it, length says little about the answer.
@@ -57,8 +68,69 @@ class Estimate:
     basis: str
 
 
+_WORD = re.compile(r"[a-z0-9]+")
+#: Words of the instruction that make features: the first and the last of the user's text, found
+#: in its first and last characters only (a long prompt is not scanned whole for 48 words).
+_LEAD_WORDS, _TAIL_WORDS = 32, 16
+_LEAD_CHARS, _TAIL_CHARS = 400, 200
+_FEATURE_BUCKETS = 1 << 18
+
+
+def prompt_features(messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
+    """Hashed words of the last user turn's first and last words, sorted, distinct.
+
+    crc32, not ``hash``: the same prompt must give the same features in every process and night.
+    """
+    text = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
+    if len(text) <= _LEAD_CHARS + _TAIL_CHARS:
+        words = _WORD.findall(text.lower())
+        picked = words if len(words) <= _LEAD_WORDS + _TAIL_WORDS else words[:_LEAD_WORDS] + words[-_TAIL_WORDS:]
+    else:
+        # The cut may split a word at either end: the same split every time, so the same features.
+        picked = _WORD.findall(text[:_LEAD_CHARS].lower())[:_LEAD_WORDS] + _WORD.findall(text[-_TAIL_CHARS:].lower())[-_TAIL_WORDS:]
+    return tuple(sorted({zlib.crc32(word.encode()) % _FEATURE_BUCKETS for word in picked}))
+
+
+class WordEffects:
+    """How much each hashed word moves the log of an answer's length off its source's mean.
+
+    Online least squares with AdaGrad steps (each word learns at its own pace: frequent template
+    words settle early, a rare word still moves on its first answers) and a shrink toward zero, so a
+    word seen once moves an estimate only part of the way.
+    """
+
+    def __init__(self, *, rate: float = 0.5, shrink: float = 1e-3, limit: float = 3.0):
+        self._weights: dict[int, float] = {}
+        self._squares: dict[int, float] = {}
+        self._rate = rate
+        self._shrink = shrink
+        self._limit = limit
+        self.updates = 0
+
+    def residual(self, features: Sequence[int]) -> float:
+        """The predicted log-length off the mean, within +-``limit``."""
+        if not features:
+            return 0.0
+        total = sum(map(self._weights.get, features, itertools.repeat(0.0))) / math.sqrt(len(features))
+        return max(-self._limit, min(self._limit, total))
+
+    def observe(self, features: Sequence[int], residual: float) -> None:
+        if not features:
+            return
+        scaled_error = (self.residual(features) - residual) / math.sqrt(len(features))
+        weights, squares, shrink, rate, sqrt = self._weights, self._squares, self._shrink, self._rate, math.sqrt
+        for f in features:
+            weight = weights.get(f, 0.0)
+            gradient = scaled_error + shrink * weight
+            square = squares.get(f, 1.0) + gradient * gradient
+            squares[f] = square
+            weights[f] = weight - rate * gradient / sqrt(square)
+        self.updates += 1
+
+
 class AnswerLengths:
-    """Mean answer length per source and prompt-length bucket, shrunk toward the prior."""
+    """Mean answer length per source and prompt-length bucket, shrunk toward the prior, moved by
+    what the prompt's words taught (:class:`WordEffects`)."""
 
     def __init__(self, *, prior_weight: float = 2.0):
         if prior_weight <= 0:
@@ -66,17 +138,32 @@ class AnswerLengths:
         self._weight = prior_weight
         self._sources: dict[str, _Mean] = {}
         self._cells: dict[tuple[str, int], _Mean] = {}
+        self.words = WordEffects()
 
     @property
     def answers(self) -> int:
         return sum(m.n for m in self._sources.values())
 
-    def observe(self, source: str, prompt_tokens: int, output_tokens: int) -> None:
+    def observe(
+        self, source: str, prompt_tokens: int, output_tokens: int, features: Sequence[int] = (), prior: int | None = None
+    ) -> None:
+        known = self._sources.get(source)
+        if features and known is not None:
+            # The words explain what the source and bucket do not: the residual before this answer counts.
+            base = self.estimate(source, prompt_tokens, round(known.total / known.n) if prior is None else prior).tokens
+            self.words.observe(features, math.log1p(output_tokens) - math.log1p(base))
         self._sources.setdefault(source, _Mean()).add(output_tokens)
         self._cells.setdefault((source, prompt_bucket(prompt_tokens)), _Mean()).add(output_tokens)
 
+    def expect(self, source: str, prompt_tokens: int, prior: int, features: Sequence[int] = ()) -> int:
+        """The expected answer length of a prompt, its words considered (tokens)."""
+        base = self.estimate(source, prompt_tokens, prior).tokens
+        if not features or not self.words.updates:
+            return base
+        return max(1, round(math.expm1(math.log1p(base) + self.words.residual(features))))
+
     def estimate(self, source: str, prompt_tokens: int, prior: int) -> Estimate:
-        """The expected answer length of a prompt; ``prior`` is the typed one for its source."""
+        """The expected answer length of a prompt's source and length bucket; ``prior`` is the typed one for its source."""
         by_source = self._sources.get(source)
         if by_source is None:
             return Estimate(tokens=prior, answers=0, basis="prior")
@@ -95,7 +182,7 @@ def learn(
     """Lengths of the completions among ``records`` that ``owns`` accepts (one identity's).
 
     The prompt length is the project's own count (``local_prompt_tokens``), the one the queue's
-    prompts carry, falling back to the server's.
+    prompts carry, falling back to the server's; the words are the record's ``length_features``.
     """
     lengths = lengths or AnswerLengths()
     for record in records:
@@ -104,7 +191,8 @@ def learn(
         prompt_tokens = record.get("local_prompt_tokens", record.get("prompt_tokens"))
         output_tokens = record.get("completion_tokens")
         if isinstance(prompt_tokens, int) and isinstance(output_tokens, int):
-            lengths.observe(str(record.get("source")), prompt_tokens, output_tokens)
+            features = record.get("length_features") or ()
+            lengths.observe(str(record.get("source")), prompt_tokens, output_tokens, features)
     return lengths
 
 

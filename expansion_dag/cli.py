@@ -200,6 +200,9 @@ def _stop_fleet(keep: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.retry_outcomes is not None:
+        # Through the environment, like every single-field override: the shards' processes see it too.
+        os.environ["EXPANSION_RETRY_OUTCOMES"] = args.retry_outcomes
     use_config(args.config)
     home = prepare_dagster_home()
     quiet_third_party()
@@ -318,6 +321,15 @@ def fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def _retry_outcomes_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--retry-outcomes",
+        metavar="OUTCOME[,OUTCOME]",
+        help="ask again prompts whose final answer had these outcomes (degenerate: stopped as a loop); "
+        "default: generation.retry_outcomes",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="expansion-dag", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -325,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = sub.add_parser("run", help="materialize every asset and every shard")
     run_parser.add_argument("--config", help=config_help)
     run_parser.add_argument("--keep-fleet", action="store_true", help="leave launched servers running")
+    _retry_outcomes_option(run_parser)
     run_parser.set_defaults(func=run)
     dry_parser = sub.add_parser("dry-run", help="run everything on simulators mirroring a real fleet")
     dry_parser.add_argument("--config", help=config_help)
@@ -332,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     dry_parser.add_argument("--backend", choices=["sglang", "vllm"], help="default: fleet.backend")
     dry_parser.add_argument("--api-key-env", help="default: fleet.api_key_env")
     dry_parser.add_argument("--keep-fleet", action="store_true", help="leave launched simulators running")
+    _retry_outcomes_option(dry_parser)
     dry_parser.set_defaults(func=dry_run)
     fleet_parser = sub.add_parser("fleet", help="start, probe or stop the configured fleet")
     fleet_parser.add_argument("action", choices=["start", "status", "stop"])

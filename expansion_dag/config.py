@@ -28,8 +28,10 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from expansion_dag.outcomes import RETRYABLE_CONTENT
 from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER
+from expansion_dag.training_set import DEFAULT_FORMATS, FORMATS
 
 CONFIG_ENV = "EXPANSION_CONFIG"
 DEFAULT_CONFIG = "default"
@@ -79,6 +81,12 @@ class GenerationConfig(BaseModel):
     request_timeout_s: float = Field(default=1800.0, gt=0)
     max_attempts: int = Field(default=5, ge=1)
     backoff_initial_s: float = Field(default=1.0, ge=0)
+    # list[str], not of a Literal: Dagster's resource config takes no Literal inside a list.
+    retry_outcomes: list[str] = Field(
+        default=[],
+        description="Final answers a re-run asks again: 'degenerate' (answers stopped as loops, kept for "
+        "inspection). Empty: a prompt the model answered, however, is never sent again under the same settings.",
+    )
     max_failure_rate: float = Field(default=0.01, ge=0.0, le=1.0, description="A shard fails above this failure rate.")
     max_truncation_rate: float = Field(
         default=0.2, ge=0.0, le=1.0, description="Warn above this rate of finish_reason length."
@@ -93,6 +101,16 @@ class GenerationConfig(BaseModel):
         default="keep", description="'keep' reasoning in the assistant turn or 'drop' it."
     )
     min_sample_tokens: int = Field(default=16, ge=0, description="Shorter training samples are left out.")
+    training_formats: list[str] = Field(
+        default=list(DEFAULT_FORMATS),
+        description="Outputs of the training set, written in one pass: parquet (always), specforge-pretokenized, "
+        "specforge-conversations, speculators-pretokenized.",
+    )
+    train_newline_after_end_of_turn: bool = Field(
+        default=False,
+        description="Train the newline after the end-of-turn token, as SpecForge's and speculators' own "
+        "renderers do; false: only what the model writes is trained.",
+    )
     stop_degenerate: bool = Field(
         default=True,
         description="Stream each answer and end it as soon as it loops (a 'degenerate' failure, text kept); "
@@ -110,6 +128,24 @@ class GenerationConfig(BaseModel):
         description="While streamed events come often, the client reads all streams once a tick instead of "
         "waking up for each event; an event is read at most this late (seconds, at most 1). 0: wake up for every event.",
     )
+
+    @pydantic.field_validator("retry_outcomes")
+    @classmethod
+    def _known_outcomes(cls, outcomes: list[str]) -> list[str]:
+        unknown = sorted(set(outcomes) - set(RETRYABLE_CONTENT))
+        if unknown:
+            raise ValueError(f"unknown outcome(s) {unknown}: retry_outcomes takes {list(RETRYABLE_CONTENT)}")
+        return outcomes
+
+    @pydantic.field_validator("training_formats")
+    @classmethod
+    def _known_formats_parquet_always(cls, formats: list[str]) -> list[str]:
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown:
+            raise ValueError(f"unknown {', '.join(map(repr, unknown))}; known: {', '.join(FORMATS)}")
+        if "parquet" not in formats:
+            raise ValueError("must include 'parquet': the set's checks and its dataset card read it")
+        return formats
 
     @pydantic.field_validator("chat_template_kwargs", mode="before")
     @classmethod
@@ -245,14 +281,14 @@ def _flag(value: str) -> bool:
     raise ValueError(f"expected 1 or 0, got {value!r}")
 
 
-def _urls(value: str) -> list[str]:
+def _csv(value: str) -> list[str]:
     return [u.strip() for u in value.split(",") if u.strip()]
 
 
 #: Variables that override single fields: variable -> (dotted key, parser). Documented in the file.
 ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EXPANSION_SHARDS": ("fleet.shards", int),
-    "EXPANSION_FLEET_URLS": ("fleet.urls", _urls),
+    "EXPANSION_FLEET_URLS": ("fleet.urls", _csv),
     "EXPANSION_BACKEND": ("fleet.backend", str),
     "EXPANSION_FLEET_FALLBACK": ("fleet.fallback_to_healthy", _flag),
     "EXPANSION_LAUNCH_SCOPE": ("fleet.launch.scope", str),
@@ -269,6 +305,7 @@ ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EXPANSION_NIGHTLY_CRON": ("schedule.cron", str),
     "EXPANSION_NIGHTLY_TIMEZONE": ("schedule.timezone", str),
     "EXPANSION_NIGHTLY_QUOTA": ("schedule.quota", int),
+    "EXPANSION_RETRY_OUTCOMES": ("generation.retry_outcomes", _csv),
 }
 #: ``local``: a simulated fleet; ``production``: real servers, attached when URLs are known, else launched.
 PROFILE_ENV = "EXPANSION_PROFILE"

@@ -1,7 +1,9 @@
 """The project's exceptions, split by blast radius, and the one place httpx exceptions are mapped.
 
 - ``RequestError``: one request failed. It becomes a failure record (prompt id, status, message)
-  and the shard goes on. Its ``retryable`` flag decides whether it is retried with backoff.
+  and the shard goes on. Its ``retryable`` flag decides whether it is retried with backoff, its
+  ``outcome`` whose fault it is (``expansion_dag.outcomes``: the server, the request, the
+  model's answer, or the server's backpressure).
 - ``ShardAborted``: the shard cannot go on (the canary failed, the circuit breaker opened, the
   server is gone). Everything finished so far stays in the store.
 - ``FleetError``: provisioning or probing the servers failed; nothing was sent.
@@ -69,6 +71,8 @@ class RequestError(ExpansionError):
     #: Short, stable name of the failure kind, used in metadata and failure records.
     kind = "request_error"
     retryable = False
+    #: What the failure says something about (``expansion_dag.outcomes``): a 4xx is the request's.
+    outcome = "request"
 
     def __init__(self, message: str, *, status: int | None = None, overflow: ContextOverflow | None = None):
         super().__init__(message)
@@ -87,6 +91,17 @@ class TransientError(RequestError):
 
     kind = "transient"
     retryable = True
+    outcome = "server"
+
+
+class QueueFullError(TransientError):
+    """The server's queue is full (SGLang's 503 "The request queue is full.", a 429): backpressure.
+
+    Sent again once the sender has slowed down; it never uses up one of the prompt's attempts.
+    """
+
+    kind = "queue_full"
+    outcome = "backpressure"
 
 
 class ConnectError(TransientError):
@@ -107,6 +122,7 @@ class AuthError(RejectedError):
     """401: the key is missing or wrong; every other request will be refused the same way."""
 
     kind = "unauthorized"
+    outcome = "server"  # the fleet's key or configuration, the same for every prompt
 
 
 class ContextLengthError(RejectedError):
@@ -130,6 +146,7 @@ class BadResponseError(RequestError):
     """A 200 whose body is not a chat completion."""
 
     kind = "bad_response"
+    outcome = "server"
 
 
 class UnfinishedError(TransientError):

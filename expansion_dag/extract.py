@@ -19,14 +19,12 @@ from fractions import Fraction
 from math import floor
 from operator import methodcaller
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from expansion_dag.catalog import Catalog
 
 # Stable reason codes. A row is checked in this order and gets the first reason that applies.
 MISTYPED_FIELD = "mistyped_field"
@@ -544,6 +542,23 @@ class SourceStats:
         }
 
 
+class PlannedSource(Protocol):
+    name: str
+    quota: int | None
+    weight: float | None
+
+
+class SelectionPlan(Protocol):
+    """What selection needs of a catalog (``expansion_dag.catalog.Catalog`` is one): the sources in
+    priority order with their quotas or weights, the total to reach, and the sampling seed."""
+
+    @property
+    def sources(self) -> Sequence[PlannedSource]: ...
+
+    total_prompts: int | None
+    seed: int
+
+
 @dataclass(frozen=True)
 class Selection:
     """The final prompts (``PROMPT_SCHEMA``), every quarantined row, and per-source accounting."""
@@ -556,30 +571,30 @@ class Selection:
 def select_prompts(
     results: Sequence[ExtractResult],
     *,
-    catalog: Catalog | None = None,
+    plan: SelectionPlan | None = None,
     quotas: Mapping[str, int] | None = None,
     seed: int | None = None,
 ) -> Selection:
     """Deduplicate across sources, then sample each source down to its quota or weight.
 
-    Either ``catalog`` (its sources' quotas and weights, ``total_prompts`` and ``seed``; results are
-    put in catalog order) or ``quotas`` and ``seed`` with results already in priority order.
+    Either ``plan`` (a catalog: its sources' quotas and weights, ``total_prompts`` and ``seed``;
+    results are put in its order) or ``quotas`` and ``seed`` with results already in priority order.
     Duplicates are prompts with the same prompt_id, i.e. the same normalized messages; the first in
     order wins. Sampling ranks each source's prompts by a seeded mix of their ids, so the selection
     is the same on every machine, and raising a quota only adds prompts.
     """
     weights: Mapping[str, float] = {}
     total_prompts = None
-    if catalog is not None:
+    if plan is not None:
         if quotas is not None or seed is not None:
             raise ValueError("pass either a catalog or quotas and a seed, not both")
-        position = {spec.name: i for i, spec in enumerate(catalog.sources)}
+        position = {spec.name: i for i, spec in enumerate(plan.sources)}
         if unknown := sorted({r.source for r in results} - position.keys()):
             raise ValueError(f"results for sources not in the catalog: {', '.join(unknown)}")
         results = sorted(results, key=lambda r: position[r.source])
-        quotas = {s.name: s.quota for s in catalog.sources if s.quota is not None}
-        weights = {s.name: s.weight for s in catalog.sources if s.weight is not None}
-        total_prompts, seed = catalog.total_prompts, catalog.seed
+        quotas = {s.name: s.quota for s in plan.sources if s.quota is not None}
+        weights = {s.name: s.weight for s in plan.sources if s.weight is not None}
+        total_prompts, seed = plan.total_prompts, plan.seed
     quotas = quotas or {}
     seed = DEFAULT_SEED if seed is None else seed
     names = [r.source for r in results]

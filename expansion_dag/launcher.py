@@ -7,6 +7,9 @@
   simulator must report the launched pid (``/sim/stats``).
 - ``wait_ready`` waits for ``GET /health`` 200, treating refused connections (model loading) and
   503 (warmup) as "not yet", and quotes the server's last log lines when it gives up.
+- The API key stays out of the logs: SGLang (0.5.23) logs its arguments at start-up, the value
+  of ``--api-key`` among them; the launcher masks the key in each server's log once it is ready
+  (or failed), and in any log lines it quotes.
 """
 
 from __future__ import annotations
@@ -44,14 +47,35 @@ def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
     return False
 
 
-def tail(path: Path | None, lines: int = 20) -> str:
+#: What a secret is replaced by in a quoted log line.
+MASK = "***"
+
+
+def tail(path: Path | None, lines: int = 20, secret: str | None = None) -> str:
     if path is None or not path.exists():
         return "(no log)"
     with open(path, "rb") as fh:
         fh.seek(0, os.SEEK_END)
         fh.seek(max(0, fh.tell() - 16384))
         text = fh.read().decode(errors="replace")
+    if secret:
+        text = text.replace(secret, MASK)
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
+
+
+def mask_in_place(path: Path, secret: str | None) -> None:
+    """Overwrite each occurrence of ``secret`` in a file with as many asterisks, in place: the
+    lengths do not change, so a server still appending to the file is undisturbed."""
+    if not secret or not path.exists():
+        return
+    needle = secret.encode()
+    with open(path, "r+b") as fh:
+        data = fh.read()
+        at = data.find(needle)
+        while at != -1:
+            fh.seek(at)
+            fh.write(b"*" * len(needle))
+            at = data.find(needle, at + len(needle))
 
 
 def wait_ready(
@@ -61,8 +85,12 @@ def wait_ready(
     poll_s: float = 0.5,
     log_path: Path | None = None,
     pid: int | None = None,
+    secret: str | None = None,
 ) -> None:
-    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting"."""
+    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting".
+
+    ``secret``: masked in the log lines quoted when it gives up.
+    """
     url = url.rstrip("/")
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
@@ -79,12 +107,12 @@ def wait_ready(
         if pid is not None and not _alive(pid):
             raise ServerStartError(
                 f"{url}: the server process {pid} exited before it was ready. Last log lines "
-                f"({log_path}):\n{tail(log_path)}"
+                f"({log_path}):\n{tail(log_path, secret=secret)}"
             )
         if time.monotonic() >= deadline:
             raise ServerStartError(
                 f"{url}: not ready after {timeout_s:.0f} s (last: {last}). Last log lines "
-                f"({log_path}):\n{tail(log_path)}"
+                f"({log_path}):\n{tail(log_path, secret=secret)}"
             )
         time.sleep(poll_s)
 
@@ -202,7 +230,12 @@ class Launcher:
                 started.append(self.url(spec))
         for spec in self.specs:
             pid = self._pid(spec)
-            wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid)
+            try:
+                wait_ready(
+                    self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid, secret=self._api_key
+                )
+            finally:
+                mask_in_place(self.log_path(spec), self._api_key)  # written at start-up, with the arguments
             if self.launches_simulator:
                 self._verify_simulator(spec, pid)
         return started

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
-from expansion_dag.engine import Progress
+from expansion_dag.shard_report import Progress
 
 
 @dataclass(frozen=True)

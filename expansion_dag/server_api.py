@@ -21,7 +21,9 @@ Facts come from the servers' source (SGLang 0.5.4, 0.5.7 and 0.5.23, vLLM 0.33.0
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -40,6 +42,7 @@ from expansion_dag.errors import (
     FleetError,
     FleetMismatchError,
     InputTooLong,
+    QueueFullError,
     RejectedError,
     RequestError,
     ServerUnreachableError,
@@ -50,7 +53,7 @@ from expansion_dag.errors import (
 from expansion_dag.http_client import HttpClient, read_body, tls_context
 
 if TYPE_CHECKING:
-    from expansion_dag.engine import SamplingSettings
+    from expansion_dag.sampling import SamplingSettings
 
 #: The oldest SGLang whose surface is read here (``/get_server_info``, ``/get_load``, ``/v1/models``
 #: with ``max_model_len``); older servers are refused with this version named.
@@ -58,6 +61,9 @@ SGLANG_MIN_VERSION = "0.5.4"
 
 #: Statuses that say "try again later": the request may succeed on a retry.
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+#: Backpressure: the server is busy, not broken (SGLang's bounded queue, a rate limit). A 503 says
+#: it only in its text; one without these words (shutting down, a failed health) is a fault.
+_QUEUE_FULL = re.compile(r"request queue is full|waiting timeout", re.IGNORECASE)
 
 #: A streamed event every 256 tokens instead of every token (both servers' default): a network read
 #: costs the client far more than the parsing, so its CPU per answer falls with the events
@@ -235,6 +241,7 @@ class DegenerateError(RequestError):
     """
 
     kind = "degenerate"
+    outcome = "content"
 
     def __init__(self, message: str, *, content: str, reasoning: str | None, loop: Loop, chunks: int, tokens: int):
         super().__init__(message, status=200)
@@ -472,6 +479,8 @@ def server_message(body_text: str) -> str:
 def error_from_status(status: int, body_text: str) -> RequestError:
     """Classify an error response by its status and, for a 400, the server's words."""
     message = server_message(body_text) or f"HTTP {status}"
+    if status == 429 or (status == 503 and _QUEUE_FULL.search(message)):
+        return QueueFullError(message, status=status)
     if status in RETRYABLE_STATUSES:
         return TransientError(message, status=status)
     if status == 401:
@@ -721,6 +730,9 @@ class RetryPolicy:
     #: Tokens kept free when max_tokens is recomputed.
     context_margin: int = 16
     min_output_tokens: int = 16
+    #: How long a prompt may wait in all on a full queue (backpressure, which uses no attempt)
+    #: before the last queue-full answer is its error; 0: at once (a borrowed server).
+    backpressure_wait_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -747,13 +759,14 @@ async def send_chat(
 
     A streamed request (``request["stream"]``) is read chunk by chunk; with ``thresholds``, a
     loop ends it at once: closing the response with the body unread closes the connection, which
-    is how both servers learn to stop decoding. SGLang's streaming response carries a background
-    ``TokenizerManager.create_abort_task``, which aborts the request by ``rid`` 2 s after the
-    stream ends (0.5.23): a stopped loop decodes about 2 s longer than an explicit
-    ``/abort_request`` would let it, ~1% of the ~170 s a looping answer takes at the reference
-    rate, for no second request. vLLM's generator is cancelled on disconnect and
-    ``AsyncLLM.generate`` aborts the request at once (proved against the real engine,
-    ``real_engine/test_vllm_streaming.py``).
+    is how both servers learn to stop decoding. SGLang 0.5.23's stream generator is cancelled on
+    disconnect, and ``TokenizerManager.generate_request`` (``except BaseException``:
+    ``_release_req_states_on_failure``) aborts the request at the scheduler at once; the
+    response's background ``create_abort_task`` (an abort by ``rid`` 2 s after the stream ends)
+    is only its fallback. Its slot is free within a second of the close, no ``/abort_request``
+    needed (proved against the real server, ``real_engine/test_sglang_streaming.py``). vLLM's
+    generator is cancelled on disconnect and ``AsyncLLM.generate`` aborts the request at once
+    (proved against the real engine, ``real_engine/test_vllm_streaming.py``).
     """
     if not request.get("stream"):
         return await _send_plain(client, url, request, dialect)
@@ -816,21 +829,23 @@ async def generate(
 ) -> Exchange:
     """Send ``request`` until it has a complete answer or the policy gives up.
 
-    Transient errors and unfinished answers are retried with exponential backoff and jitter;
-    ``on_retry`` hears the kind of each error that caused a retry (``context_length`` for the
+    Transient errors and unfinished answers are retried with exponential backoff and jitter, up to
+    ``policy.attempts``; a full queue (backpressure) is waited out without using an attempt, for up
+    to ``policy.backpressure_wait_s``. ``on_retry`` hears the kind of each error that caused a retry (``context_length`` for the
     one retry with a smaller ``max_tokens``). ``thresholds``: stop a streamed answer that loops
     (:class:`DegenerateError`, not retried); ``stream_interval``: the tokens per streamed event,
     to count a stopped answer's tokens.
     """
     attempts = 0
+    spent = 0  # attempts that count against the policy: backpressure spends none
     max_tokens = int(request["max_tokens"])
 
     async def with_backoff(body: Mapping[str, Any]) -> Answer:
-        nonlocal attempts
+        nonlocal attempts, spent
         last: RequestError | None = None
         async for attempt in stamina.retry_context(
-            on=TransientError,
-            attempts=policy.attempts,
+            on=_spends_an_attempt,
+            attempts=max(1, policy.attempts - spent),
             timeout=None,
             wait_initial=policy.wait_initial_s,
             wait_max=policy.wait_max_s,
@@ -842,14 +857,34 @@ async def generate(
                 attempts += 1
                 try:
                     return await send_chat(client, url, body, dialect, thresholds, stream_interval=stream_interval)
+                except QueueFullError:
+                    raise
                 except TransientError as exc:
+                    spent += 1
                     last = exc
                     raise
         raise AssertionError("unreachable: stamina re-raises the last error")
 
+    async def patiently(body: Mapping[str, Any]) -> Answer:
+        """``with_backoff``, sent again after a full queue's answer, slower each time, for up to
+        ``policy.backpressure_wait_s`` in all."""
+        waited = 0.0
+        delay = policy.wait_initial_s
+        while True:
+            try:
+                return await with_backoff(body)
+            except QueueFullError as exc:
+                if waited + delay > policy.backpressure_wait_s:
+                    raise
+                if on_retry is not None:
+                    on_retry(exc.kind)
+                await asyncio.sleep(delay + random.uniform(0, policy.wait_jitter_s))
+                waited += delay
+                delay = min(2 * delay, policy.wait_max_s)
+
     try:
         try:
-            answer = await with_backoff(request)
+            answer = await patiently(request)
         except ContextLengthError as exc:
             if exc.overflow is None or not policy.context_retry:
                 raise
@@ -860,10 +895,14 @@ async def generate(
             if on_retry is not None:
                 on_retry(exc.kind)
             max_tokens = min(max_tokens, budget)
-            answer = await with_backoff({**request, "max_tokens": max_tokens})
+            answer = await patiently({**request, "max_tokens": max_tokens})
     except RequestError as error:
         return Exchange(None, error, attempts, max_tokens)
     return Exchange(answer, None, attempts, max_tokens)
+
+
+def _spends_an_attempt(exc: Exception) -> bool:
+    return isinstance(exc, TransientError) and not isinstance(exc, QueueFullError)
 
 
 def _text(data: bytes) -> str:

@@ -160,6 +160,54 @@ class _Location:
     length: int
 
 
+class IdentityRegistry:
+    """Which identities (model and settings, simulated or real) a store's completions were written
+    under: one small JSON file each, under the store's ``identities/`` folder. Simulated and real
+    completions never share a store: registering the other kind is refused."""
+
+    def __init__(self, root: Any):
+        self._folder = root / IDENTITIES
+
+    def known(self) -> dict[str, Identity]:
+        """Every registered identity by fingerprint."""
+        folder = self._folder
+        if not folder.exists():
+            return {}
+        found = {}
+        for path in sorted(folder.glob("*.json"), key=lambda p: p.name):
+            identity = Identity.from_dict(json.loads(path.read_text()))
+            found[identity.fingerprint] = identity
+        return found
+
+    def refuse_other_kind(self, identity: Identity) -> None:
+        """Raise ``MixedStoreError`` when the store holds completions of the other kind."""
+        others = sorted({i.model for i in self.known().values() if i.simulated != identity.simulated})
+        if not others:
+            return
+        other_kind = "real" if identity.simulated else "simulated"
+        hint = (
+            "Give simulated runs (the local profile, the simulator) a storage root of their own, e.g. "
+            "EXPANSION_STORAGE=./storage-sim"
+            if identity.simulated
+            else "Give the production run a storage root of its own (EXPANSION_STORAGE=/path/to/storage), "
+            "or remove this root if its simulated completions are not wanted"
+        )
+        raise MixedStoreError(
+            f"the completion store {self._folder.parent} holds {other_kind} completions ({', '.join(others)}); this run's "
+            f"completions would be {identity.kind} ({identity.model}). Simulated and real completions never "
+            f"share a store. {hint}."
+        )
+
+    def register(self, identity: Identity) -> None:
+        """Record that completions of ``identity`` are written here; refused for the other kind."""
+        self.refuse_other_kind(identity)
+        path = self._folder / f"{identity.fingerprint}.json"
+        if path.exists():
+            return
+        with write_atomically(path) as staged:
+            staged.write_text(json.dumps(identity.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+
+
 class CompletionStore:
     """Completions of every shard under one root: a local folder or an fsspec URL."""
 
@@ -182,6 +230,7 @@ class CompletionStore:
         self._segment_records = segment_records
         self._segment_interval_s = segment_interval_s
         self._recovered = self.local
+        self.registry = IdentityRegistry(self.root)
 
     def shards(self) -> list[str]:
         if self.local:
@@ -254,45 +303,6 @@ class CompletionStore:
         """Keys with a completion anywhere in the store."""
         return self.scan().done
 
-    def identities(self) -> dict[str, Identity]:
-        """Every registered identity by fingerprint."""
-        folder = self.root / IDENTITIES
-        if not folder.exists():
-            return {}
-        found = {}
-        for path in sorted(folder.glob("*.json"), key=lambda p: p.name):
-            identity = Identity.from_dict(json.loads(path.read_text()))
-            found[identity.fingerprint] = identity
-        return found
-
-    def refuse_other_kind(self, identity: Identity) -> None:
-        """Raise ``MixedStoreError`` when the store holds completions of the other kind."""
-        others = sorted({i.model for i in self.identities().values() if i.simulated != identity.simulated})
-        if not others:
-            return
-        other_kind = "real" if identity.simulated else "simulated"
-        hint = (
-            "Give simulated runs (the local profile, the simulator) a storage root of their own, e.g. "
-            "EXPANSION_STORAGE=./storage-sim"
-            if identity.simulated
-            else "Give the production run a storage root of its own (EXPANSION_STORAGE=/path/to/storage), "
-            "or remove this root if its simulated completions are not wanted"
-        )
-        raise MixedStoreError(
-            f"the completion store {self.root} holds {other_kind} completions ({', '.join(others)}); this run's "
-            f"completions would be {identity.kind} ({identity.model}). Simulated and real completions never "
-            f"share a store. {hint}."
-        )
-
-    def register(self, identity: Identity) -> None:
-        """Record that completions of ``identity`` are written here; refused for the other kind."""
-        self.refuse_other_kind(identity)
-        path = self.root / IDENTITIES / f"{identity.fingerprint}.json"
-        if path.exists():
-            return
-        with write_atomically(path) as staged:
-            staged.write_text(json.dumps(identity.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
-
     def records(self, shard: str, *, status: str = OK) -> Iterator[dict[str, Any]]:
         """The shard's records of one status, one per key (the first intact line wins)."""
         seen: set[str] = set()
@@ -350,7 +360,7 @@ class CompletionStore:
         if shard == IDENTITIES:
             raise ValueError(f"{IDENTITIES!r} is the identity registry, not a shard")
         if identity is not None:
-            self.register(identity)
+            self.registry.register(identity)
         if self.local:
             return SegmentWriter(local_path(self.root / shard), fsync_interval_s=fsync_interval_s)
         self._recover()
@@ -408,13 +418,16 @@ def _intact_lines(path: Path) -> Iterator[tuple[str, bytes, bytes]]:
                 yield line
 
 
-#: What a digest keeps of a record: what the shard checks (``shard_figures``) and the answer-length
-#: learning (``answer_lengths.learn``) read, and the two fields that say whose record it is.
+#: What a digest keeps of a record: what the shard checks (``shard_figures``), the answer-length
+#: learning (``answer_lengths.learn``) and a re-run's choice of what to send (``outcomes.is_final``)
+#: read, and the two fields that say whose record it is.
 DIGEST_FIELDS = (
-    "key", "status", "prompt_id", "source", "finish_reason", "error",
-    "prompt_tokens", "local_prompt_tokens", "completion_tokens",
+    "key", "status", "prompt_id", "source", "finish_reason", "error", "outcome",
+    "prompt_tokens", "local_prompt_tokens", "completion_tokens", "length_features",
 )  # fmt: skip
 _DIGEST_SUFFIX = ".digest"
+#: Written in a digest's first line: a digest cut to other fields is rebuilt, not read.
+_DIGEST_VERSION = hashlib.sha256(",".join(DIGEST_FIELDS).encode()).hexdigest()[:8].encode()
 
 
 def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
@@ -452,18 +465,21 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
         try:
             with write_atomically(as_upath(cache)) as staged:
                 body = b"".join(b"%s\t%s\t%s" % (k.encode(), st, pl) for k, st, pl in lines)
-                staged.write_bytes(b"%d\n" % covered + body)
+                staged.write_bytes(b"%d %s\n" % (covered, _DIGEST_VERSION) + body)
         except OSError:
             pass  # a store this process may read but not write: the digest is not kept
     return lines
 
 
 def _read_digest(cache: Path) -> tuple[int, list[tuple[str, bytes, bytes]]]:
-    """(bytes of the segment covered, lines) of a digest file; (0, []) when absent or unreadable
-    (a digest is written whole, so a torn line means it was damaged: it is rebuilt)."""
+    """(bytes of the segment covered, lines) of a digest file; (0, []) when absent, unreadable or
+    of other fields (a digest is written whole, so a torn line means it was damaged: it is rebuilt)."""
     try:
         with open(cache, "rb") as fh:
-            covered = int(fh.readline())
+            covered_text, version = fh.readline().split()
+            if version != _DIGEST_VERSION:
+                return 0, []
+            covered = int(covered_text)
             lines = [_split_line(raw) for raw in fh]
     except (OSError, ValueError, UnicodeDecodeError):
         return 0, []

@@ -12,8 +12,10 @@ found in the rendered text:
   ``enable_thinking=False``) is prompt (mask 0), and the think tags around kept reasoning are the
   assistant's (mask 1): in thinking mode Qwen3 writes them itself.
 * The whitespace the template adds after the end-of-turn token (ChatML's ``\\n`` after
-  ``<|im_end|>``) stays in ``input_ids`` (so they decode to the exact render) with mask 0: the
-  model stops at ``<|im_end|>`` and never writes it.
+  ``<|im_end|>``) stays in ``input_ids`` (so they decode to the exact render) with mask 0 by
+  default: the model stops at ``<|im_end|>`` and never writes it. SpecForge's and speculators'
+  own renderers train it; ``train_newline_after_end_of_turn=True`` follows them (the mask
+  convention, ``MASK_CONVENTION``; each trainer's other differences: ``dataset_card.CONSUMER_NOTES``).
 * The prompt, the assistant's part and that trailer are tokenized as three texts and concatenated.
   Tokenized whole, a render can merge characters across the boundary (Qwen's vocabulary with a
   ChatML template like Qwen2.5's turns ``assistant\\n`` + an answer starting ``" \\n"`` into one
@@ -27,12 +29,16 @@ Which records: exactly those of the current ``Identity`` (the model as served, s
 sampling settings and the cap: a record's key must be that identity's key for its prompt), and of
 those only complete answers: ``finish_reason`` ``stop``, or ``length`` unless ``drop_truncated``.
 Everything else is counted by reason (and other identities by name) in the manifest, never merged.
+The answers themselves pass quality gates, each a counted reason: an empty answer; a raw ``<think>``
+or ``</think>`` left in the content; reasoning missing while the template's thinking is on, or
+present while it is off (``thinking_mode``).
 
 One pass: ``build_training_set`` reads the records once, in the order given (the store's file
-order), tokenizes each kept sample once, and writes from that pass the Parquet set, the
-conversations JSONL (``conversations=``) and, in a ``BuildTrace``, what the checks and the nightly
-table need: a digest of each row's expected render (the round trip decodes sampled rows against
-it) and each prompt's outcome.
+order), tokenizes each kept sample once, and writes from that pass every output the config's
+``formats`` name (the Parquet set always; the trainers' JSONL files beside it, ``FORMATS``), the
+manifest naming them, the dataset card (``README.md``, ``dataset_card``) and, in a
+``BuildTrace``, what the checks and the nightly table need: a digest of each row's expected
+render (the round trip decodes sampled rows against it) and each prompt's outcome.
 
 ``check_round_trip`` assumes a lossless (byte-level) tokenizer, as Qwen's, Llama 3's and GPT's
 are: decoding the ids must give back the render character for character.
@@ -50,16 +56,18 @@ import shutil
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
+from expansion_dag.dataset_card import dataset_card
+from expansion_dag.manifest import MANIFEST_NAME, Manifest
 from expansion_dag.histogram import bar_chart_png, png_data_uri
 from expansion_dag.store import OK, Identity
 from expansion_dag.tokenizer import render_prompts
@@ -70,14 +78,37 @@ DEFAULT_MIN_LENGTH = 16
 DEFAULT_CHUNK_ROWS = 512  # peak memory: about 250 bytes per token of a chunk (3 in flight)
 DEFAULT_ROWS_PER_FILE = 50_000  # about 100M tokens, a few hundred MB, per shard
 REASONING_POLICIES = ("keep", "drop")
-LEFT_OUT_REASONS = ("other_identity", "failed", "unfinished", "truncated", "empty", "too_long", "too_short")
+LEFT_OUT_REASONS = (
+    "other_identity", "failed", "unfinished", "truncated",
+    # The quality gates on the answer itself.
+    "empty", "think_tag_in_content", "reasoning_missing", "reasoning_unexpected",
+    "too_long", "too_short",
+)
+THINK_TAGS = ("<think>", "</think>")
 #: Answers the model finished; anything else (``abort``, ``unknown``...) is left out as unfinished.
 FINISHED = ("stop", "length")
 UNREGISTERED = "unregistered identity"  # a record whose key matches no identity in the store's registry
 #: How Qwen3 (and DeepSeek-R1) write reasoning inline; Qwen3's template turns it back into the same
 #: render as ``reasoning_content``. Used for the conversations JSONL.
 INLINE_REASONING = "<think>\n{reasoning}\n</think>\n\n{answer}"
-MANIFEST_NAME = "manifest.json"
+CARD_NAME = "README.md"
+CONVERSATIONS_NAME = "conversations.jsonl"
+#: One file serves both trainers: each reads ``{"id", "input_ids", "loss_mask"}`` lines unchanged.
+PRETOKENIZED_NAME = "pretokenized.jsonl"
+#: Outputs a build can write, and the file each is (the Parquet set: its shards).
+FORMATS = {
+    "parquet": "part-*.parquet",
+    "specforge-pretokenized": PRETOKENIZED_NAME,
+    "specforge-conversations": CONVERSATIONS_NAME,
+    "speculators-pretokenized": PRETOKENIZED_NAME,
+}
+DEFAULT_FORMATS = ("parquet", "specforge-conversations")
+MASK_CONVENTION = (
+    "loss_mask is 1 on exactly the tokens the assistant wrote: its answer, the reasoning kept "
+    "with its think tags, and the end-of-turn token. The generation prompt (`<|im_start|>assistant\\n`, "
+    "and with thinking off the empty think block the template adds) is 0. The newline the "
+    "template writes after the end-of-turn token is {newline}."
+)
 HISTOGRAM_BINS = 40
 MAX_FAILING_IDS = 10
 
@@ -105,6 +136,8 @@ _INT32_MAX = 2**31 - 1
 @dataclass(frozen=True)
 class TrainingSetConfig:
     drop_truncated: bool = True  # leave out answers cut at max_tokens (finish_reason "length")
+    formats: tuple[str, ...] = DEFAULT_FORMATS  # outputs written (FORMATS); "parquet" always
+    train_newline_after_end_of_turn: bool = False  # the mask convention (MASK_CONVENTION)
     reasoning: str = "keep"  # "keep": reasoning_content in the model's own format; "drop"
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # as at generation
     max_length: int = DEFAULT_MAX_LENGTH  # the training context: longer samples are left out
@@ -113,8 +146,17 @@ class TrainingSetConfig:
     rows_per_file: int = DEFAULT_ROWS_PER_FILE
 
     def __post_init__(self) -> None:
-        if not isinstance(self.drop_truncated, bool):
-            raise ValueError("drop_truncated must be a bool")
+        for name in ("drop_truncated", "train_newline_after_end_of_turn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        formats = (self.formats,) if isinstance(self.formats, str) else tuple(self.formats)
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown or "parquet" not in formats:
+            raise ValueError(
+                f"formats must name some of {sorted(FORMATS)}, 'parquet' among them (the checks "
+                f"and the dataset card read it), not {list(formats)!r}"
+            )
+        object.__setattr__(self, "formats", tuple(sorted(set(formats), key=list(FORMATS).index)))
         if self.reasoning not in REASONING_POLICIES:
             raise ValueError(
                 f"reasoning must be one of {REASONING_POLICIES}, not {self.reasoning!r}"
@@ -138,38 +180,7 @@ class TrainingSetConfig:
         object.__setattr__(self, "chat_template_kwargs", kwargs)  # a copy the caller cannot mutate
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What ``manifest.json`` holds; written last, so its presence marks a complete set."""
-
-    samples: int
-    tokens: int
-    assistant_tokens: int
-    tokens_per_sample: dict[str, float]  # mean, p50, p90, p99 (nearest rank), max
-    by_source: dict[str, dict[str, int]]  # source -> {samples, tokens}
-    left_out: dict[str, int]  # reason -> records
-    other_identities: dict[str, int]  # Identity.label (or UNREGISTERED) -> records left out
-    identity: dict[str, Any]  # the identity taken (Identity.to_dict)
-    simulated: bool  # built from the simulator's answers, not a model's
-    histogram: dict[str, Any]  # tokens per sample: {start, bin_width, counts}
-    config: dict[str, Any]
-    tokenizer: dict[str, Any]  # {vocab_size, chat_template_sha256}
-    files: list[dict[str, Any]]  # {name, rows, sha256}
-    # Output tokens of the identity's records (completions, and failures that streamed tokens),
-    # those of the records that became rows, and their ratio: how much generation the set kept.
-    output_tokens: int = 0
-    output_tokens_in_set: int = 0
-    useful_token_share: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
-
-    @classmethod
-    def read(cls, out_dir: str | os.PathLike[str]) -> Manifest:
-        return cls(**json.loads((as_upath(out_dir) / MANIFEST_NAME).read_text()))
+        return {**dataclasses.asdict(self), "formats": list(self.formats)}  # as JSON reads it back
 
 
 @dataclass
@@ -253,7 +264,21 @@ def _split_reasoning(reasoning_content: str | None, content: str | None) -> tupl
     return reasoning, answer
 
 
-def _screen(record: Mapping[str, Any], config: TrainingSetConfig, identity: Identity) -> _Sample | str:
+def thinking_mode(tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig) -> bool | None:
+    """Whether every answer must carry reasoning (True), none may (False), or either (None).
+
+    A template with a thinking switch (Qwen3's ``enable_thinking``, on unless the kwargs turn it
+    off) says which; one without it (Qwen2.5's ChatML, a thinking-only model's) sets no rule.
+    """
+    template = tokenizer.chat_template
+    if "enable_thinking" not in json.dumps(template):
+        return None
+    return bool(config.chat_template_kwargs.get("enable_thinking", True))
+
+
+def _screen(
+    record: Mapping[str, Any], config: TrainingSetConfig, identity: Identity, thinking: bool | None
+) -> _Sample | str:
     """The sample a record gives, or the reason it is left out."""
     if not identity.owns(record):
         return "other_identity"
@@ -266,6 +291,12 @@ def _screen(record: Mapping[str, Any], config: TrainingSetConfig, identity: Iden
     reasoning, answer = _split_reasoning(record.get("reasoning_content"), record.get("content"))
     if not answer.strip():
         return "empty"
+    if any(tag in answer for tag in THINK_TAGS):
+        return "think_tag_in_content"
+    if thinking is True and not reasoning.strip():
+        return "reasoning_missing"
+    if thinking is False and reasoning.strip():
+        return "reasoning_unexpected"
     return _Sample(
         id=record["prompt_id"],
         source=record["source"],
@@ -277,7 +308,7 @@ def _screen(record: Mapping[str, Any], config: TrainingSetConfig, identity: Iden
 
 
 def _screened_chunks(
-    records: Iterable[Mapping[str, Any]], config: TrainingSetConfig, tally: _Tally
+    records: Iterable[Mapping[str, Any]], config: TrainingSetConfig, tally: _Tally, thinking: bool | None
 ) -> Iterator[list[_Sample]]:
     """Samples of at most ``chunk_rows`` records at a time; the records themselves are let go."""
     it = iter(records)
@@ -287,7 +318,7 @@ def _screened_chunks(
             return
         samples = []
         for record in chunk:
-            screened = _screen(record, config, tally.identity)
+            screened = _screen(record, config, tally.identity, thinking)
             if screened != "other_identity":
                 tally.own(record)
             if screened == "other_identity":
@@ -356,11 +387,17 @@ def render_digest(full: str, written: str) -> bytes:
     return hashlib.blake2b(f"{full}\0{written}".encode(), digest_size=16).digest()
 
 
+def _digest(segments: tuple[str, str, str], config: TrainingSetConfig) -> bytes:
+    prompt, assistant, trailer = segments
+    trained = assistant + trailer if config.train_newline_after_end_of_turn else assistant
+    return render_digest(prompt + assistant + trailer, trained)
+
+
 def _tokenize(
-    segments: Sequence[tuple[str, str, str]], tokenizer: PreTrainedTokenizerBase
+    segments: Sequence[tuple[str, str, str]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig
 ) -> tuple[list[list[int]], list[bytes]]:
     """Segment ids, and each sample's render digest (hashed here, beside the tokenizer, off the main thread)."""
-    return _encode(segments, tokenizer), [render_digest(p + a + t, a) for p, a, t in segments]
+    return _encode(segments, tokenizer), [_digest(triple, config) for triple in segments]
 
 
 def _encoded_chunks(
@@ -377,10 +414,10 @@ def _encoded_chunks(
     """
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending: tuple[list[_Sample], Future[tuple[list[list[int]], list[bytes]]]] | None = None
-        for samples in _screened_chunks(records, config, tally):
+        for samples in _screened_chunks(records, config, tally, thinking_mode(tokenizer, config)):
             if not samples:
                 continue
-            future = pool.submit(_tokenize, _segments(samples, tokenizer, config), tokenizer)
+            future = pool.submit(_tokenize, _segments(samples, tokenizer, config), tokenizer, config)
             if pending is not None:
                 yield _within_length(pending[0], *pending[1].result(), config, tally.reasons)
             pending = (samples, future)
@@ -414,13 +451,14 @@ def _within_length(
 # The Parquet training set
 
 
-def _table(samples: Sequence[_Sample], ids: Sequence[list[int]]) -> pa.Table:
+def _table(samples: Sequence[_Sample], ids: Sequence[list[int]], config: TrainingSetConfig) -> pa.Table:
     segment_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     values = np.fromiter(
         itertools.chain.from_iterable(ids), dtype=np.int32, count=int(segment_lengths.sum())
     )
-    # Segments alternate prompt, assistant, trailer: the mask is 0, 1, 0 over their lengths.
-    pattern = np.tile(np.array([0, 1, 0], dtype=np.uint8), len(samples))
+    # Segments alternate prompt, assistant, trailer: the mask is 0, 1 and the convention's over their lengths.
+    trailer = int(config.train_newline_after_end_of_turn)
+    pattern = np.tile(np.array([0, 1, trailer], dtype=np.uint8), len(samples))
     mask = np.repeat(pattern, segment_lengths)
     lengths = segment_lengths.reshape(-1, 3).sum(axis=1)
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
@@ -527,53 +565,56 @@ def build_training_set(
     *,
     identity: Identity,
     known: Mapping[str, Identity] | None = None,
-    conversations: str | os.PathLike[str] | None = None,
     trace: BuildTrace | None = None,
 ) -> Manifest:
-    """Write the Parquet shards and ``manifest.json`` under ``out_dir``, replacing what was there.
+    """Write the outputs ``config.formats`` names, ``manifest.json`` and the card under ``out_dir``, replacing what was there.
 
     Only records of ``identity`` are taken; ``known`` (the store's registry, by fingerprint) names
-    the other identities in the manifest. ``conversations``, if given, receives the same samples
-    as the conversations JSONL (one ``{"id", "conversations"}`` line per sample) from the same pass;
-    ``trace``, if given, is filled with what the pass saw.
+    the other identities in the manifest. ``trace``, if given, is filled with what the pass saw.
 
     Everything is written into a sibling temporary folder that is renamed into place at the end,
     so ``out_dir`` only ever holds a complete set (between the two renames that replace an old set
-    it is briefly absent); the JSONL is renamed over ``conversations`` just after. The same records
-    in the same order give byte-identical files.
+    it is briefly absent). The same records in the same order give byte-identical files.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run of a recycled pid
     staging.mkdir()
-    jsonl = Path(conversations) if conversations is not None else None
-    jsonl_staging = jsonl.with_name(f".{jsonl.name}.tmp-{os.getpid()}") if jsonl is not None else None
     try:
-        if jsonl_staging is not None:
-            jsonl_staging.parent.mkdir(parents=True, exist_ok=True)
-        with open(jsonl_staging, "w", encoding="utf-8") if jsonl_staging else nullcontext() as lines:
-            manifest = _write_training_set(
-                records, tokenizer, config, staging, _Tally(identity, known or {}, trace), lines
-            )
-            if lines is not None:
-                lines.flush()
-                os.fsync(lines.fileno())
+        manifest = _write_training_set(records, tokenizer, config, staging, _Tally(identity, known or {}, trace))
         # On disk before the rename, so that a machine crash cannot leave a renamed set whose
         # files were still in the page cache.
         for path in [*staging.iterdir(), staging]:
             _fsync(path)
         _replace_dir(staging, out_dir)
         _fsync(out_dir.parent)
-        if jsonl is not None and jsonl_staging is not None:
-            os.replace(jsonl_staging, jsonl)
-            _fsync(jsonl.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if jsonl_staging is not None:
-            jsonl_staging.unlink(missing_ok=True)
         raise
     return manifest
+
+
+class _JsonlOutputs:
+    """The trainers' JSONL files of a build, each opened only when its format is asked for."""
+
+    def __init__(self, directory: Path, formats: Collection[str]):
+        names = {FORMATS[f] for f in formats if f != "parquet"}
+        self._files = {name: open(directory / name, "wb") for name in sorted(names)}
+
+    def write(self, samples: Sequence[_Sample], table: pa.Table) -> None:
+        if CONVERSATIONS_NAME in self._files:
+            self._files[CONVERSATIONS_NAME].write("".join(map(_conversation_line, samples)).encode())
+        if PRETOKENIZED_NAME in self._files:
+            # polars writes the int lists in Rust: JSON for hundreds of millions of tokens.
+            pl.from_arrow(table.select(["id", "input_ids", "loss_mask"])).write_ndjson(
+                self._files[PRETOKENIZED_NAME]
+            )
+
+    def close(self) -> list[dict[str, Any]]:
+        for fh in self._files.values():
+            fh.close()
+        return [{"name": name, "sha256": _sha256(Path(fh.name))} for name, fh in self._files.items()]
 
 
 def _write_training_set(
@@ -582,24 +623,27 @@ def _write_training_set(
     config: TrainingSetConfig,
     directory: Path,
     tally: _Tally,
-    conversations: IO[str] | None,
 ) -> Manifest:
     stats = _Stats(config.max_length)
     writer = _ShardWriter(directory, config.rows_per_file)
+    jsonl = _JsonlOutputs(directory, config.formats)
     in_set = 0
-    for samples, ids, digests in _encoded_chunks(records, tokenizer, config, tally):
-        if not samples:
-            continue
-        table = _table(samples, ids)
-        writer.write(table)
-        stats.add(table, sum(len(x) for x in ids[1::3]))
-        in_set += sum(s.output_tokens for s in samples)
-        if conversations is not None:
-            conversations.writelines(_conversation_line(s) for s in samples)
-        if tally.trace is not None:
-            for sample, digest in zip(samples, digests):
-                tally.trace.renders.setdefault(sample.id, []).append(digest)
-    files = writer.close()
+    try:
+        for samples, ids, digests in _encoded_chunks(records, tokenizer, config, tally):
+            if not samples:
+                continue
+            table = _table(samples, ids, config)
+            writer.write(table)
+            jsonl.write(samples, table)
+            trailers = sum(len(x) for x in ids[2::3]) if config.train_newline_after_end_of_turn else 0
+            stats.add(table, sum(len(x) for x in ids[1::3]) + trailers)
+            in_set += sum(s.output_tokens for s in samples)
+            if tally.trace is not None:
+                for sample, digest in zip(samples, digests):
+                    tally.trace.renders.setdefault(sample.id, []).append(digest)
+    finally:
+        files = writer.close() + jsonl.close()
+    shards = [f["name"] for f in files if f["name"].endswith(".parquet")]
     samples, tokens, per_sample, histogram = stats.summary()
     template = json.dumps(tokenizer.chat_template, sort_keys=True).encode()
     manifest = Manifest(
@@ -618,13 +662,25 @@ def _write_training_set(
             "vocab_size": len(tokenizer),
             "chat_template_sha256": hashlib.sha256(template).hexdigest(),
         },
-        files=files,
+        files=[f for f in files if f["name"] in shards],
         output_tokens=tally.output_tokens,
         output_tokens_in_set=in_set,
         useful_token_share=round(in_set / tally.output_tokens, 4) if tally.output_tokens else 0.0,
+        outputs={f: shards if f == "parquet" else [FORMATS[f]] for f in config.formats},
+        trainer_files=[f for f in files if f["name"] not in shards],
+        mask_convention=mask_convention(config),
     )
+    (directory / CARD_NAME).write_text(dataset_card(manifest))
     (directory / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
+
+
+def mask_convention(config: TrainingSetConfig) -> str:
+    return MASK_CONVENTION.format(
+        newline="trained (mask 1), as SpecForge and speculators train it"
+        if config.train_newline_after_end_of_turn
+        else "not trained (mask 0): the model stops at the end-of-turn token and never writes it"
+    )
 
 
 def _replace_dir(new: Path, target: Path) -> None:
@@ -696,14 +752,15 @@ def expected_renders(
     What ``BuildTrace.renders`` holds, computed from records instead of by a build.
     """
     candidates: list[_Sample] = []
+    thinking = thinking_mode(tokenizer, config)
     for record in records:
         if ids is None or record.get("prompt_id") in ids:
-            screened = _screen(record, config, identity)
+            screened = _screen(record, config, identity, thinking)
             if not isinstance(screened, str):
                 candidates.append(screened)
     expected: dict[str, list[bytes]] = {}
-    for sample, (prompt, assistant, trailer) in zip(candidates, _segments(candidates, tokenizer, config)):
-        expected.setdefault(sample.id, []).append(render_digest(prompt + assistant + trailer, assistant))
+    for sample, segments in zip(candidates, _segments(candidates, tokenizer, config)):
+        expected.setdefault(sample.id, []).append(_digest(segments, config))
     return expected
 
 

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 TESTS = Path(__file__).parent
 #: The longest groups, measured (`--durations`), go out first: each worker starts on one of the
 #: two longest, and no long group is left to run alone at the end. The rest keep collection order.
-LONGEST_FIRST = ("deployment", "real_engine", "test_cli.py", "test_rehearsal.py", "assets")
+LONGEST_FIRST = ("deployment", "real_engine", "test_cli.py", "test_rehearsal.py", "assets", "trainers")
 
 
 def _group(item: pytest.Item) -> str:

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import json
+
 import dagster as dg
 import datasets
 import httpx
@@ -17,6 +19,7 @@ import yaml
 
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.store import CompletionStore
 
 EXPANSION_DAG = str(Path(sys.executable).parent / "expansion-dag")
 
@@ -173,6 +176,47 @@ def test_run_with_an_edited_file_sends_its_settings_to_its_fleet(tmp_path):
             dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=["shard-00"]), limit=1
         ).records
         assert observed and observed[0].asset_observation.metadata["total"].value > 0
+
+
+def sent(fleet: SimulatedFleet) -> tuple[int, int]:
+    """(generation requests, answers made to loop) the fleet has had so far: answered, refused, or
+    closed by the client (a stopped loop)."""
+    stats = [fleet.stats(i) for i in range(len(fleet.urls))]
+    requests = sum(sum(s["chat_requests_by_status"].values()) + s["aborted"] for s in stats)
+    return requests, sum(s["loops"] for s in stats)
+
+
+def test_a_fleet_whose_model_loops_on_a_tenth_of_prompts_finishes_and_asks_no_answer_twice(tmp_path):
+    """A real model's behaviour: a tenth of the prompts loop every time they are asked, lengths follow
+    the prompts' words, the servers' queues are bounded. Run, run again, then ask the loops again."""
+    model = SimServerConfig(port=0, max_running_requests=8, max_queued_requests=4, ttft_s=0.0, token_latency_s=0.0002,
+                            output_median_tokens=60, output_word_sigma=0.8, looping_prompt_share=0.1)
+    with SimulatedFleet([model, model]) as fleet:
+        config = write_config(tmp_path / "loops.yaml", {
+            "fleet": {"mode": "attach", "urls": fleet.urls},
+            "generation": {"backoff_initial_s": 0.01, "progress_interval_s": 0.5},
+        })
+
+        def run(*flags):
+            result = subprocess.run([EXPANSION_DAG, "run", "--config", str(config), *flags], cwd=tmp_path,
+                                    env=clean_env(), capture_output=True, text=True, timeout=540)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            return sent(fleet)
+
+        first_requests, loops = run()
+        assert loops > 5, "no prompt looped: the test proves nothing"
+        # Every prompt has its final answer: the second run sends nothing at all.
+        assert run() == (first_requests, loops)
+        # Asked for, the loops (and only they) are sent again, and loop again.
+        again_requests, again_loops = run("--retry-outcomes", "degenerate")
+    assert again_loops == 2 * loops and again_requests == first_requests + loops
+    store = CompletionStore(tmp_path / "storage" / "completions")
+    latest = list(store.latest_records())
+    assert sum(r["status"] == "failed" and r["error"] == "degenerate" for r in latest) == loops
+    # The training set holds every other answer; the loops are counted and left out.
+    manifest = json.loads((tmp_path / "storage" / "training_set" / "manifest.json").read_text())
+    assert manifest["left_out"]["failed"] == loops
+    assert manifest["samples"] == len(latest) - sum(manifest["left_out"].values()) > 0
 
 
 @pytest.mark.parametrize(

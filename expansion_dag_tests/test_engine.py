@@ -7,8 +7,10 @@ import json
 import httpx
 import pytest
 
-from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
+from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.errors import ShardAborted
+from expansion_dag.outcomes import CANARY_PROMPTS, is_final
 from expansion_dag.server_api import VLLM, dialect_for
 from expansion_dag.store import CompletionStore
 
@@ -335,7 +337,8 @@ def test_context_length_400_is_retried_once_with_the_servers_own_count(tmp_path)
     assert report.prompt_token_drift == {40: 1}
 
 
-def test_the_8192_incident_ends_after_one_canary_request_with_the_servers_words(tmp_path):
+def test_the_8192_incident_ends_after_a_few_canary_requests_with_the_servers_words(tmp_path):
+    """A refused request may be one bad prompt: the canary tries another, and stops when each is refused."""
     calls = 0
 
     def handler(request):
@@ -346,8 +349,8 @@ def test_the_8192_incident_ends_after_one_canary_request_with_the_servers_words(
 
     with pytest.raises(ShardAborted, match="canary request to http://gpu-0:30000 failed .*too large: 8192") as info:
         run(tmp_path, items(500), handler, slots=72)
-    assert calls == 1
-    assert info.value.report.failed == 1
+    assert calls == CANARY_PROMPTS == 3
+    assert info.value.report.failed == CANARY_PROMPTS
 
 
 def test_the_breaker_stops_a_shard_whose_requests_start_failing_the_same_way(tmp_path):
@@ -433,13 +436,46 @@ def test_progress_sums_the_retries_by_kind(tmp_path):
         calls[n] += 1
         await asyncio.sleep(0.01)
         if calls[n] == 1 and n % 3 == 0:
-            return httpx.Response(503, json={"object": "error", "message": "The request queue is full.", "code": 503})
+            return httpx.Response(502, text="Bad Gateway")
         return httpx.Response(200, json=completion())
 
     config = EngineConfig(**{**FAST, "progress_interval_s": 0.005})
     report, _ = run(tmp_path, items(30), handler, slots=2, config=config, on_progress=seen.append)
     assert report.retries_by_kind == {"transient": 10}
     assert any("retries [transient " in str(p) for p in seen)
+
+
+QUEUE_FULL = {"object": "error", "message": "The request queue is full.", "type": "503", "code": 503}
+
+
+def test_a_full_queue_slows_the_sender_and_never_uses_up_a_prompts_attempts(tmp_path):
+    calls = collections.Counter()
+
+    def handler(request):
+        n = prompt_number(request)
+        calls[n] += 1
+        if calls[n] <= 3:
+            return httpx.Response(503, json=QUEUE_FULL)
+        return httpx.Response(200, json=completion())
+
+    # One attempt a prompt: a queue-full answer is backpressure, not a failed attempt.
+    report, store = run(tmp_path, items(6), handler, config=EngineConfig(**{**FAST, "max_attempts": 1}))
+    assert report.ok == 6 and report.failed == 0
+    assert report.backpressure == report.retries_by_kind["queue_full"] == 18
+    assert report.attempts == 24
+    assert {r["attempts"] for r in store.records("shard-00")} == {4}
+
+
+def test_a_queue_that_stays_full_past_the_wait_is_a_failure_a_rerun_asks_again(tmp_path):
+    def handler(request):
+        return httpx.Response(503, json=QUEUE_FULL)
+
+    config = EngineConfig(**{**FAST, "backpressure_wait_s": 0.01, "canary": False, "breaker_window": 100})
+    report, store = run(tmp_path, items(3), handler, config=config)
+    assert report.failed == 3 and report.failures_by_kind == {"queue_full": 3}
+    failures = list(store.records("shard-00", status="failed"))
+    assert {(f["error"], f["outcome"], f["http_status"]) for f in failures} == {("queue_full", "backpressure", 503)}
+    assert not any(is_final(f) for f in failures)
 
 
 def test_completion_identity_follows_model_and_sampling():

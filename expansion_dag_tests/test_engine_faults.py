@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 
-from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
+from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.errors import ShardAborted
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet

@@ -3,7 +3,8 @@ and from the run's own answers as they return. Against the simulator over real H
 so the store's order is the dispatch order."""
 
 from expansion_dag.answer_lengths import learn
-from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
+from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import CompletionStore

@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from expansion_dag import repetitive_corpus
-from expansion_dag.engine import EngineConfig, SamplingSettings, Server, WorkItem, generate_shard
+from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import SGLANG, dialect_for
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet

@@ -62,7 +62,7 @@ def results(samples, raw):
 
 @pytest.fixture(scope="module")
 def selection(samples, results):
-    return select_prompts(list(results.values()), catalog=samples)
+    return select_prompts(list(results.values()), plan=samples)
 
 
 def messages(result, row_index: int) -> list[dict[str, str]]:
@@ -388,20 +388,20 @@ def test_weights_share_total_prompts_and_exhausted_sources_give_their_rest():
         ],
         total_prompts=100,
     )
-    stats = select_prompts([small, big, other], catalog=catalog).stats
+    stats = select_prompts([small, big, other], plan=catalog).stats
     # small's share is 25 but it has 10; the other 90 split 2:1.
     assert [stats[n].prompts_out for n in ("small", "big", "other")] == [10, 60, 30]
 
 
 def test_select_puts_results_in_catalog_order_and_rejects_strangers(samples, results):
-    reversed_order = select_prompts(list(results.values())[::-1], catalog=samples)
-    forward = select_prompts(list(results.values()), catalog=samples)
+    reversed_order = select_prompts(list(results.values())[::-1], plan=samples)
+    forward = select_prompts(list(results.values()), plan=samples)
     assert reversed_order.prompts.equals(forward.prompts)
     stranger = extract_prompts(pl.DataFrame({"query": ["hi"]}), source="stranger", extractor="codefeedback")
     with pytest.raises(ValueError, match="not in the catalog: stranger"):
-        select_prompts([stranger], catalog=samples)
+        select_prompts([stranger], plan=samples)
     with pytest.raises(ValueError, match="either a catalog or quotas"):
-        select_prompts([stranger], catalog=samples, seed=1)
+        select_prompts([stranger], plan=samples, seed=1)
 
 
 def test_the_vectorized_path_matches_a_plain_python_reference():

@@ -158,6 +158,35 @@ def test_a_server_that_exits_at_startup_fails_fast_with_its_log(tmp_path):
     assert "context_length" in str(info.value) or "context-length" in str(info.value)
 
 
+#: Logs its arguments, the key among them, then runs the rest of the command, as SGLang 0.5.23
+#: does at start-up (``server_args=...``: seen in a launched real server's log,
+#: real_engine/test_pipeline.py). ``{api_key}`` is filled by the launcher.
+LOGS_ITS_KEY = "sh -c 'echo \"server_args api_key={api_key}\" && exec \"$0\" \"$@\"' "
+
+
+def test_the_key_a_server_logs_at_startup_is_masked_in_its_log(tmp_path):
+    [port] = free_ports(1)
+    launcher = simulator_launcher(tmp_path, [port])
+    launcher.command = LOGS_ITS_KEY + launcher.command
+    try:
+        launcher.ensure_running(timeout_s=60)
+        log = launcher.log_path(launcher.specs[0]).read_text()
+        assert "server_args api_key=" + "*" * len("launch-secret") in log
+        assert "launch-secret" not in log
+    finally:
+        launcher.stop()
+
+
+def test_a_failed_start_quotes_its_log_without_the_key(tmp_path):
+    [port] = free_ports(1)
+    launcher = simulator_launcher(tmp_path, [port])
+    launcher.command = LOGS_ITS_KEY + "false"  # then exits at once
+    with pytest.raises(ServerStartError, match="exited before it was ready") as info:
+        launcher.ensure_running(timeout_s=60)
+    assert "server_args api_key=***" in str(info.value) and "launch-secret" not in str(info.value)
+    assert "launch-secret" not in launcher.log_path(launcher.specs[0]).read_text()
+
+
 def test_an_unknown_placeholder_in_the_launch_command_is_named(tmp_path):
     launcher = Launcher(
         state_dir=tmp_path, command="serve --gpu-count {gpus}", host="127.0.0.1",

@@ -176,7 +176,7 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
 
     stored = objects(root)
     assert {"assets/prompts.parquet", "assets/budgeted_prompts.parquet", "set_aside/budgeted_prompts.parquet",
-            "training_set/manifest.json", "exports/conversations.jsonl"} <= set(stored)
+            "training_set/manifest.json", "training_set/README.md", "training_set/conversations.jsonl"} <= set(stored)
     assert {f"assets/shard_prompts/{key}.parquet" for key in SHARD_KEYS} <= set(stored)
     assert sum(o.startswith("completions/") for o in stored) > len(SHARD_KEYS)  # rolled segments
     # No partial download (nor staged digest) left: both are hidden files named after their segment.

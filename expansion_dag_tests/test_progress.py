@@ -4,7 +4,7 @@ import io
 
 import stamina.instrumentation
 
-from expansion_dag.engine import Progress
+from expansion_dag.shard_report import Progress
 from expansion_dag.progress import ProgressDisplay, ShardProgress, quiet_third_party, render_table, retry_summary
 
 STATES = {"shard-00": "running", "shard-01": "running", "shard-02": "running"}

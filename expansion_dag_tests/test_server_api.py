@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from expansion_dag import errors, server_api
-from expansion_dag.engine import SamplingSettings
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import SGLANG, SGLANG_MIN_VERSION, VLLM, dialect_for
 from expansion_dag_tests.helpers import mock_client
 

@@ -8,7 +8,7 @@ import pytest
 
 from expansion_dag import server_api
 from expansion_dag.degeneration import LoopThresholds
-from expansion_dag.engine import SamplingSettings
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.errors import BadResponseError, ContextLengthError, TransientError
 from expansion_dag.server_api import SGLANG, VLLM, ChatStream, DegenerateError, parse_chat_completion, parse_chat_stream
 from expansion_dag_tests.helpers import mock_client

@@ -219,20 +219,20 @@ def test_a_store_never_takes_simulated_and_real_completions(tmp_path):
     assert len(os.listdir(tmp_path / "completions" / "shard-00")) == 1  # nothing written for the refused run
     # And the other way round.
     real_store = CompletionStore(tmp_path / "real")
-    real_store.register(REAL)
+    real_store.registry.register(REAL)
     with pytest.raises(MixedStoreError, match="holds real completions"):
         real_store.writer("shard-00", identity=SIM)
 
 
 def test_the_identity_registry_names_who_wrote_the_store_and_is_not_a_shard(tmp_path):
     store = CompletionStore(tmp_path)
-    store.register(REAL)
-    store.register(REAL)
+    store.registry.register(REAL)
+    store.registry.register(REAL)
     other = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="f-cold", settings={"temperature": 0.1})
     with store.writer("shard-00", identity=other) as w:
         w.append(ok(other.key("p1"), prompt_id="p1"))
-    assert store.identities() == {"f-real": REAL, "f-cold": other}
-    assert store.identities()["f-cold"].settings == {"temperature": 0.1}
+    assert store.registry.known() == {"f-real": REAL, "f-cold": other}
+    assert store.registry.known()["f-cold"].settings == {"temperature": 0.1}
     assert store.shards() == ["shard-00"]
     [record] = store.latest_records()
     assert other.owns(record) and not REAL.owns(record)

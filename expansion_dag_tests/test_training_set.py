@@ -149,7 +149,7 @@ def test_reasoning_drop_and_the_empty_think_block(qwen3, tmp_path):
     rec = record(1)
     _, [thinking_on] = build([rec], qwen3, tmp_path, "on", reasoning="drop")
     _, [thinking_off] = build(
-        [rec], qwen3, tmp_path, "off", reasoning="drop",
+        [record(1, reasoning=None)], qwen3, tmp_path, "off", reasoning="drop",
         chat_template_kwargs={"enable_thinking": False},
     )
     for row in (thinking_on, thinking_off):
@@ -164,10 +164,37 @@ def test_reasoning_drop_and_the_empty_think_block(qwen3, tmp_path):
     )
 
 
-def test_kept_reasoning_with_thinking_disabled_is_refused(qwen3, tmp_path):
-    with pytest.raises(ValueError, match="not a prefix"):
-        build([record(1)], qwen3, tmp_path, chat_template_kwargs={"enable_thinking": False})
-    assert not (tmp_path / "ts").exists()
+def test_quality_gates_count_each_answer_they_leave_out(qwen3, qwen_chatml, tmp_path):
+    gates = ("empty", "think_tag_in_content", "reasoning_missing", "reasoning_unexpected")
+    records = [
+        record(0),
+        record(1, content=""),
+        # A parser left a tag in the content; a think block never closed (no parser split it).
+        record(2, content="It is 4.</think>"),
+        record(3, content="<think>\nstill thinking, then cut", reasoning=None),
+        record(4, reasoning=None),  # thinking on, yet no reasoning
+        record(5, reasoning=""),
+    ]
+    manifest, rows = build(records, qwen3, tmp_path, "on")
+    assert [r["id"] for r in rows] == ["p0000"]
+    assert {g: manifest.left_out[g] for g in gates} == {
+        "empty": 1, "think_tag_in_content": 2, "reasoning_missing": 2, "reasoning_unexpected": 0
+    }
+    assert "| reasoning_missing | 2 |" in manifest_markdown(manifest)
+    # Thinking off: reasoning is what must not be there (kept or dropped, the model thought).
+    for policy in ("keep", "drop"):
+        manifest, rows = build(
+            records, qwen3, tmp_path, f"off-{policy}", reasoning=policy,
+            chat_template_kwargs={"enable_thinking": False},
+        )
+        assert sorted(r["id"] for r in rows) == ["p0004", "p0005"]
+        assert {g: manifest.left_out[g] for g in gates} == {
+            "empty": 1, "think_tag_in_content": 2, "reasoning_missing": 0, "reasoning_unexpected": 1
+        }
+    # A template with no thinking switch sets no reasoning rule; the other gates still hold.
+    manifest, rows = build(records, qwen_chatml, tmp_path, "chatml", reasoning="drop")
+    assert sorted(r["id"] for r in rows) == ["p0000", "p0004", "p0005"]
+    assert manifest.left_out["reasoning_missing"] == manifest.left_out["reasoning_unexpected"] == 0
 
 
 def test_inline_think_block_is_split_like_a_reasoning_parser_would(qwen3, tmp_path):
@@ -190,14 +217,14 @@ def test_left_out_records_are_counted_by_reason(qwen3, tmp_path):
         record(5, content="<think>\nall thinking</think>\n", reasoning=None),
         {"key": MODEL.key("p0006"), "prompt_id": "p0006", "source": "src0", "status": "failed", "error": "http"},
         record(7, content="word " * 400),
-        {**record(8, content="ok", reasoning=None), "messages": [{"role": "user", "content": "?"}]},
+        {**record(8, content="ok", reasoning="k"), "messages": [{"role": "user", "content": "?"}]},
         record(9),
     ]
     manifest, rows = build(records, qwen3, tmp_path, max_length=200, min_length=20)
     assert [r["id"] for r in rows] == ["p0000", "p0009"]
     assert manifest.left_out == {
         "other_identity": 0, "failed": 1, "unfinished": 0, "truncated": 1, "empty": 4, "too_long": 1,
-        "too_short": 1,
+        "too_short": 1, "think_tag_in_content": 0, "reasoning_missing": 0, "reasoning_unexpected": 0,
     }
     assert list(manifest.left_out) == list(LEFT_OUT_REASONS)
     # Kept when asked to; and min_length == max_length leaves only samples of exactly that length.
@@ -249,10 +276,13 @@ def test_manifest_totals_match_the_rows(qwen3, tmp_path):
 
 def test_same_records_give_byte_identical_files(qwen3, tmp_path):
     records = [record(i) for i in range(25)]
-    build(records, qwen3, tmp_path, "a", chunk_rows=4, rows_per_file=10)
-    build(records, qwen3, tmp_path, "b", chunk_rows=4, rows_per_file=10)
+    formats = ["parquet", "specforge-conversations", "specforge-pretokenized"]
+    build(records, qwen3, tmp_path, "a", chunk_rows=4, rows_per_file=10, formats=formats)
+    build(records, qwen3, tmp_path, "b", chunk_rows=4, rows_per_file=10, formats=formats)
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == ["manifest.json"] + [f"part-0000{i}.parquet" for i in range(3)]
+    assert names == ["README.md", "conversations.jsonl", "manifest.json"] + [
+        f"part-0000{i}.parquet" for i in range(3)
+    ] + ["pretokenized.jsonl"]
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
@@ -301,13 +331,11 @@ def test_round_trip_check_passes_and_catches_corruption(qwen3, tmp_path):
 def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     records = [record(0), record(1, finish_reason="length"), record(2, content="word " * 400)]
     config = TrainingSetConfig(max_length=200)
-    manifest = build_training_set(
-        records, qwen3, config, tmp_path / "ts", identity=MODEL, conversations=tmp_path / "built.jsonl"
-    )
-    lines = [json.loads(x) for x in (tmp_path / "built.jsonl").read_text().splitlines()]
+    manifest = build_training_set(records, qwen3, config, tmp_path / "ts", identity=MODEL)
+    assert manifest.outputs["specforge-conversations"] == ["conversations.jsonl"]
+    lines = [json.loads(x) for x in (tmp_path / "ts" / "conversations.jsonl").read_text().splitlines()]
     # Exactly the Parquet set's samples: the cut answer and the over-long one are left out of both.
     assert manifest.samples == len(lines) == 1
-    assert not list(tmp_path.glob(".built.jsonl.tmp-*"))
     [line] = lines
     assert line == {
         "id": "p0000",
@@ -323,6 +351,36 @@ def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     [row] = pq.read_table(data_files(tmp_path / "ts")).to_pylist()
     rendered = qwen3.apply_chat_template(line["conversations"], tokenize=False)
     assert rendered == decode(qwen3, row["input_ids"])
+
+
+def test_the_newline_after_the_end_of_turn_is_trained_when_configured(qwen3, tmp_path):
+    records = [record(i) for i in range(4)]
+    formats = ["parquet", "specforge-pretokenized"]
+    default, untrained = build(records, qwen3, tmp_path, "default", formats=formats)
+    manifest, rows = build(records, qwen3, tmp_path, "trained", formats=formats, train_newline_after_end_of_turn=True)
+    newline = qwen3.encode("\n", add_special_tokens=False)
+    for before, after in zip(untrained, rows):
+        assert before["input_ids"] == after["input_ids"] and before["input_ids"][-1:] == newline
+        assert before["loss_mask"][-1] == 0 and after["loss_mask"] == before["loss_mask"][:-1] + [1]
+        assert written(qwen3, after) == (written(qwen3, before)[0] + "\n", True)
+    assert manifest.assistant_tokens == default.assistant_tokens + len(records)
+    assert "is trained (mask 1)" in manifest.mask_convention and "not trained" in default.mask_convention
+    # The trainers' JSONL holds exactly the Parquet rows, and the round trip checks the convention.
+    lines = [json.loads(x) for x in (tmp_path / "trained" / "pretokenized.jsonl").read_text().splitlines()]
+    assert lines == [{k: r[k] for k in ("id", "input_ids", "loss_mask")} for r in rows]
+    config = TrainingSetConfig(train_newline_after_end_of_turn=True)
+    assert check_round_trip(rows, expected_renders(records, qwen3, config, identity=MODEL), qwen3).ok
+    assert check_round_trip(untrained, expected_renders(records, qwen3, config, identity=MODEL), qwen3).failed == 4
+
+
+def test_formats_are_checked(qwen3):
+    with pytest.raises(ValueError, match="'parquet' among them"):
+        TrainingSetConfig(formats=["specforge-pretokenized"])
+    with pytest.raises(ValueError, match="formats must name some of"):
+        TrainingSetConfig(formats=["parquet", "megatron"])
+    assert TrainingSetConfig(formats=["speculators-pretokenized", "parquet", "parquet"]).formats == (
+        "parquet", "speculators-pretokenized"
+    )
 
 
 def test_second_template_masks_its_own_reasoning_format(tiny, tmp_path):
@@ -408,7 +466,7 @@ def test_rebuild_replaces_the_previous_set(qwen3, tmp_path):
     build([record(i) for i in range(30)], qwen3, tmp_path, rows_per_file=10)
     manifest, rows = build([record(0)], qwen3, tmp_path, rows_per_file=10)
     names = sorted(p.name for p in (tmp_path / "ts").iterdir())
-    assert names == ["manifest.json", "part-00000.parquet"]
+    assert names == ["README.md", "conversations.jsonl", "manifest.json", "part-00000.parquet"]
     assert manifest.samples == len(rows) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ts"]
 

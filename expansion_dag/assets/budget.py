@@ -48,7 +48,7 @@ def budgeted_prompts(
     )
     identity = Identity.of(fleet_info.identity, fleet_info.simulated, settings.sampling())
     # Before any work: simulated and real completions never share a store.
-    storage.completion_store().refuse_other_kind(identity)
+    storage.completion_store().registry.refuse_other_kind(identity)
     night_metadata: dict = {}
     take = None
     if config.night:

@@ -17,10 +17,12 @@ import dagster as dg
 import polars as pl
 
 from expansion_dag.answer_lengths import Estimate, bucket_label, cell_estimates, learn
+from expansion_dag.outcomes import is_final
 from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.assets.configuration import resource_fields, run_configuration_file
 from expansion_dag.assets.progress import shard_progress_reporter
-from expansion_dag.engine import ShardReport, Server, WorkItem, generate_shard
+from expansion_dag.engine import Server, WorkItem, generate_shard
+from expansion_dag.shard_report import ShardReport
 from expansion_dag.errors import ShardAborted
 from expansion_dag.partitions import shard_index, shard_partitions
 from expansion_dag.resources.fleet import FleetResource
@@ -91,10 +93,32 @@ def completions(
 
     store = storage.completion_store()
     already = store.scan()  # the whole store in one pass: a prompt may have moved between shards
-    todo = prompts.filter(~pl.col("key").is_in(list(already.done)))
+    # Expected answer lengths, learned from this identity's completions in the store (earlier
+    # nights, other shards) and refined by the run: they order the queue, the typed priors only
+    # where nothing was learned. The same pass finds the final answers: prompts the model answered
+    # (a loop included) are not asked again unless the user names their outcome.
+    final: set[str] = set()
+
+    def noting_final(records):
+        for record in records:
+            if is_final(record, settings.retry_outcomes):
+                final.add(record["key"])
+            yield record
+
+    lengths = learn(noting_final(store.latest_records(digest=True)), identity.owns)
+    learned_from_store = lengths.answers
+    final_failures = final - already.done
+    todo = prompts.filter(~pl.col("key").is_in(list(already.done | final)))
+    shard_final_failures = prompts.filter(pl.col("key").is_in(list(final_failures))).height
     context.log.info(
-        f"{shard}: {prompts.height} prompts, {prompts.height - todo.height} already done, "
-        f"{todo.height} to send to {url} ({server.slots} slots)"
+        f"{shard}: {prompts.height} prompts, {prompts.height - todo.height - shard_final_failures} already done, "
+        + (
+            f"{shard_final_failures} answered as loops before (final; kept for inspection: "
+            "--retry-outcomes degenerate asks them again), "
+            if shard_final_failures
+            else ""
+        )
+        + f"{todo.height} to send to {url} ({server.slots} slots)"
     )
     items = [
         WorkItem(
@@ -116,11 +140,6 @@ def completions(
             (pl.col("expected_tokens") - pl.col("prompt_tokens")).alias("expected_output_tokens"),
         ).iter_rows(named=True)
     ]
-    # Expected answer lengths, learned from this identity's completions in the store (earlier
-    # nights, other shards) and refined by the run: they order the queue, the typed priors only
-    # where nothing was learned.
-    lengths = learn(store.latest_records(digest=True), identity.owns)
-    learned_from_store = lengths.answers
     cells = [(i.source, i.prompt_tokens, i.expected_output_tokens) for i in items]
     estimates_before = cell_estimates(lengths, cells)
     aborted: str | None = None
@@ -135,6 +154,7 @@ def completions(
                 sampling=sampling,
                 config=settings.engine_config(),
                 helpers=helpers,
+                fleet_urls=[s.url for s in fleet_info.servers],
                 api_key=fleet.api_key(),
                 lengths=lengths,
                 on_progress=shard_progress_reporter(context, shard),
@@ -321,6 +341,10 @@ def _order_metadata(
     }
 
 
+def _rounded(value: float | None) -> float | str:
+    return "n/a" if value is None else round(value, 4)
+
+
 def _metadata(
     report: ShardReport,
     shard: str,
@@ -335,6 +359,7 @@ def _metadata(
 ) -> dict[str, Any]:
     simulated = bool(effective["fleet"].get("simulator"))
     label = " (simulator)" if simulated else ""
+    clairvoyant = report.clairvoyant_makespan_s()
     # Idle servers that took some of this shard's prompts are listed too; their utilization is
     # the share of their slots this shard used.
     per_server = [
@@ -389,6 +414,16 @@ def _metadata(
         "requests_on_idle_servers": sum(s.requests for s in report.helpers.values()),
         "context_retries": report.context_retries,
         "queue_reorders": report.reorders,
+        # Whose fault the failures were is the taxonomy's (expansion_dag.outcomes): a full queue is
+        # backpressure, waited out or sent elsewhere, never a prompt's attempt.
+        "attempts_sent": report.attempts,
+        "queue_full_answers": report.backpressure,
+        # How well the queue foresaw the long answers: the rank correlation of expected against
+        # actual lengths, and the makespan against a clairvoyant longest-first schedule of the
+        # answers' own service times on the own slots (under 1 when idle servers helped).
+        "length_rank_correlation": _rounded(report.length_rank_correlation()),
+        "clairvoyant_makespan_s": round(clairvoyant, 2),
+        "makespan_over_clairvoyant_bound": _rounded(report.elapsed_s / clairvoyant if clairvoyant > 0 else None),
         "effective_config": dg.MetadataValue.json(json.loads(json.dumps(effective, default=str))),
         "aborted": report.aborted or "",
     }

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import dagster as dg
 
-from expansion_dag.engine import Progress
+from expansion_dag.shard_report import Progress
 from expansion_dag.progress import ShardProgress, silence_retry_logging
 
 

@@ -61,7 +61,7 @@ def build_prompts_asset(catalog: Catalog) -> dg.AssetsDefinition:
     def prompts(context: dg.AssetExecutionContext, storage: StorageResource) -> pl.DataFrame:
         """One chat prompt per row, ending at a user turn, with a stable content-hash id."""
         results = [_extract(storage, s) for s in catalog.sources]
-        selection = select_prompts(results, catalog=catalog)
+        selection = select_prompts(results, plan=catalog)
         quarantine_path = storage.write_parquet(selection.quarantine, "quarantine", "prompts.parquet")
         accounting = pl.DataFrame([s.as_dict() for s in selection.stats.values()])
         by_reason = (

@@ -2,8 +2,9 @@
 
 The current identity is the model the budget was probed from (simulated or not, as recorded in
 ``budgeted_prompts``' metadata) with the current sampling settings and cap; every other record is
-counted and left out. The store is read once, in file order: the build writes the set and the
-conversations export from that pass, and keeps what the round trip (a digest of each row's render)
+counted and left out. The store is read once, in file order: the build writes, from that pass,
+every output the ``training_formats`` setting names (the trainers' files beside the Parquet set),
+the manifest and the dataset card, and keeps what the round trip (a digest of each row's render)
 and the nightly table (each prompt's outcome) need. The checks read the written Parquet files back
 and recompute from them; an empty set fails, naming what was left out and why.
 """
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 
 from expansion_dag.assets.budget import FLEET_IDENTITY, SIMULATED_FLEET
 from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.dataset_card import dataset_card
 from expansion_dag.ledger import nights
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
@@ -83,14 +85,13 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
     identity = Identity.of(model, simulated, settings.sampling())
     config = settings.training_set_config(context_length)
     out_dir = storage.path("training_set")
-    jsonl = storage.path("exports", "conversations.jsonl")
-    # One pass over the store, in file order: the set, the export, and (in the trace) what the
-    # round trip and the nightly table need.
+    # One pass over the store, in file order: every output, and (in the trace) what the round trip
+    # and the nightly table need.
     trace = BuildTrace()
-    with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging, storage.local_staging(jsonl) as lines:
+    with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging:
         manifest = build_training_set(
-            store.latest_records(), tokenizer, config, staging, identity=identity, known=store.identities(),
-            conversations=lines, trace=trace,
+            store.latest_records(), tokenizer, config, staging, identity=identity, known=store.registry.known(),
+            trace=trace,
         )
 
     yield from training_set_checks(out_dir, trace.renders, tokenizer, config, identity)
@@ -118,7 +119,9 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
             "summary": dg.MetadataValue.md(manifest_markdown(manifest)),
             "path": dg.MetadataValue.path(str(out_dir)),
             "files": dg.MetadataValue.json(data_files(out_dir)),
-            "conversations_jsonl": dg.MetadataValue.path(str(jsonl)),
+            # Each output by format, and what a trainer needs to know (README.md in the folder).
+            "outputs": dg.MetadataValue.json(manifest.outputs),
+            "dataset_card": dg.MetadataValue.md(dataset_card(manifest)),
             **_nights_metadata(storage, trace),
         }
     )

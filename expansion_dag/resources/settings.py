@@ -15,13 +15,16 @@ from pydantic import Field
 
 from expansion_dag.budget import BudgetConfig
 from expansion_dag.config import GenerationConfig
-from expansion_dag.engine import EngineConfig, SamplingSettings
+from expansion_dag.engine import EngineConfig
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from expansion_dag.training_set import TrainingSetConfig
 
 #: Settings that change how fast a shard runs and reports, never what it generates: left out of
 #: the record the configuration drift check compares.
-_NOT_RECORDED = frozenset({"progress_interval_s", "client_tick_s"})
+_NOT_RECORDED = frozenset(
+    {"progress_interval_s", "client_tick_s", "training_formats", "train_newline_after_end_of_turn"}
+)
 
 
 class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
@@ -85,6 +88,8 @@ class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
             chat_template_kwargs=self.template_kwargs(),
             max_length=context_length,
             min_length=self.min_sample_tokens,
+            formats=tuple(self.training_formats),
+            train_newline_after_end_of_turn=self.train_newline_after_end_of_turn,
         )
 
     def as_metadata(self) -> dict[str, Any]:

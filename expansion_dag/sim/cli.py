@@ -155,6 +155,18 @@ def _parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.loop_rate,
         help="share of answers that degenerate into a loop repeating one span until the cap",
     )
+    sim.add_argument(
+        "--looping-prompt-share",
+        type=float,
+        default=_DEFAULTS.looping_prompt_share,
+        help="share of prompts (chosen by their text) that loop every time they are asked, as real models do",
+    )
+    sim.add_argument(
+        "--output-word-sigma",
+        type=float,
+        default=_DEFAULTS.output_word_sigma,
+        help="spread of the per-word effects on answer lengths: lengths follow what the prompt says (0: off)",
+    )
     sim.add_argument("--prompt-token-skew", type=int, default=_DEFAULTS.prompt_token_skew)
     return p
 
@@ -198,6 +210,8 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         fail_status=args.fail_status,
         die_after_requests=args.die_after_requests,
         hang_rate=args.hang_rate,
+        looping_prompt_share=args.looping_prompt_share,
+        output_word_sigma=args.output_word_sigma,
         abort_rate=args.abort_rate,
         loop_rate=args.loop_rate,
         prompt_token_skew=args.prompt_token_skew,

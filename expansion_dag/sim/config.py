@@ -57,7 +57,12 @@ class SimServerConfig:
     ``prompt_token_skew`` is added to every prompt count the server reports. ``abort_rate`` answers
     that share of generation requests as SGLang answers an aborted one: HTTP 200, partial text,
     ``finish_reason: "abort"``. ``loop_rate`` makes that share of answers degenerate: a few words,
-    then one span repeated until the cap (``finish_reason: "length"``).
+    then one span repeated until the cap (``finish_reason: "length"``), by request counter (an
+    unlucky sample). ``looping_prompt_share`` is what real models do: that share of prompts, chosen
+    by the prompt's text, loops every time it is asked. ``output_word_sigma`` makes lengths follow
+    what the prompt says: each word of the user's instruction (its first and last words) moves the
+    log-median by an effect drawn per word (a tenth of words have one, of this spread), as "in
+    detail" and "in one word" do.
 
     ``version`` is the server version whose HTTP surface is emulated (None: the newest read,
     :data:`SGLANG_VERSION` or :data:`VLLM_VERSION`). ``max_total_tokens`` is the KV cache in tokens
@@ -97,6 +102,8 @@ class SimServerConfig:
     hang_rate: float = 0.0
     abort_rate: float = 0.0
     loop_rate: float = 0.0
+    looping_prompt_share: float = 0.0
+    output_word_sigma: float = 0.0
     prompt_token_skew: int = 0
 
     def __post_init__(self) -> None:
@@ -173,7 +180,9 @@ def _problems(c: SimServerConfig):
         yield f"output_prompt_exponent must be within [-4, 4], got {c.output_prompt_exponent}"
     if not 0 < c.reasoning_share < 1:
         yield f"reasoning_share must be strictly between 0 and 1, got {c.reasoning_share}"
-    for name in ("fail_rate", "hang_rate", "abort_rate", "loop_rate"):
+    if not (math.isfinite(c.output_word_sigma) and 0 <= c.output_word_sigma <= 3):
+        yield f"output_word_sigma must be within [0, 3], got {c.output_word_sigma}"
+    for name in ("fail_rate", "hang_rate", "abort_rate", "loop_rate", "looping_prompt_share"):
         value = getattr(c, name)
         if not 0 <= value <= 1:
             yield f"{name} must be in [0, 1], got {value}"

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import math
 import random
+import re
 import statistics
 from collections.abc import Sequence
 
@@ -33,6 +34,10 @@ _STREAM_PERIOD_WORDS = 4096
 # Fixed so that the stream, and so every answer, is the same across runs and machines.
 _STREAM_SEED = 20240601
 _NORMAL = statistics.NormalDist()
+_INSTRUCTION_WORD = re.compile(r"[a-z0-9]+")
+#: Share of words whose presence changes answer lengths, and the most they change the log-median.
+_WORDS_WITH_EFFECT = 0.1
+_WORD_EFFECT_LIMIT = 2.5
 #: The prompt length at which ``prompt_exponent`` leaves the median unchanged.
 PROMPT_REFERENCE_TOKENS = 64
 
@@ -113,6 +118,7 @@ class OutputModel:
         seed: int,
         median_by_marker: Sequence[tuple[str, int]] = (),
         prompt_exponent: float = 0.0,
+        word_sigma: float = 0.0,
     ) -> None:
         self._stream = word_stream(tokenizer_spec, _STREAM_PERIOD_WORDS + max_length)
         self._max_length = max_length
@@ -122,6 +128,29 @@ class OutputModel:
         self._sigma = sigma
         self._reasoning_share = reasoning_share
         self._key = seed.to_bytes(16, "little", signed=True)
+        self._word_sigma = word_sigma
+
+    def _uniform(self, *parts: str) -> float:
+        """A number in (0, 1) drawn from ``parts`` and the seed: the same every time they are the same."""
+        digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=8, key=self._key).digest()
+        return (int.from_bytes(digest, "little") + 0.5) / 2.0**64
+
+    def loops(self, instruction: str, share: float) -> bool:
+        """Whether this prompt is one of the ``share`` that loop every time they are asked."""
+        return share > 0 and self._uniform("loop", instruction) < share
+
+    def word_effect(self, instruction: str) -> float:
+        """How far the instruction's words move the log-median: a tenth of all words carry an effect
+        (normal, ``word_sigma``), read from the first and last words, where instructions sit."""
+        if not self._word_sigma:
+            return 0.0
+        words = _INSTRUCTION_WORD.findall(instruction.lower())
+        words = words if len(words) <= 48 else words[:32] + words[-16:]
+        effect = 0.0
+        for word in set(words):
+            if self._uniform("carries", word) < _WORDS_WITH_EFFECT:
+                effect += self._word_sigma * _NORMAL.inv_cdf(self._uniform("effect", word))
+        return max(-_WORD_EFFECT_LIMIT, min(_WORD_EFFECT_LIMIT, effect))
 
     def generate(
         self,
@@ -132,13 +161,14 @@ class OutputModel:
         thinking: bool,
         split_reasoning: bool,
         prompt_tokens: int = PROMPT_REFERENCE_TOKENS,
+        instruction: str = "",
     ) -> Completion:
         """The completion for a prompt, cut at ``cap`` tokens if it does not end before.
 
         Its length is lognormal around a median that depends on the prompt, as real answers do:
         the median of the first marker of ``median_by_marker`` found in the prompt (e.g. a
         source's instruction), else ``median_tokens``, scaled by ``(prompt_tokens / 64) **
-        prompt_exponent``.
+        prompt_exponent``, moved by the instruction's words (:meth:`word_effect`).
 
         An answer of ``cap`` tokens or more finishes with ``length``: its end-of-sequence token
         would be one more. ``split_reasoning`` is the reasoning parser at work: thinking goes to
@@ -153,6 +183,7 @@ class OutputModel:
         log_median = next((m for marker, m in self._log_medians if marker in rendered_prompt), self._log_median)
         if self._prompt_exponent:
             log_median += self._prompt_exponent * math.log(max(1, prompt_tokens) / PROMPT_REFERENCE_TOKENS)
+        log_median += self.word_effect(instruction)
         length = min(self._max_length, max(1, round(math.exp(log_median + self._sigma * z))))
         if not thinking:
             n = min(length, cap)

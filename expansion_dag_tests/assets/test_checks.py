@@ -220,7 +220,7 @@ def generated_shard(tmp_path, instance):
 def stored(res) -> tuple[list[dict], Identity]:
     """The shard's records as stored, and the identity that wrote them."""
     store = res["storage"].completion_store()
-    [identity] = store.identities().values()
+    [identity] = store.registry.known().values()
     return list(store.latest_records(shards=[SHARD])), identity
 
 

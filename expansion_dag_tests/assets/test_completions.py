@@ -1,6 +1,7 @@
 """The generation stage through Dagster, against simulated servers over real HTTP."""
 
 import collections
+from pathlib import Path
 
 import dagster as dg
 import polars as pl
@@ -115,8 +116,9 @@ def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, i
         run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.7)
         first = latest_check(instance, "configuration_unchanged", "shard-00")
         sent_before = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
+        # The outputs written change nothing generated: not a drift.
         results, res = run_pipeline(frame, fleet.urls, tmp_path, instance, training=True, temperature=0.3,
-                                    drop_truncated=False)
+                                    drop_truncated=False, training_formats=["parquet", "speculators-pretokenized"])
         sent_after = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
     assert first.passed
     drift = latest_check(instance, "configuration_unchanged", "shard-00")
@@ -136,12 +138,25 @@ def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, i
     assert count == frame.height and label.startswith("Qwen/Qwen3-8B (simulator) [settings ")
     assert materialization.metadata["simulated"].value is True
     assert "SIMULATED" in materialization.metadata["summary"].value
+    assert "training_formats" not in drift.metadata["changes"].value
+    # The outputs the configuration chose, named in the metadata, and the card beside them.
+    assert materialization.metadata["outputs"].value == {
+        "parquet": ["part-00000.parquet"], "speculators-pretokenized": ["pretokenized.jsonl"]
+    }
+    assert sorted(p.name for p in Path(out_dir).iterdir()) == [
+        "README.md", "manifest.json", "part-00000.parquet", "pretokenized.jsonl"
+    ]
+    card = (Path(out_dir) / "README.md").read_text()
+    assert card == materialization.metadata["dataset_card"].value
+    assert "**SIMULATED**" in card and f"| other identity: {label} | {frame.height} |" in card
+    # Each command runs as it is written (the simulator's model name quoted for the shell).
+    assert "speculators prepare-data --model 'Qwen/Qwen3-8B (simulator)' --data $PWD/pretokenized.jsonl" in card
 
 
 def test_a_simulated_run_is_refused_in_a_store_of_real_completions(tmp_path, instance):
     real = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="production-settings")
     res = resources([], tmp_path)
-    res["storage"].completion_store().register(real)  # what a production run leaves behind
+    res["storage"].completion_store().registry.register(real)  # what a production run leaves behind
     with SimulatedFleet([SimServerConfig(**FAST_SIM)] * len(SHARD_KEYS)) as fleet:
         res = resources(fleet.urls, tmp_path)
         assets = [prompts_asset(small_frame()), budgeted_prompts, shard_prompts, completions]
@@ -190,7 +205,9 @@ def test_a_vllm_fleet_is_probed_and_served_with_exact_budgets(tmp_path, instance
 
 
 def test_a_shard_still_queued_borrows_idle_servers_and_lists_them(tmp_path, instance):
-    slow = dict(FAST_SIM, token_latency_s=0.001)  # a shard of a few seconds: idle servers get polled
+    # A shard of several seconds: idle servers are polled each second, and borrowed once three
+    # readings in a row find them idle.
+    slow = dict(FAST_SIM, token_latency_s=0.003)
     frame = small_frame(240)
     with SimulatedFleet([SimServerConfig(**slow)] * len(SHARD_KEYS)) as fleet:
         served = {}

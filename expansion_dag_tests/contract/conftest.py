@@ -36,20 +36,19 @@ SIMULATORS = {
 }
 
 
-class Simulators:
-    """The running simulated servers, a keyed client, and prompts of chosen sizes."""
+class Provider:
+    """What the scenarios ask of the servers that give the responses: a keyed client, the URL of
+    each named server, the context and KV cache they run with, and prompts of chosen sizes
+    (counted by the bundled Qwen3 tokenizer, the servers' own)."""
 
-    def __init__(self, fleet: SimulatedFleet, client: httpx.Client) -> None:
-        self.fleet = fleet
+    def __init__(self, client: httpx.Client, context: int, kv_tokens: int) -> None:
         self.client = client
-        self._urls = dict(zip(SIMULATORS, fleet.urls, strict=True))
+        self.context = context
+        self.kv_tokens = kv_tokens
         self._tokenizer = load_tokenizer()
 
     def url(self, name: str) -> str:
-        return self._urls[name]
-
-    def stats(self, name: str) -> dict:
-        return self.fleet.stats(list(SIMULATORS).index(name))
+        raise NotImplementedError
 
     def prompt_tokens(self, messages: list[dict], thinking: bool = True) -> int:
         kwargs = None if thinking else {"enable_thinking": False}
@@ -66,6 +65,21 @@ class Simulators:
             if count > tokens:
                 raise AssertionError(f"no conversation of exactly {tokens} tokens (jumped to {count})")
             words += max(1, (tokens - count) // 2)
+
+
+class Simulators(Provider):
+    """The running simulated servers, one per name of ``SIMULATORS``."""
+
+    def __init__(self, fleet: SimulatedFleet, client: httpx.Client) -> None:
+        super().__init__(client, CONTEXT, KV_TOKENS)
+        self.fleet = fleet
+        self._urls = dict(zip(SIMULATORS, fleet.urls, strict=True))
+
+    def url(self, name: str) -> str:
+        return self._urls[name]
+
+    def stats(self, name: str) -> dict:
+        return self.fleet.stats(list(SIMULATORS).index(name))
 
 
 @pytest.fixture(scope="session")

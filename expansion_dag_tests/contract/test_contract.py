@@ -31,8 +31,8 @@ from expansion_dag.server_api import (
     parse_idle_slots,
     parse_server_facts,
 )
-from expansion_dag.sim.server import _VllmDialect
-from expansion_dag_tests.contract.conftest import CONTEXT, KV_TOKENS, VLLM_NAME, Simulators
+from expansion_dag.sim.dialects import VllmDialect
+from expansion_dag_tests.contract.conftest import VLLM_NAME, Provider, Simulators
 from expansion_dag_tests.contract.shapes import Fixture, all_fixtures, load_fixture, shape_differences
 
 #: Keys only the simulator sends, each a path into one response: nothing else may be added.
@@ -52,14 +52,14 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
 # --- the simulator's side: one request per fixture --------------------------------------------
 
 
-def _chat(sims: Simulators, server: str, messages=POEM, **fields) -> httpx.Response:
+def _chat(sims: Provider, server: str, messages=POEM, **fields) -> httpx.Response:
     model = VLLM_NAME if server.startswith("vllm") else "Qwen/Qwen3-8B"
     return sims.client.post(
         f"{sims.url(server)}/v1/chat/completions", json={"model": model, "messages": messages, **fields}
     )
 
 
-def _get(server: str, path: str) -> Callable[[Simulators], httpx.Response]:
+def _get(server: str, path: str) -> Callable[[Provider], httpx.Response]:
     return lambda sims: sims.client.get(f"{sims.url(server)}{path}")
 
 
@@ -81,53 +81,63 @@ def _queue_full(sims: Simulators) -> httpx.Response:
             wait_for(lambda: (s := sims.stats("sglang-queue"))["num_running"] + s["num_waiting"] == 0)
 
 
-#: fixture id -> how the simulator is made to give the same response.
-SCENARIOS: dict[str, Callable[[Simulators], httpx.Response]] = {
+def _over_max_req_input_len(s: Provider) -> int:
+    """A prompt at or over SGLang's scheduler limit, ``min(context - 1, kv - 1) - 5``, but under the context."""
+    return min(s.context, s.kv_tokens) - 4
+
+
+#: fixture id -> how the simulator (or a real server, real_engine/test_sglang_contract.py) is made
+#: to give the same response; the sizes are those of the provider's context and KV cache.
+SCENARIOS: dict[str, Callable[[Provider], httpx.Response]] = {
     "sglang/models": _get("sglang", "/v1/models"),
     "sglang/server_info": _get("sglang", "/server_info"),
     "sglang/get_server_info_0.5.4": _get("sglang-0.5.4", "/get_server_info"),
     "sglang/loads": _get("sglang", "/v1/loads"),
     "sglang/get_load_0.5.7": _get("sglang-0.5.7", "/get_load"),
     "sglang/get_load_0.5.4": _get("sglang-0.5.4", "/get_load"),
-    "sglang/chat_completion": lambda s: _chat(s, "sglang", chat_template_kwargs=THINKING_OFF, max_tokens=400),
+    "sglang/chat_completion": lambda s: _chat(
+        s, "sglang", chat_template_kwargs=THINKING_OFF, max_tokens=s.context // 8
+    ),
     "sglang/chat_completion_reasoning": lambda s: _chat(s, "sglang", max_tokens=400),
     "sglang/chat_completion_abort": lambda s: _chat(s, "sglang-abort", chat_template_kwargs=THINKING_OFF),
-    "sglang/error_over_context": lambda s: _chat(s, "sglang", max_tokens=CONTEXT - s.prompt_tokens(POEM) + 1),
-    "sglang/error_input_longer_than_context": lambda s: _chat(s, "sglang", s.messages_of(CONTEXT + 20), max_tokens=1),
-    "sglang/error_max_completion_tokens_too_large": lambda s: _chat(s, "sglang", max_tokens=CONTEXT + 1),
-    "sglang/error_input_over_max_req_input_len": lambda s: _chat(s, "sglang", s.messages_of(KV_TOKENS), max_tokens=1),
+    "sglang/error_over_context": lambda s: _chat(s, "sglang", max_tokens=s.context - s.prompt_tokens(POEM) + 1),
+    "sglang/error_input_longer_than_context": lambda s: _chat(s, "sglang", s.messages_of(s.context + 20), max_tokens=1),
+    "sglang/error_max_completion_tokens_too_large": lambda s: _chat(s, "sglang", max_tokens=s.context + 1),
+    "sglang/error_input_over_max_req_input_len": lambda s: _chat(
+        s, "sglang", s.messages_of(_over_max_req_input_len(s)), max_tokens=1
+    ),
     "sglang/error_queue_full": _queue_full,
     "sglang/error_unauthorized": lambda s: httpx.get(f"{s.url('sglang')}/v1/models"),
     "vllm/models": _get("vllm", "/v1/models"),
     "vllm/version": _get("vllm", "/version"),
     "vllm/chat_completion": lambda s: _chat(s, "vllm-plain", chat_template_kwargs=THINKING_OFF, max_tokens=400),
     "vllm/chat_completion_reasoning": lambda s: _chat(s, "vllm", max_tokens=400),
-    "vllm/chat_completion_truncated": lambda s: _chat(s, "vllm-plain", s.messages_of(CONTEXT - 12), max_tokens=400),
-    "vllm/error_max_tokens_too_large": lambda s: _chat(s, "vllm", max_tokens=CONTEXT + 1),
-    "vllm/error_prompt_too_long": lambda s: _chat(s, "vllm", s.messages_of(CONTEXT + 20), max_tokens=1),
-    "vllm/error_prompt_fills_context": lambda s: _chat(s, "vllm", s.messages_of(CONTEXT), max_tokens=1),
+    "vllm/chat_completion_truncated": lambda s: _chat(s, "vllm-plain", s.messages_of(s.context - 12), max_tokens=400),
+    "vllm/error_max_tokens_too_large": lambda s: _chat(s, "vllm", max_tokens=s.context + 1),
+    "vllm/error_prompt_too_long": lambda s: _chat(s, "vllm", s.messages_of(s.context + 20), max_tokens=1),
+    "vllm/error_prompt_fills_context": lambda s: _chat(s, "vllm", s.messages_of(s.context), max_tokens=1),
     "vllm/error_model_not_found": lambda s: s.client.post(
         f"{s.url('vllm')}/v1/chat/completions", json={"model": "gpt-4", "messages": POEM}
     ),
     "vllm/error_unauthorized": lambda s: httpx.get(f"{s.url('vllm')}/v1/models"),
 }
 
-#: The simulator's own figures, which its responses must carry where a fixture has a number.
-EXPECTED_NUMBERS: dict[str, Callable[[Simulators], dict[str, int]]] = {
+#: The provider's own figures, which its responses must carry where a fixture has a number.
+EXPECTED_NUMBERS: dict[str, Callable[[Provider], dict[str, int]]] = {
     "sglang/error_over_context": lambda s: {
-        "context": CONTEXT,
+        "context": s.context,
         "input_tokens": (p := s.prompt_tokens(POEM)),
-        "max_tokens": CONTEXT - p + 1,
-        "total": CONTEXT + 1,
+        "max_tokens": s.context - p + 1,
+        "total": s.context + 1,
     },
-    "sglang/error_input_longer_than_context": lambda s: {"input_tokens": CONTEXT + 20, "context": CONTEXT},
-    "sglang/error_max_completion_tokens_too_large": lambda s: {"max_tokens": CONTEXT + 1, "context": CONTEXT},
+    "sglang/error_input_longer_than_context": lambda s: {"input_tokens": s.context + 20, "context": s.context},
+    "sglang/error_max_completion_tokens_too_large": lambda s: {"max_tokens": s.context + 1, "context": s.context},
     "sglang/error_input_over_max_req_input_len": lambda s: {
-        "input_tokens": KV_TOKENS,
-        "max_req_input_len": min(CONTEXT - 1, KV_TOKENS - 1) - 5,
+        "input_tokens": _over_max_req_input_len(s),
+        "max_req_input_len": min(s.context - 1, s.kv_tokens - 1) - 5,
     },
-    "vllm/error_max_tokens_too_large": lambda s: {"max_tokens": CONTEXT + 1, "context": CONTEXT},
-    "vllm/error_prompt_too_long": lambda s: {"input_tokens": CONTEXT + 20, "context": CONTEXT},
+    "vllm/error_max_tokens_too_large": lambda s: {"max_tokens": s.context + 1, "context": s.context},
+    "vllm/error_prompt_too_long": lambda s: {"input_tokens": s.context + 20, "context": s.context},
     "vllm/error_prompt_fills_context": lambda s: {"max_tokens": 0},
 }
 
@@ -157,7 +167,7 @@ def check_version(fixture, body, version, sims):
 def check_server_info(fixture, body, version, sims):
     dialect = dialect_for("sglang", body["version"])
     assert dialect.server_info_path == fixture.request_path
-    # The same server's /v1/models: the recorded one, or the simulated server's own.
+    # The same server's /v1/models: the recorded one, or the provider's own.
     if sims is None:
         models = load_fixture("sglang", "models").body
     else:
@@ -213,7 +223,7 @@ def check_truncated(fixture, body, version, sims):
     check_chat(fixture, body, version, sims)
     usage = body["usage"]
     assert body["choices"][0]["finish_reason"] == "length"
-    context = CONTEXT if sims else 8192
+    context = sims.context if sims else 8192
     assert usage["prompt_tokens"] + usage["completion_tokens"] == context
 
 
@@ -300,22 +310,29 @@ def test_the_client_reads_the_real_response(fixture: Fixture):
     _check(fixture)(fixture, fixture.body, fixture.version, None)
 
 
-@pytest.mark.parametrize("fixture", [f for f in FIXTURES if f.id not in CLIENT_ONLY], ids=lambda f: f.id)
-def test_the_simulator_gives_the_real_response_and_the_client_reads_it(fixture: Fixture, simulators):
-    response = SCENARIOS[fixture.id](simulators)
+def check_response(
+    fixture: Fixture, response: httpx.Response, provider: Provider, extra_allowed: frozenset[str]
+) -> None:
+    """A provider's response has the fixture's status, shape and error text (with the provider's
+    own numbers), and the client reads it as the server means it."""
     assert response.status_code == fixture.status, response.text
     body = response.json()
-    assert shape_differences(fixture.body, body, nullable=fixture.nullable, extra_allowed=SIM_ONLY_KEYS) == []
+    assert shape_differences(fixture.body, body, nullable=fixture.nullable, extra_allowed=extra_allowed) == []
     if fixture.name == "error_unauthorized":
         assert body == fixture.body
     if fixture.message:
         message = error_text(body)
         match = fixture.message_pattern().fullmatch(message)
         assert match, f"{message!r} does not follow the server's format {fixture.message['format']!r}"
-        wanted = EXPECTED_NUMBERS.get(fixture.id, lambda _: {})(simulators)
+        wanted = EXPECTED_NUMBERS.get(fixture.id, lambda _: {})(provider)
         assert {k: int(match[k]) for k in wanted} == wanted
     version = body.get("version") if isinstance(body, dict) and "version" in body else fixture.version
-    _check(fixture)(fixture, body, version, simulators)
+    _check(fixture)(fixture, body, version, provider)
+
+
+@pytest.mark.parametrize("fixture", [f for f in FIXTURES if f.id not in CLIENT_ONLY], ids=lambda f: f.id)
+def test_the_simulator_gives_the_real_response_and_the_client_reads_it(fixture: Fixture, simulators):
+    check_response(fixture, SCENARIOS[fixture.id](simulators), simulators, SIM_ONLY_KEYS)
 
 
 # --- the checker itself --------------------------------------------------------------------------
@@ -340,7 +357,7 @@ def test_the_shape_comparison_reports_each_kind_of_drift():
 
 def test_a_simulator_whose_shape_drifts_fails_the_suite(monkeypatch, simulators):
     """Bring back the old vLLM field name in the simulator: the comparison must say so."""
-    original = _VllmDialect.completion_body
+    original = VllmDialect.completion_body
 
     def drifted(self, job, eos_token_id):
         body = original(self, job, eos_token_id)
@@ -348,7 +365,7 @@ def test_a_simulator_whose_shape_drifts_fails_the_suite(monkeypatch, simulators)
         message["reasoning_content"] = message.pop("reasoning")
         return body
 
-    monkeypatch.setattr(_VllmDialect, "completion_body", drifted)
+    monkeypatch.setattr(VllmDialect, "completion_body", drifted)
     fixture = load_fixture("vllm", "chat_completion_reasoning")
     body = SCENARIOS[fixture.id](simulators).json()
     assert sorted(shape_differences(fixture.body, body, nullable=fixture.nullable, extra_allowed=SIM_ONLY_KEYS)) == [

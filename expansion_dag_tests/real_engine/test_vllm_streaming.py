@@ -30,9 +30,7 @@ skips outputs of a request it has aborted, so an aborted request is not counted 
 show that decoding stopped.)
 
 The stop is driven through the real client path: ``send_chat`` with ``LoopThresholds`` on
-answers that really loop. A random model does not loop by itself at sampling temperature, so the
-answer is made to: greedy decoding with a ``logit_bias`` that puts one token on top every step,
-and ``ignore_eos`` so nothing but the client ends it early.
+answers that really loop (``support.looping_request``).
 
 ``stream_interval`` (``ChatCompletionRequest.stream_interval`` in
 ``vllm/entrypoints/openai/chat_completion/protocol.py``, into ``SamplingParams``; used in
@@ -43,9 +41,7 @@ in about max_tokens / interval events with the usage unchanged.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,52 +49,21 @@ from typing import Any
 import httpx
 import pytest
 
-from expansion_dag.degeneration import LoopThresholds
-from expansion_dag.engine import SamplingSettings
-from expansion_dag.http_client import make_client
-from expansion_dag.server_api import VLLM, ChatStream, DegenerateError, chat_request, send_chat
-from expansion_dag_tests.real_engine.conftest import API_KEY, CONTEXT_LENGTH, SLOTS
-from expansion_dag_tests.real_engine.support import VllmServer
+from expansion_dag.server_api import VLLM, ChatStream
+from expansion_dag_tests.real_engine.conftest import CONTEXT_LENGTH, SLOTS
+from expansion_dag_tests.real_engine.support import (
+    FREE_TIMEOUT_S,
+    LOOP_MESSAGES,
+    LOOP_TEXT,
+    LOOP_THRESHOLDS,
+    REQUEST_TIMEOUT_S,
+    VllmServer,
+    answer_at_once,
+    looping_request,
+    stop_looping_streams,
+)
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-#: The loop's span: one token, forced on top at every step.
-LOOP_TEXT = " loop"
-#: A loop is seen after ~32 tokens of " loop" (160 characters), checked every 8 characters: long
-#: enough for /metrics, polled meanwhile, to see all SLOTS requests running.
-THRESHOLDS = LoopThresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
-#: Greedy: the forced token always wins, so every answer is exactly the same loop.
-GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1)
 STREAM_INTERVAL = 8
-REQUEST_TIMEOUT_S = 60.0
-#: Bound on the wait for the slots to empty; they are expected to in well under a second.
-FREE_TIMEOUT_S = 15.0
-
-
-def token_id(server: VllmServer, text: str) -> int:
-    response = httpx.post(
-        server.url + "/tokenize",
-        json={"model": str(server.model_dir), "prompt": text, "add_special_tokens": False},
-        headers=server.headers(), timeout=30,
-    )
-    response.raise_for_status()
-    [token] = response.json()["tokens"]
-    return token
-
-
-def looping_request(server: VllmServer, max_tokens: int, stream_interval: int | None = None) -> dict[str, Any]:
-    """A streamed request whose answer is ``LOOP_TEXT`` repeated until max_tokens."""
-    request = chat_request(
-        str(server.model_dir), MESSAGES, max_tokens, GREEDY, stream=True, stream_interval=stream_interval,
-        continuous_usage=VLLM.continuous_usage,  # as the engine asks vLLM: the tokens so far in each chunk
-    )
-    request["logit_bias"] = {str(token_id(server, LOOP_TEXT)): 100}
-    request["ignore_eos"] = True
-    return request
-
-
-def client() -> httpx.AsyncClient:
-    return make_client(timeout_s=REQUEST_TIMEOUT_S, connect_timeout_s=5.0, tls=ssl.create_default_context(),
-                       api_key=API_KEY)
 
 
 def wait_for(server: VllmServer, done: Callable[[dict[str, float]], bool], timeout_s: float) -> dict[str, float]:
@@ -120,44 +85,19 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> int:
 def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(vllm_server: VllmServer, figures):
     server = vllm_server
     server.wait_idle()
-    prompt_tokens = len(server.tokenize(MESSAGES))
+    prompt_tokens = len(server.tokenize(LOOP_MESSAGES))
     max_tokens = CONTEXT_LENGTH - prompt_tokens - 8  # near the context: a loop would run long
     # Streamed as the engine streams to vLLM: in events of several tokens, asked for per request.
-    request = looping_request(server, max_tokens, stream_interval=STREAM_INTERVAL)
+    # (With the tokens so far in each chunk, as the engine asks vLLM: continuous usage.)
+    request = looping_request(server, LOOP_MESSAGES, max_tokens, VLLM, stream_interval=STREAM_INTERVAL)
     assert request["stream_interval"] == STREAM_INTERVAL
     before = server.metrics()
 
-    async def stop_one() -> DegenerateError:
-        async with client() as c:
-            with pytest.raises(DegenerateError) as caught:
-                await asyncio.wait_for(
-                    send_chat(c, server.url, request, VLLM, THRESHOLDS, stream_interval=STREAM_INTERVAL),
-                    REQUEST_TIMEOUT_S,
-                )
-            return caught.value
-
-    async def stop_all() -> tuple[list[DegenerateError], float, float]:
-        most_running = 0.0
-        polling = True
-
-        async def poll() -> None:  # the requests are really running at the server, all SLOTS of them
-            nonlocal most_running
-            while polling:
-                m = await asyncio.to_thread(server.metrics)
-                most_running = max(most_running, m.get("vllm:num_requests_running", 0))
-                await asyncio.sleep(0.02)
-
-        poller = asyncio.create_task(poll())
-        try:
-            stopped = await asyncio.gather(*(stop_one() for _ in range(SLOTS)))
-            closed_at = time.monotonic()
-        finally:
-            polling = False
-            await asyncio.wait_for(poller, 15)
-        return stopped, closed_at, most_running
-
     started = time.monotonic()
-    stopped, closed_at, most_running = asyncio.run(stop_all())
+    # The requests are really running at the server, all SLOTS of them, when the client stops them.
+    stopped, closed_at, most_running = stop_looping_streams(
+        server, request, VLLM, LOOP_THRESHOLDS, count=SLOTS, stream_interval=STREAM_INTERVAL
+    )
 
     # All SLOTS connections are closed now; the engine must drop every request and its KV blocks.
     def free(m: dict[str, float]) -> bool:
@@ -198,17 +138,8 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(vllm_serv
     assert delta(before, settled, "vllm:request_success_total:length") == 0  # none ran to its cap
 
     # The slots are free: SLOTS fresh requests are all admitted and answered at once.
-    fresh = chat_request(str(server.model_dir), MESSAGES, 8, GREEDY)
-
-    async def fresh_all() -> list[Any]:
-        async def one() -> Any:
-            async with client() as c:
-                return await asyncio.wait_for(send_chat(c, server.url, fresh, VLLM), REQUEST_TIMEOUT_S)
-        return await asyncio.gather(*(one() for _ in range(SLOTS)))
-
-    started = time.monotonic()
-    answers = asyncio.run(fresh_all())
-    figures["stopped_stream"]["s_fresh_requests_after_free"] = round(time.monotonic() - started, 2)
+    answers, fresh_s = answer_at_once(server, LOOP_MESSAGES, 8, VLLM, count=SLOTS)
+    figures["stopped_stream"]["s_fresh_requests_after_free"] = round(fresh_s, 2)
     assert [a.completion_tokens for a in answers] == [8] * SLOTS
     assert figures["stopped_stream"]["s_fresh_requests_after_free"] < 10.0, figures["stopped_stream"]
 
@@ -229,9 +160,11 @@ def test_stream_interval_sends_one_event_per_interval_tokens_with_the_usage_unch
     vllm_server: VllmServer, figures
 ):
     max_tokens, interval = 64, STREAM_INTERVAL
-    every_token, per_token_events = read_stream(vllm_server, looping_request(vllm_server, max_tokens))
+    every_token, per_token_events = read_stream(
+        vllm_server, looping_request(vllm_server, LOOP_MESSAGES, max_tokens, VLLM)
+    )
     batched, batched_events = read_stream(
-        vllm_server, looping_request(vllm_server, max_tokens, stream_interval=interval)
+        vllm_server, looping_request(vllm_server, LOOP_MESSAGES, max_tokens, VLLM, stream_interval=interval)
     )
     plain, grouped = every_token.answer(), batched.answer()
     figures["stream_interval"] = {

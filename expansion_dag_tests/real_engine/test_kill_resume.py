@@ -1,9 +1,10 @@
-"""SIGKILL a shard's run mid-generation on a real vLLM server, resume it: each prompt answered once.
+"""SIGKILL a shard's run mid-generation on a real server (vLLM, SGLang), resume it: each prompt answered once.
 
-"Generated" is counted by the server itself: vLLM's finished-request counters (``stop`` and
-``length``), read from its /metrics before and after each run. The requests in flight when the
-client dies still run to their end at the server (short answers finish before vLLM notices the
-closed connection); those answers are lost with the client and asked for again, the one cost of
+"Generated" is counted by the server itself (``EngineServer.generated``: vLLM's finished-request
+counters for ``stop`` and ``length``; SGLang's finished requests less its aborted ones), read
+from its /metrics before and after each run. The requests in flight when the client dies either
+run to their end at the server (short answers finish before it notices the closed connection) or
+are aborted; answers that finished are lost with the client and asked for again, the one cost of
 a SIGKILL, bounded by the requests in flight.
 """
 
@@ -14,11 +15,12 @@ import signal
 import time
 
 import polars as pl
+import pytest
 
 from expansion_dag.engine import EngineConfig
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.real_engine.conftest import SLOTS
-from expansion_dag_tests.real_engine.support import failure_report, finished_between
+from expansion_dag_tests.real_engine.support import Deployment, EngineServer, failure_report
 
 SHARD = "shard-00"
 #: The kill lands once this many completions are durable: past the canary, far from the end.
@@ -29,15 +31,17 @@ def lines_in(store_dir) -> int:
     return sum(p.read_bytes().count(b"\n") for p in store_dir.glob("seg-*.jsonl"))
 
 
-def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(tmp_path, attach, vllm_server, figures):
-    deployment = attach(tmp_path)
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(engine, request, tmp_path, figures):
+    server: EngineServer = request.getfixturevalue(f"{engine}_server")
+    deployment: Deployment = request.getfixturevalue(f"{engine}_attach")(tmp_path)
     prepared = deployment.prepare()
-    assert prepared.returncode == 0, failure_report(prepared, vllm_server)
+    assert prepared.returncode == 0, failure_report(prepared, server)
     prompts = pl.read_parquet(deployment.storage / "assets" / "budgeted_prompts.parquet")["prompt_id"].to_list()
     store = CompletionStore(deployment.storage / "completions")
     store_dir = deployment.storage / "completions" / SHARD
 
-    before = vllm_server.metrics()
+    before = server.metrics()
     run = deployment.start(*deployment.generate_args(SHARD))
     deadline = time.monotonic() + 180
     while lines_in(store_dir) < KILL_AFTER_LINES and run.poll() is None and time.monotonic() < deadline:
@@ -45,23 +49,24 @@ def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(tmp_p
     assert run.poll() is None, "the shard ended before the kill:\n" + run.communicate()[0][-3000:]
     os.killpg(run.pid, signal.SIGKILL)
     run.wait()
-    vllm_server.wait_idle()  # the killed client's requests are aborted or finished at the server
-    at_kill = vllm_server.metrics()
+    server.wait_idle()  # the killed client's requests are aborted or finished at the server
+    at_kill = server.metrics()
     done_at_kill = len(store.scan(SHARD).done)
 
     resumed = deployment.run(*deployment.generate_args(SHARD))
-    assert resumed.returncode == 0, failure_report(resumed, vllm_server)
-    after = vllm_server.metrics()
+    assert resumed.returncode == 0, failure_report(resumed, server)
+    after = server.metrics()
 
     # Answers the engine generated (stop or length) while each run was up.
-    generated_by_killed_run = finished_between(before, at_kill, "stop", "length")
-    generated_by_resume = finished_between(at_kill, after, "stop", "length")
+    generated_by_killed_run = server.generated(before, at_kill)
+    generated_by_resume = server.generated(at_kill, after)
     scan = store.scan(SHARD)
-    figures["kill_resume"] = {
+    figures[engine]["kill_resume"] = {
         "prompts": len(prompts),
         "durable_at_kill": done_at_kill,
         "generated_by_killed_run": generated_by_killed_run,
-        "aborted_at_kill": finished_between(before, after, "abort"),
+        "requests_at_kill": server.received(before, at_kill),
+        "aborted_at_kill": server.aborted(before, at_kill),
         "lost_in_flight_at_kill": generated_by_killed_run - done_at_kill,
         "generated_by_resume": generated_by_resume,
         "duplicate_lines": scan.duplicates,
@@ -70,7 +75,7 @@ def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(tmp_p
     # Every answer the killed run wrote was kept. Only answers in flight at the kill can have been
     # generated and lost with the client; the resume asked the server for the rest, once each.
     assert 0 <= generated_by_killed_run - done_at_kill <= EngineConfig().workers_for(SLOTS)
-    assert generated_by_resume == len(prompts) - done_at_kill
+    assert generated_by_resume == server.received(at_kill, after) == len(prompts) - done_at_kill
     assert scan.duplicates == 0 and scan.failed == set()
     assert sorted(r["prompt_id"] for r in store.records(SHARD)) == sorted(prompts)
     metadata = deployment.metadata("completions", SHARD)

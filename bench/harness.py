@@ -1,0 +1,466 @@
+"""The benchmarks' shared harness: clocks, machine facts, child processes, the simulated fleet and
+the JSON result. Each ``bench_*.py`` script keeps only what it measures.
+
+Scripts run as ``.venv/bin/python bench/bench_X.py``, which puts ``bench/`` on ``sys.path``, so
+they import this module as ``harness``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+#: Where generated inputs are cached between runs.
+DATA_DIR = Path(tempfile.gettempdir()) / "expansion_dag_bench"
+HOST = "127.0.0.1"
+#: A child process prints its result as one line starting with this mark; the rest is its log.
+RESULT_MARK = "@@RESULT "
+_TICK = os.sysconf("SC_CLK_TCK")
+
+# ---------------------------------------------------------------------------------------------
+# Machine facts
+
+
+def _cpu_model_and_memory_gib() -> tuple[str, float | None]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem_gib = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    return model, mem_gib
+
+
+#: The libraries whose versions move the data benchmarks' figures.
+DATA_PACKAGES = ("polars", "pyarrow", "numpy", "transformers", "tokenizers", "datasets")
+
+
+def machine(*packages: str) -> dict[str, Any]:
+    """What a result records about the machine it ran on, with the versions of ``packages``."""
+    model, mem_gib = _cpu_model_and_memory_gib()
+    facts: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "memory_gib": mem_gib,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    for name in packages:
+        facts[name] = importlib.import_module(name).__version__
+    if "polars" in packages:
+        facts["polars_threads"] = importlib.import_module("polars").thread_pool_size()
+    if "tokenizers" in packages:  # the Rust tokenizer uses every core unless this says otherwise
+        facts["TOKENIZERS_PARALLELISM"] = os.environ.get("TOKENIZERS_PARALLELISM")
+    return facts
+
+
+# ---------------------------------------------------------------------------------------------
+# Clocks and memory
+
+
+def cpu_s() -> float:
+    """User + system CPU seconds of this process, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's children that have been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _status_mib(field: str, pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def process_peak_mib(pid: int) -> float:
+    """Peak RSS (``VmHWM``) of a live process."""
+    return _status_mib("VmHWM", pid)
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine, every process and core, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    total = sum(values)
+    return (total - values[3] - values[4]) / _TICK, total / _TICK  # busy: all but idle and iowait
+
+
+def maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
+_window_start_rss_mib: float | None = None
+
+
+def reset_peak() -> float:
+    """Start a fresh peak-RSS window (Linux ``clear_refs`` 5) and return the process's peak so far.
+
+    Setup (imports, the tokenizer, loading the inputs) can peak higher than the measured work; after
+    the reset ``VmHWM`` is the peak of what follows, starting from the RSS now.
+    """
+    global _window_start_rss_mib
+    peak = maxrss_mib()
+    with contextlib.suppress(OSError):  # not allowed: the figure stays the process's peak
+        Path("/proc/self/clear_refs").write_text("5")
+    _window_start_rss_mib = round(rss_mib(), 1)
+    return round(peak, 1)
+
+
+def window_start_rss_mib() -> float | None:
+    """The RSS when the last ``reset_peak`` opened the window: the baseline its peak includes."""
+    return _window_start_rss_mib
+
+
+def window_peak_mib() -> float:
+    """Peak RSS since the last ``reset_peak`` (``ru_maxrss`` keeps the peaks of threads that exited)."""
+    peak = _status_mib("VmHWM")
+    return round(peak if peak == peak else maxrss_mib(), 1)
+
+
+class Clock:
+    """Wall and CPU seconds of named spans, summed when a name repeats."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        w, c = time.perf_counter(), cpu_s()
+        try:
+            yield
+        finally:
+            self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - w
+            self.cpu[name] = self.cpu.get(name, 0.0) + cpu_s() - c
+
+    def wrap(self, module: Any, attribute: str, name: str) -> None:
+        """Time every call of ``module.attribute`` (a module-level function called by global name)."""
+        original = getattr(module, attribute)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.span(name):
+                return original(*args, **kwargs)
+
+        setattr(module, attribute, timed)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "wall_s": {k: round(v, 4) for k, v in self.wall.items()},
+            "cpu_s": {k: round(v, 4) for k, v in self.cpu.items()},
+        }
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """Median, best (lowest) and worst of repeated timings."""
+    return {"median": round(statistics.median(values), 3), "best": round(min(values), 3),
+            "worst": round(max(values), 3), "n": len(values)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# A shared machine: how busy the other processes keep it
+
+QUIET_CORES = 0.3  # other processes using less than this are "quiet"
+
+
+def others_cores(seconds: float = 1.0) -> float:
+    """Cores other processes keep busy, sampled over ``seconds`` while nothing of ours runs."""
+    busy, start = machine_cpu_s()[0], time.perf_counter()
+    time.sleep(seconds)
+    return max(0.0, (machine_cpu_s()[0] - busy) / (time.perf_counter() - start))
+
+
+def wait_for_quiet(max_wait_s: float) -> tuple[float, float]:
+    """Wait (at most ``max_wait_s``) until other processes use under QUIET_CORES; (waited s, their cores)."""
+    start = time.perf_counter()
+    load = others_cores()
+    while load >= QUIET_CORES and time.perf_counter() - start < max_wait_s:
+        load = others_cores(2.0)
+    return round(time.perf_counter() - start, 1), round(load, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured work in a child process of its own
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The child's side: hand the result to the parent."""
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def run_child(command: list[str], name: str, *, log: Path | None = None,
+              quiet_wait_s: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Run a child that ends by ``emit``; its result, and its wall, CPU and peak RSS as this process
+    sees them, with the cores other processes used meanwhile. Its stderr goes to ``log`` if given.
+    With ``quiet_wait_s`` (0 included) it first samples the others' load, waiting that long at most
+    for them to calm down."""
+    waited, before = (0.0, None) if quiet_wait_s is None else wait_for_quiet(quiet_wait_s)
+    busy, ours, start = machine_cpu_s()[0], children_cpu_s(), time.perf_counter()
+    with open(log, "a") if log else contextlib.nullcontext() as out:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=out or subprocess.PIPE, text=True, cwd=ROOT)
+        if out:
+            out.write(done.stdout)
+    wall, cpu = time.perf_counter() - start, children_cpu_s() - ours
+    if done.returncode != 0:
+        if done.stderr:
+            sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"{name} failed with exit status {done.returncode}" + (f"; see {log}" if log else ""))
+    [line, *_] = [x for x in reversed(done.stdout.splitlines()) if x.startswith(RESULT_MARK)]
+    figures = {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        # ru_maxrss of the children is the largest of any child reaped so far.
+        "peak_rss_mib_any_process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+        "others_cores": round(max(0.0, machine_cpu_s()[0] - busy - cpu) / wall, 2),
+        "others_cores_before": before,
+        "quiet_wait_s": waited,
+    }
+    return json.loads(line[len(RESULT_MARK) :]), figures
+
+
+def add_phase_options(parser: argparse.ArgumentParser, phases: Iterable[str], *, quiet_wait_s: float) -> None:
+    """The options of a benchmark whose phases run in child processes of its own, on cached data."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="cache of the generated data")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON result")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=quiet_wait_s,
+        help="before each phase, wait up to this many seconds for other processes to use under "
+        f"{QUIET_CORES} cores (default {quiet_wait_s:g}; 0 never waits)",
+    )
+    parser.add_argument("--phase", choices=sorted(phases), help=argparse.SUPPRESS)  # the child's side
+    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def run_phase_here(phase: Callable[[Any], dict[str, Any]], args: Any, *, preload: Iterable[str]) -> None:
+    """The child's side of ``run_phase``: import ``preload`` first (the same modules for every phase,
+    so that no import is ever timed), run the phase, add its memory figures, hand the result over."""
+    for module in preload:
+        importlib.import_module(module)
+    start_rss = rss_mib()
+    result = phase(args)
+    result["start_rss_mib"] = round(start_rss, 1)
+    result["window_start_rss_mib"] = window_start_rss_mib()
+    result.setdefault("maxrss_mib", window_peak_mib())  # since the phase's reset_peak: its measured work
+    result["process_peak_rss_mib"] = round(maxrss_mib(), 1)  # the whole process, setup included
+    result["rss_end_mib"] = round(rss_mib(), 1)
+    emit(result)
+
+
+def run_phase(command: list[str], phase: str, *, quiet_wait_s: float) -> dict[str, Any]:
+    """``run_child`` for one phase of a benchmark, first waiting for the machine to be quiet; the
+    result with the phase process's wall time and the cores other processes used meanwhile."""
+    result, figures = run_child(command, f"phase {phase}", quiet_wait_s=quiet_wait_s)
+    result["process_s"] = figures["wall_s"]
+    for key in ("others_cores", "others_cores_before", "quiet_wait_s"):
+        result[key] = figures[key]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports and the simulated fleet
+
+
+def free_ports(count: int, start: int) -> int:
+    """The first port >= ``start`` beginning ``count`` consecutive free ports on 127.0.0.1."""
+    port = start
+    while port + count <= 65535:
+        for offset in range(count):
+            with socket.socket() as s:
+                try:
+                    s.bind((HOST, port + offset))
+                except OSError:
+                    port += offset + 1
+                    break
+        else:
+            return port
+    raise RuntimeError(f"no {count} consecutive free ports from {start}")
+
+
+#: Runs the simulator CLI after asking Linux to SIGTERM it when the benchmark dies (even by
+#: SIGKILL), so that no simulator outlives it; set in the child after exec, not in a preexec_fn.
+_SIM_LAUNCHER = """
+import ctypes, os, runpy, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the benchmark exited before the simulator started")
+sys.argv = ["expansion-sim", *sys.argv[2:]]
+runpy.run_module("expansion_dag.sim", run_name="__main__")
+"""
+
+
+class SimulatedFleet:
+    """``servers`` SGLang SIMULATOR servers (``expansion_dag.sim``) in one process of their own, so
+    that the CPU measured in the benchmark's process is the client's alone; 127.0.0.1 only.
+
+    ``options`` are the simulator's command-line options besides ``--host`` and ``--ports``.
+    """
+
+    def __init__(self, servers: int, options: list[str], *, base_port: int):
+        first = free_ports(servers, base_port)
+        self.ports = list(range(first, first + servers))
+        self.urls = [f"http://{HOST}:{p}" for p in self.ports]
+        #: What is run, as a result shows it.
+        self.command = [sys.executable, "-m", "expansion_dag.sim", "--host", HOST,
+                        "--ports", f"{self.ports[0]}-{self.ports[-1]}", *options]  # fmt: skip
+        self.log_path = Path(tempfile.gettempdir()) / f"bench-sim-{os.getpid()}-{first}.log"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> SimulatedFleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        import httpx
+
+        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        launch = [sys.executable, "-c", _SIM_LAUNCHER, str(os.getpid()), *self.command[3:]]
+        self.process = subprocess.Popen(
+            launch, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        pending = set(self.urls)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"simulator exited with {self.process.returncode}: {self.log_tail()}")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"simulator not healthy after {timeout_s:.0f} s: {self.log_tail()}")
+                for url in sorted(pending):
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(f"{url}/health").status_code == 200:
+                            pending.discard(url)
+                if pending:
+                    time.sleep(0.2)
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-2000:]
+        return ""
+
+    def cpu_s(self) -> float:
+        assert self.process is not None
+        return process_cpu_s(self.process.pid)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each server's ``/sim/stats``: busy slot-seconds, completions, the tail's clock..."""
+        import httpx
+
+        with httpx.Client(timeout=10.0) as client:
+            return [client.get(f"{url}/sim/stats").json() for url in self.urls]
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(s["num_running"] or s["num_waiting"] for s in self.stats()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("simulator still busy after the previous phase")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        if self.process.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)  # kept when the simulator failed, for its errors
+
+
+# ---------------------------------------------------------------------------------------------
+# The JSON result
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as a user would type it again (the interpreter relative to the repository)."""
+    python = Path(sys.executable)
+    with contextlib.suppress(ValueError):
+        python = python.relative_to(ROOT)
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):
+        script = script.relative_to(ROOT)
+    return " ".join([str(python), str(script), *(sys.argv[1:] if argv is None else argv)])
+
+
+def now_utc() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+SIMULATOR_LABEL = "SIMULATOR figures (expansion_dag.sim), not GPU figures"
+
+
+def header(benchmark: str, *packages: str, simulator: bool, argv: list[str] | None = None) -> dict[str, Any]:
+    """The fields every result starts with: what ran, when, how, where, and whether the servers were
+    the simulator (every figure of such a run is a simulator figure, never a GPU one)."""
+    document: dict[str, Any] = {
+        "benchmark": benchmark,
+        "started": now_utc().isoformat(timespec="seconds"),
+        "command": command_line(argv),
+        "machine": machine(*packages),
+        "simulator": simulator,
+    }
+    if simulator:
+        document["label"] = SIMULATOR_LABEL
+    return document
+
+
+def write_result(benchmark: str, document: dict[str, Any], *, out_dir: Path | None = None,
+                 path: Path | None = None) -> Path:  # fmt: skip
+    """Write ``document`` as ``<out_dir>/<benchmark>-<UTC time>.json`` (or at ``path``); its path.
+    The machine's load average at the end goes in beside the one at the start."""
+    if isinstance(document.get("machine"), dict):
+        document["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    if path is None:
+        path = (out_dir or RESULTS_DIR) / f"{benchmark}-{now_utc().strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return path

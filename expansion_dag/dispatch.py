@@ -1,0 +1,111 @@
+"""Which prompt goes next, and how many of another server's idle slots a shard may take.
+
+:class:`PromptQueue` orders a shard's prompts longest expected answer first, the expectation learned
+(``expansion_dag.answer_lengths``) from the store and from each answer that returns, and re-orders
+itself as the estimates settle. :func:`claim_share` splits a server's idle slots between the shards
+that may borrow them, the same way in every shard's process, so that together they never send it
+more than it has idle: piled on, a server with a bounded queue answers 503 to the surplus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from expansion_dag.answer_lengths import AnswerLengths, prompt_features
+
+#: The queue is re-ordered when this many answers have returned, then at each doubling: estimates
+#: move most while they rest on few answers, and a sort of the queue costs CPU.
+FIRST_REORDER = 16
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    key: str
+    prompt_id: str
+    source: str
+    messages: Sequence[Mapping[str, Any]]
+    prompt_tokens: int
+    max_tokens: int
+    #: The answer length the budget expects (its per-source prior, capped by ``max_tokens``):
+    #: decode time follows it, so it orders the queue until answers teach better.
+    expected_output_tokens: int
+
+
+class PromptQueue:
+    """A shard's prompts still to send, longest expected answer first."""
+
+    def __init__(self, items: Iterable[WorkItem], lengths: AnswerLengths | None = None):
+        #: Learned from the store when given, and from this run's answers as they return.
+        self.lengths = lengths if lengths is not None else AnswerLengths()
+        items = list(items)
+        self._features = {item.key: prompt_features(item.messages) for item in items}
+        #: Each item's expectation when the queue was last ordered: what put it where it was taken.
+        self._ordered_on: dict[str, int] = {}
+        self._items = collections.deque(sorted(items, key=self._order))
+        self._returned = 0
+        self._next_reorder = FIRST_REORDER
+        self.reorders = 0
+        #: Set once the last prompt is taken: nothing is left to lend out.
+        self.drained = asyncio.Event()
+        if not self._items:
+            self.drained.set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def features(self, item: WorkItem) -> tuple[int, ...]:
+        """The hashed words of the prompt that the length estimate reads (kept with its record)."""
+        return self._features[item.key]
+
+    def expected(self, item: WorkItem) -> int:
+        """The learned expectation of an item's answer, within its ``max_tokens``."""
+        estimate = self.lengths.expect(item.source, item.prompt_tokens, item.expected_output_tokens, self._features[item.key])
+        return min(item.max_tokens, estimate)
+
+    def ordered_on(self, item: WorkItem) -> int:
+        """The expectation the queue's order rested on when ``item`` was taken."""
+        return self._ordered_on[item.key]
+
+    def _order(self, item: WorkItem) -> tuple[int, str]:
+        expected = self._ordered_on[item.key] = self.expected(item)
+        return (-expected, item.prompt_id)
+
+    def take(self, *, shortest: bool = False) -> WorkItem:
+        """The longest expected answer (``shortest``: the other end, for a canary)."""
+        item = self._items.pop() if shortest else self._items.popleft()
+        if not self._items:
+            self.drained.set()
+        return item
+
+    def put_back(self, item: WorkItem) -> None:
+        """A prompt that could not be sent where it went: first in line again."""
+        self._items.appendleft(item)
+        self.drained.clear()
+
+    def learn(self, item: WorkItem, output_tokens: int) -> None:
+        self.lengths.observe(
+            item.source, item.prompt_tokens, output_tokens, self._features[item.key], item.expected_output_tokens
+        )
+        self._returned += 1
+        if self._returned >= self._next_reorder:
+            self._next_reorder *= 2
+            if self._items:
+                self._items = collections.deque(sorted(self._items, key=self._order))
+                self.reorders += 1
+
+
+def claim_share(idle: int, borrowers: int, rank: int, turn: int = 0) -> int:
+    """This borrower's share of a server's ``idle`` slots, among ``borrowers`` that may borrow it.
+
+    ``rank`` is this borrower's place among them, ``turn`` a counter that every borrower reads alike
+    (the wall clock's poll interval): the slots a split leaves over go round, so none stays idle for
+    long. Each borrower computes the same split, so their shares never add up to more than ``idle``.
+    """
+    if idle <= 0 or borrowers < 1:
+        return 0
+    base, left_over = divmod(idle, borrowers)
+    return base + (1 if (rank + turn) % borrowers < left_over else 0)

@@ -1,0 +1,48 @@
+"""What a training set folder's ``manifest.json`` holds: read by the dataset card, the checks and
+the CLI's summary, written by ``expansion_dag.training_set`` last, so its presence marks a whole set."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from expansion_dag.urls import as_upath
+
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` holds; written last, so its presence marks a complete set."""
+
+    samples: int
+    tokens: int
+    assistant_tokens: int
+    tokens_per_sample: dict[str, float]  # mean, p50, p90, p99 (nearest rank), max
+    by_source: dict[str, dict[str, int]]  # source -> {samples, tokens}
+    left_out: dict[str, int]  # reason -> records
+    other_identities: dict[str, int]  # Identity.label (or UNREGISTERED) -> records left out
+    identity: dict[str, Any]  # the identity taken (Identity.to_dict)
+    simulated: bool  # built from the simulator's answers, not a model's
+    histogram: dict[str, Any]  # tokens per sample: {start, bin_width, counts}
+    config: dict[str, Any]
+    tokenizer: dict[str, Any]  # {vocab_size, chat_template_sha256}
+    files: list[dict[str, Any]]  # {name, rows, sha256}
+    # Output tokens of the identity's records (completions, and failures that streamed tokens),
+    # those of the records that became rows, and their ratio: how much generation the set kept.
+    output_tokens: int = 0
+    output_tokens_in_set: int = 0
+    useful_token_share: float = 0.0
+    outputs: dict[str, list[str]] = field(default_factory=dict)  # format -> its files in the folder
+    trainer_files: list[dict[str, Any]] = field(default_factory=list)  # the JSONL files: {name, sha256}
+    mask_convention: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def read(cls, out_dir: str | os.PathLike[str]) -> Manifest:
+        return cls(**json.loads((as_upath(out_dir) / MANIFEST_NAME).read_text()))

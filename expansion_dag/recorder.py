@@ -1,0 +1,106 @@
+"""Each prompt's outcome, written to the completion store the moment it is known, and counted.
+
+A completion record carries everything a trainer and a reader need (the answer, the counts, the
+server, the budget); a failure record says what failed and whose fault it was (``outcome``, see
+``expansion_dag.outcomes``), and a stopped loop keeps its text for inspection, never for training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from expansion_dag.dispatch import WorkItem
+from expansion_dag.errors import RequestError
+from expansion_dag.server_api import Answer, DegenerateError, Exchange
+from expansion_dag.shard_report import ShardReport
+from expansion_dag.store import FAILED, OK, SegmentWriter
+
+
+class Recorder:
+    """Writes one shard run's records and keeps its report."""
+
+    def __init__(self, writer: SegmentWriter, report: ShardReport):
+        self._writer = writer
+        self.report = report
+
+    def answer(
+        self,
+        item: WorkItem,
+        server_url: str,
+        answer: Answer,
+        exchange: Exchange,
+        latency: float,
+        *,
+        expected: int,
+        features: Sequence[int],
+    ) -> None:
+        finish = answer.finish_reason
+        self._writer.append(
+            {
+                "key": item.key,
+                "status": OK,
+                "prompt_id": item.prompt_id,
+                "source": item.source,
+                "messages": list(item.messages),
+                "content": answer.content,
+                "reasoning_content": answer.reasoning,
+                "finish_reason": finish,
+                "prompt_tokens": answer.prompt_tokens,
+                "completion_tokens": answer.completion_tokens,
+                "local_prompt_tokens": item.prompt_tokens,
+                "max_tokens": exchange.max_tokens,
+                "server": server_url,
+                "latency_s": round(latency, 4),
+                "attempts": exchange.attempts,
+                "length_features": list(features),
+            }
+        )
+        report = self.report
+        report.ok += 1
+        report.finish_reasons[finish] += 1
+        report.requests_by_source[item.source] += 1
+        if finish == "length":
+            report.truncated_by_source[item.source] += 1
+        report.output_tokens += answer.completion_tokens
+        report.output_tokens_by_outcome[finish] += answer.completion_tokens
+        report.slot_seconds_by_outcome[finish] += latency
+        report.answers.append((expected, answer.completion_tokens, latency))
+        if answer.prompt_tokens is not None:
+            report.prompt_token_drift[answer.prompt_tokens - item.prompt_tokens] += 1
+        stats = self._stats(server_url)
+        stats.requests += 1
+        stats.output_tokens += answer.completion_tokens
+
+    def failure(self, item: WorkItem, server_url: str, error: RequestError, exchange: Exchange, latency: float) -> None:
+        record = {
+            "key": item.key,
+            "status": FAILED,
+            "prompt_id": item.prompt_id,
+            "source": item.source,
+            "error": error.kind,
+            "outcome": error.outcome,
+            "http_status": error.status,
+            "message": error.message,
+            "attempts": exchange.attempts,
+            "server": server_url,
+            "max_tokens": exchange.max_tokens,
+        }
+        if isinstance(error, DegenerateError):
+            # Kept for inspection only: a failure record never reaches the training set.
+            record |= {
+                "content": error.content,
+                "reasoning_content": error.reasoning,
+                "loop_span": error.loop.span,
+                "loop_repeats": error.loop.repeats,
+                "streamed_chunks": error.chunks,
+                "streamed_tokens": error.tokens,
+            }
+            self.report.output_tokens_by_outcome[error.kind] += error.tokens
+        self._writer.append(record)
+        self.report.failed += 1
+        self.report.failures_by_kind[error.kind] += 1
+        self.report.slot_seconds_by_outcome[error.kind] += latency
+        self._stats(server_url).requests += 1
+
+    def _stats(self, url: str):
+        return self.report.servers.get(url) or self.report.helpers[url]
