@@ -22,7 +22,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from expansion_dag.errors import AuthError, ContextLengthError, RejectedError, TransientError
+from expansion_dag.errors import AuthError, ContextLengthError, QueueFullError, RejectedError
 from expansion_dag.server_api import (
     dialect_for,
     error_from_status,
@@ -263,7 +263,7 @@ CLIENT_EXPECTATIONS: dict[str, type | tuple[type, ...]] = {
     "sglang/error_input_longer_than_context": ContextLengthError,
     "sglang/error_max_completion_tokens_too_large": ContextLengthError,
     "sglang/error_input_over_max_req_input_len": ContextLengthError,
-    "sglang/error_queue_full": TransientError,
+    "sglang/error_queue_full": QueueFullError,  # backpressure: waited out, no attempt used
     "sglang/error_unauthorized": AuthError,
     "vllm/error_max_tokens_too_large": ContextLengthError,
     "vllm/error_prompt_too_long": ContextLengthError,
