@@ -1,6 +1,5 @@
 """Helpers shared by tests: prompt frames and resources bound to a simulated fleet."""
 
-import socket
 import ssl
 
 import httpx
@@ -35,16 +34,6 @@ def resources(urls: list[str], root, *, fleet: dict | None = None, **settings) -
         "storage": StorageResource(root=str(root)),
         "parquet_io": ParquetIOManager(root=str(root)),
     }
-
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def mock_client(handler) -> HttpClient:

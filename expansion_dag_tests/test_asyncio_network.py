@@ -14,7 +14,7 @@ from expansion_dag.asyncio_network import AsyncioStream, asyncio_transport
 from expansion_dag.errors import ConnectError, TimeoutError_
 from expansion_dag.http_client import make_client
 from expansion_dag.server_api import SGLANG, VLLM, send_chat
-from expansion_dag_tests.helpers import free_ports
+from expansion_dag_tests.ports import free_ports
 
 BIG = bytes(range(256)) * (5 * 4096)  # 5 MiB, past the read buffer's high-water mark
 EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(3)]

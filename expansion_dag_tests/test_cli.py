@@ -3,7 +3,6 @@ a run configuration file a user edited."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import yaml
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.ports import free_port
 
 EXPANSION_DAG = str(Path(sys.executable).parent / "expansion-dag")
 
@@ -29,25 +29,10 @@ def clean_env(**extra) -> dict[str, str]:
     return {**env, **{k: str(v) for k, v in extra.items()}}
 
 
-def free_port_pair():
-    # Two consecutive free ports for the two simulated servers.
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     work = tmp_path_factory.mktemp("fresh")
-    port = free_port_pair()
+    port = free_port(2)
     env = clean_env(EXPANSION_SIM_BASE_PORT=port)
     result = subprocess.run(
         [EXPANSION_DAG, "run"],
@@ -113,7 +98,7 @@ def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_pat
     # Stand-ins for a real fleet: the dry run only probes them.
     real = SimServerConfig(port=0, context_length=4096, max_running_requests=12, model_path="org/served-model")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))}
-    env["EXPANSION_SIM_BASE_PORT"] = str(free_port_pair())
+    env["EXPANSION_SIM_BASE_PORT"] = str(free_port(2))
     with SimulatedFleet([real, real]) as fleet:
         result = subprocess.run(
             [str(Path(sys.executable).parent / "expansion-dag"), "dry-run", "--mirror", ",".join(fleet.urls)],
@@ -271,7 +256,7 @@ def generating(tmp_path: Path) -> bool:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signalled_run_stops_the_servers_it_launched(tmp_path, signum):
-    port = free_port_pair()
+    port = free_port(2)
     config = slow_simulators(tmp_path, port)
     process = subprocess.Popen([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -299,7 +284,7 @@ def test_a_signalled_run_stops_the_servers_it_launched(tmp_path, signum):
 
 
 def test_a_failed_run_stops_the_servers_it_launched(tmp_path):
-    port = free_port_pair()
+    port = free_port(2)
     config = slow_simulators(tmp_path, port, extra="--fail-rate 1.0")  # every generation request fails
     result = subprocess.run([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
                             capture_output=True, text=True, timeout=400)

@@ -14,7 +14,7 @@ from expansion_dag.errors import ShardAborted
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import free_ports
+from expansion_dag_tests.ports import free_ports
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)

@@ -11,7 +11,7 @@ from expansion_dag.fleet import SLOTS_CONFIGURED, SLOTS_FROM_SERVER, FleetInfo, 
 from expansion_dag.launcher import Launcher, LaunchSpec, wait_ready
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
-from expansion_dag_tests.helpers import free_ports
+from expansion_dag_tests.ports import free_ports
 
 
 def test_probe_reads_context_slots_model_and_version_from_the_server():

@@ -27,14 +27,9 @@ from expansion_dag.training_set import Manifest, data_files
 from expansion_dag.urls import as_upath, upload
 from expansion_dag_tests.assets.test_completions import prompts_asset, small_frame
 from expansion_dag_tests.helpers import resources
+from expansion_dag_tests.ports import free_port
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

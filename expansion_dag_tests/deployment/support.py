@@ -11,7 +11,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import psycopg2
 import pytest
+from expansion_dag_tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -31,22 +31,6 @@ LOCATION = "expansion_dag"
 REPOSITORY = "__repository__"  # the repository Dagster makes of a `Definitions` object
 
 T = TypeVar("T")
-
-
-def free_port(consecutive: int = 1) -> int:
-    """The first of ``consecutive`` free ports on 127.0.0.1 (the simulated fleet takes a run)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        try:
-            for port in range(first + 1, first + consecutive):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except (OSError, OverflowError):
-            continue
-        return first
-    raise RuntimeError(f"no {consecutive} consecutive free ports on 127.0.0.1")
 
 
 def isolated_env(**extra: object) -> dict[str, str]:

@@ -31,7 +31,8 @@ from expansion_dag.http_client import HttpClient, make_client
 from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND
 from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import Answer, DegenerateError, Dialect, chat_request, send_chat
-from expansion_dag_tests.deployment.support import free_port, isolated_env, make_dagster_home
+from expansion_dag_tests.ports import free_port
+from expansion_dag_tests.deployment.support import isolated_env, make_dagster_home
 
 ROOT = Path(__file__).resolve().parents[2]
 DAGSTER = str(Path(sys.executable).parent / "dagster")

@@ -30,7 +30,7 @@ import polars as pl
 import pytest
 
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.deployment.support import free_port
+from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.real_engine.conftest import (
     API_KEY_ENV,
     CONTEXT_LENGTH,

@@ -5,7 +5,7 @@ import sys
 
 from expansion_dag.fleet import SLOTS_FROM_SERVER
 from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, FleetResource
-from expansion_dag_tests.helpers import free_ports
+from expansion_dag_tests.ports import free_ports
 
 
 def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp_path, monkeypatch):

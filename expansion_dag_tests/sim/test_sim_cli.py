@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import pytest
 
 from expansion_dag.sim import READY_LINE
 from expansion_dag.sim.cli import _configs, _parser, main
+from expansion_dag_tests.ports import free_ports
 
 STARTUP_TIMEOUT_S = 60
 
@@ -66,24 +66,6 @@ def simulators():
     yield start
     for sim in started:
         sim.kill()
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` consecutive ports that nothing listens on right now."""
-    for base in range(41000, 60000, 97):
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-            return list(range(base, base + count))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def test_one_process_serves_several_ports_with_sglang_flags_and_stops_on_sigterm(simulators):
