@@ -403,23 +403,34 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     from expansion_dag import cli
 
     cli.use_config(str(config_path))
+    import dataclasses
+
     import polars as pl
 
     from expansion_dag import training_set as ts
-    from expansion_dag.config import current_config
-    from expansion_dag.partitions import SHARD_KEYS
     from expansion_dag.answer_lengths import learn
+    from expansion_dag.config import current_config
+    from expansion_dag.modes import ModeIdentities
+    from expansion_dag.partitions import SHARD_KEYS
     from expansion_dag.shard_figures import shard_figures
-    from expansion_dag.store import CompletionStore, Identity
+    from expansion_dag.shard_work import ShardWork
+    from expansion_dag.store import CompletionStore
     from expansion_dag.tokenizer import load_tokenizer
 
-    storage = Path(current_config().storage_root())
+    run_config = current_config()
+    storage = Path(run_config.storage_root())
     store = CompletionStore(storage / "completions")
     manifest = ts.Manifest.read(storage / "training_set")
-    identity = Identity.from_dict(manifest.identity)
-    config = ts.TrainingSetConfig(**{k: v for k, v in manifest.config.items()})
+    # The run's modes (one, "default", without modes) for the model the set was taken from.
+    identities = ModeIdentities(run_config.generation.mix(), manifest.identity["model"], bool(manifest.identity["simulated"]))
+    if len(identities.by_mode) == 1 and identities.identities[0].fingerprint != manifest.identity["fingerprint"]:
+        raise RuntimeError(f"the run configuration's settings ({identities.identities[0].fingerprint}) are not "
+                           f"those the training set was taken under ({manifest.identity['fingerprint']})")  # fmt: skip
+    # An older manifest may name fields the config no longer has (chat_template_kwargs: now each mode's).
+    fields = {f.name for f in dataclasses.fields(ts.TrainingSetConfig)}
+    config = ts.TrainingSetConfig(**{k: v for k, v in manifest.config.items() if k in fields})
     tokenizer = load_tokenizer()
-    thinking = ts.thinking_mode(tokenizer, config)
+    rules = ts._mode_rules(tokenizer, identities)
 
     # The raw batched tokenizer on exactly the texts the build tokenizes; the policy recounted.
     encode_s, tokens, passing = 0.0, 0, Counter()
@@ -427,21 +438,28 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
 
     def flush() -> None:
         nonlocal encode_s, tokens
-        texts = [t for triple in ts._segments(chunk, tokenizer, config) for t in triple]
+        # Each sample's texts, three per assistant turn; None where the render does not split.
+        split = ts._segments(chunk, tokenizer, rules)
+        samples = [texts for texts in split if texts is not None]
+        passing["render_mismatch"] += len(split) - len(samples)
         start = time.perf_counter()
-        encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        encodings = tokenizer.backend_tokenizer.encode_batch_fast(
+            [t for texts in samples for t in texts], add_special_tokens=False
+        )
         encode_s += time.perf_counter() - start
-        for i in range(0, len(encodings), 3):
-            length = sum(len(e.ids) for e in encodings[i : i + 3])
+        position = 0
+        for texts in samples:
+            length = sum(len(e.ids) for e in encodings[position : position + len(texts)])
+            position += len(texts)
             tokens += length
             passing["too_long" if length > config.max_length else "too_short" if length < config.min_length else "rows"] += 1
         chunk.clear()
 
     outcomes = Counter()
     for record in store.latest_records():
-        screened = ts._screen(record, config, identity, thinking)
+        screened = ts._screen(record, config, identities, rules)
         if isinstance(screened, str):
-            outcomes[screened] += 1
+            outcomes[screened] += 1  # a reason, or an earlier turn of a conversation (folded into its row)
             continue
         outcomes["screened_in"] += 1
         chunk.append(screened)
@@ -458,9 +476,18 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
 
     rows = sum(pq.read_metadata(storage / "training_set" / f["name"]).num_rows for f in manifest.files)
     prompts = pl.read_parquet(storage / "assets" / "prompts.parquet", columns=["prompt_id"])
-    budgeted = pl.read_parquet(storage / "assets" / "budgeted_prompts.parquet", columns=["prompt_id", "shard"])
+    budgeted_path = storage / "assets" / "budgeted_prompts.parquet"
+    wanted = ("prompt_id", "shard", "source", "messages", "prompt_tokens", "max_tokens", "expected_tokens",
+              "mode", "conversation", "tools")  # fmt: skip
+    budgeted = pl.read_parquet(budgeted_path, columns=[c for c in wanted if c in pq.read_schema(budgeted_path).names])
     set_aside = pl.read_parquet(storage / "set_aside" / "budgeted_prompts.parquet")
-    keys = {identity.key(p) for p in budgeted["prompt_id"].to_list()}
+
+    def standing_keys(prompts: pl.DataFrame) -> set[str]:
+        # Where each prompt stands, as a shard run reports it: its key under its mode, or for a
+        # conversation that of its furthest turn (its last when complete).
+        return ShardWork(prompts, identities).frontier_keys(store.latest_records(digest=True))
+
+    keys = standing_keys(budgeted)
     failed_by_reason = Counter(
         r.get("error", "unknown") for r in store.latest_records() if r.get("status") != "ok" and r["key"] in keys
     )
@@ -471,15 +498,15 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     # answer lengths, its own folder for its checks. The whole JSON of each record, against the
     # segments' digests built from it, then the digests kept from an earlier read.
     shard = SHARD_KEYS[0]
-    shard_keys = {identity.key(p) for p in budgeted.filter(pl.col("shard") == shard)["prompt_id"].to_list()}
+    shard_keys = standing_keys(budgeted.filter(pl.col("shard") == shard))
     store_reads = {}
     for label, digest in (("whole_records", False), ("digests_built", True), ("digests_kept", True)):
         if label == "digests_built":
             for path in (storage / "completions").rglob("seg-*.jsonl.digest"):
                 path.unlink()
         start = time.perf_counter()
-        learned = learn(store.latest_records(digest=digest), identity.owns)
-        figures = shard_figures(store.latest_records(shards=[shard], digest=digest), shard_keys, identity.owns, scan.done)
+        learned = learn(store.latest_records(digest=digest), identities.owns)
+        figures = shard_figures(store.latest_records(shards=[shard], digest=digest), shard_keys, identities.owns, scan.done)
         store_reads[f"{label}_s"] = round(time.perf_counter() - start, 3)
         store_reads["answers_learned"], store_reads["shard_completions"] = learned.answers, figures.ok
     accounting = {
@@ -494,9 +521,13 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
         "training_rows_in_files": rows,
         "manifest_samples": manifest.samples,
         "completions_passing_policy": passing["rows"],
-        "left_out_recounted": {**{k: v for k, v in outcomes.items() if k != "screened_in"},
-                               "too_long": passing["too_long"], "too_short": passing["too_short"]},  # fmt: skip
+        "left_out_recounted": {**{k: v for k, v in outcomes.items() if k not in ("screened_in", ts._FOLDED)},
+                               "too_long": passing["too_long"], "too_short": passing["too_short"],
+                               "render_mismatch": passing["render_mismatch"]},  # fmt: skip
         "left_out_manifest": manifest.left_out,
+        # Records of earlier turns of conversations: in their conversation's row, not left out.
+        "conversation_turns_folded_recounted": outcomes[ts._FOLDED],
+        "conversation_turns_folded_manifest": manifest.conversation_turns_folded,
     }
     accounting["every_prompt_accounted_for"] = (
         prompts.height == budgeted.height + set_aside.height and accounting["neither"] == 0

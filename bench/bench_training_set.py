@@ -18,10 +18,11 @@ from slice to slice (whoever runs first finds the tokenizer's word cache cold):
   slice's records, held in a list: tokens of the manifest per wall second. Everything the build
   does is inside: rendering both templates, tokenizing, masks, Parquet (zstd) writing, fsync,
   hashing the shards, the manifest. A breakdown of its time comes with it.
-* ``raw``: the very texts the build tokenizes (its prompt / assistant / trailer segments, rendered
-  beforehand by the module's own helpers, untimed) through
-  ``tokenizer.backend_tokenizer.encode_batch_fast`` in the build's batches (``chunk_rows`` samples,
-  3 texts each). Taking ``.ids`` out of the encodings, which the build needs, is timed apart.
+* ``raw``: the very texts the build tokenizes (its segments, three per assistant turn: what
+  precedes the turn, the turn, its trailer; rendered beforehand by the module's own helpers,
+  untimed) through ``tokenizer.backend_tokenizer.encode_batch_fast`` in the build's batches
+  (``chunk_rows`` samples, 3 texts for each assistant turn the build masks). Taking ``.ids`` out
+  of the encodings, which the build needs, is timed apart.
 * ``map``: a ``datasets.Dataset`` of the same texts, ``.map(batched=True)`` with the same
   ``encode_batch_fast`` call and batch size, writing ``input_ids`` to an Arrow cache file.
 
@@ -70,11 +71,22 @@ from harness import (  # (bench/ is on sys.path when run as a script)
 )
 from text_model import TextModel, lognormal_ints
 
+from expansion_dag.modes import DEFAULT_MODE, ModeIdentities, ModeMix
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.store import Identity
 
 
 #: The identity the generated records' keys belong to (``completion_key(prompt_id, "settings")``).
 BENCH_IDENTITY = Identity(model="bench", simulated=True, fingerprint="settings")
+
+
+def bench_identities() -> ModeIdentities:
+    """A run without modes whose one mode is ``BENCH_IDENTITY``, its answers rendered with the
+    template's defaults (thinking on), as every generated record is."""
+    identities = ModeIdentities(ModeMix.single(SamplingSettings()), BENCH_IDENTITY.model, BENCH_IDENTITY.simulated)
+    identities.by_mode[DEFAULT_MODE] = BENCH_IDENTITY
+    return identities
+
 DATA_VERSION = 1
 DEFAULT_RECORDS = 16_000
 DEFAULT_SLICES = 8
@@ -172,9 +184,11 @@ def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) 
     from expansion_dag import training_set as ts
 
     batches = []
-    thinking = ts.thinking_mode(tokenizer, config)
-    for samples in ts._screened_chunks(iter(records), config, ts._Tally(BENCH_IDENTITY, {}), thinking):
-        batches.append([text for triple in ts._segments(samples, tokenizer, config) for text in triple])
+    identities = bench_identities()
+    rules = ts._mode_rules(tokenizer, identities)
+    for samples in ts._screened_chunks(iter(records), config, ts._Tally(identities, {}), rules):
+        # Three texts per assistant turn; a sample whose render does not split is left out, as the build does.
+        batches.append([text for texts in ts._segments(samples, tokenizer, rules) if texts is not None for text in texts])
     return batches
 
 
@@ -201,7 +215,7 @@ def run_build(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_d
     reset_peak()
     try:
         with clock.span("build"):
-            manifest = ts.build_training_set(iter(records), tokenizer, config, out_dir, identity=BENCH_IDENTITY)
+            manifest = ts.build_training_set(iter(records), tokenizer, config, out_dir, identities=bench_identities())
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
         ts._ShardWriter.write = write
@@ -308,7 +322,8 @@ def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with clock.span("build_streamed"):
             manifest = build_training_set(
-                stream_records(records_path(args, args.size)), tokenizer, config, out_dir, identity=BENCH_IDENTITY
+                stream_records(records_path(args, args.size)), tokenizer, config, out_dir,
+                identities=bench_identities(),
             )
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)

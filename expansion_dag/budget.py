@@ -2,8 +2,8 @@
 
 Every prompt gets its own ``max_tokens = min(max_output_tokens, context_length - prompt_tokens -
 margin)``, with ``prompt_tokens`` counted exactly as the server counts (the model's chat template,
-``add_generation_prompt=True``, the same ``chat_template_kwargs``). A cap at or above the context
-is therefore harmless, and no fixed conservative cap wastes the window.
+``add_generation_prompt=True``, the ``chat_template_kwargs`` of the prompt's mode, its tools). A cap
+at or above the context is therefore harmless, and no fixed conservative cap wastes the window.
 
 The margin absorbs small disagreements between this tokenizer and the server's (a different
 tokenizer revision, a template the server patches). It is a few tokens, not a fraction of the
@@ -13,10 +13,12 @@ window; a disagreement larger than it shows up as budget drift in the generation
 from __future__ import annotations
 
 import heapq
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import polars as pl
 from transformers import PreTrainedTokenizerBase
 
@@ -38,6 +40,8 @@ class BudgetConfig:
     expected_output_tokens: int = 1024
     expected_output_by_source: Mapping[str, int] = field(default_factory=dict)
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Each generation mode's template arguments, for prompts that carry a ``mode`` column.
+    chat_template_kwargs_by_mode: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: Prompts rendered and tokenized per batch: bounds memory at 650K-prompt scale.
     batch_size: int = 4096
 
@@ -52,6 +56,18 @@ class BudgetConfig:
             )
         if self.margin < 0:
             raise ValueError(f"margin must not be negative, got {self.margin}")
+
+    def template_kwargs(self, mode: str | None) -> Mapping[str, Any]:
+        """The template arguments of a prompt in ``mode`` (None: a prompt without a mode)."""
+        if mode is None:
+            return self.chat_template_kwargs
+        if mode not in self.chat_template_kwargs_by_mode:
+            known = ", ".join(self.chat_template_kwargs_by_mode) or "none"
+            raise ValueError(
+                f"no chat_template_kwargs for mode {mode!r} (modes configured: {known}); "
+                "a prompts frame with a mode column needs BudgetConfig.chat_template_kwargs_by_mode"
+            )
+        return self.chat_template_kwargs_by_mode[mode]
 
 
 @dataclass(frozen=True)
@@ -89,10 +105,26 @@ def shard_keys(num_shards: int) -> list[str]:
 def count_all_prompt_tokens(
     prompts: pl.DataFrame, tokenizer: PreTrainedTokenizerBase, config: BudgetConfig
 ) -> pl.Series:
-    counts: list[int] = []
-    for start in range(0, prompts.height, config.batch_size):
-        batch = prompts["messages"].slice(start, config.batch_size).to_list()
-        counts.extend(count_prompt_tokens(tokenizer, batch, config.chat_template_kwargs))
+    """Each prompt's tokens as the server counts its request: with its mode's template arguments
+    (a ``mode`` column) and its tools (a ``tools`` column of JSON text, null for none).
+
+    Rows are counted in groups of one mode and with or without tools, ``batch_size`` at a time, so
+    prompts without tools keep the batched render.
+    """
+    rows = prompts.select(
+        row=pl.int_range(pl.len(), dtype=pl.Int64),
+        mode=pl.col("mode") if "mode" in prompts.columns else pl.lit(None, pl.String),
+        has_tools=pl.col("tools").is_not_null() if "tools" in prompts.columns else pl.lit(False),
+    )
+    counts = np.zeros(prompts.height, dtype=np.int64)
+    groups = rows.group_by("mode", "has_tools", maintain_order=True).agg("row")
+    for mode, has_tools, group in groups.iter_rows():
+        kwargs = config.template_kwargs(mode)
+        for start in range(0, len(group), config.batch_size):
+            chunk = group[start : start + config.batch_size]
+            messages = prompts["messages"].gather(chunk).to_list()
+            tools = [json.loads(t) for t in prompts["tools"].gather(chunk)] if has_tools else None
+            counts[chunk] = count_prompt_tokens(tokenizer, messages, kwargs, tools=tools)
     return pl.Series("prompt_tokens", counts, dtype=pl.Int64)
 
 

@@ -33,6 +33,7 @@ from expansion_dag.extract import (
     DEFAULT_TURN,
     EXTRACTORS,
     Turn,
+    conversation_problem,
     turn_problem,
 )
 
@@ -85,6 +86,7 @@ class SourceSpec:
     filters: tuple[tuple[str, tuple[FilterValue, ...]], ...] = ()
     turn: Turn = DEFAULT_TURN
     max_chars: int = DEFAULT_MAX_CHARS
+    conversation: bool = False
 
     def __post_init__(self) -> None:
         for name, value in (("config", self.config), ("split", self.split)):
@@ -135,6 +137,13 @@ class SourceSpec:
             ("filters", _check_filters(self.filters)),
             ("turn", turn_problem(self.turn)),
             ("max_chars", _check_count(self.max_chars, minimum=1, allow_none=False)),
+            # Which turns a conversation may be combined with depends on turn being valid.
+            (
+                "conversation",
+                conversation_problem(self.conversation, extractor=self.extractor, turn=self.turn)
+                if turn_problem(self.turn) is None
+                else None,
+            ),
         ]
 
     @property

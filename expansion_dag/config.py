@@ -28,7 +28,9 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from expansion_dag.modes import ModeError, ModeMix
 from expansion_dag.outcomes import RETRYABLE_CONTENT
+from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER
 from expansion_dag.training_set import DEFAULT_FORMATS, FORMATS
@@ -78,6 +80,12 @@ class GenerationConfig(BaseModel):
         description='JSON object passed to the chat template, e.g. {"enable_thinking": false}; '
         "a mapping in the file.",
     )
+    modes: str = Field(
+        default="[]",
+        description="JSON list of generation modes (a list in the file), each {name, weight} and the sampling "
+        "fields or chat_template_kwargs it changes; each prompt is drawn into one. Empty: one mode, these settings.",
+    )
+    mode_seed: int = Field(default=0, description="Seed of each prompt's draw among the modes.")
     request_timeout_s: float = Field(default=1800.0, gt=0)
     max_attempts: int = Field(default=5, ge=1)
     backoff_initial_s: float = Field(default=1.0, ge=0)
@@ -151,14 +159,51 @@ class GenerationConfig(BaseModel):
     @classmethod
     def _template_kwargs_as_json(cls, value: Any) -> str:
         """A mapping (the file) or JSON object text (the launchpad), kept as canonical JSON text."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value or "{}")
-            except ValueError:
-                raise ValueError(f"not JSON: {value!r}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"must be a mapping (a JSON object), got {value!r}")
-        return json.dumps(dict(value), sort_keys=True)
+        return _canonical_json(value, Mapping, "a mapping (a JSON object)", "{}")
+
+    @pydantic.field_validator("modes", mode="before")
+    @classmethod
+    def _modes_as_json(cls, value: Any) -> str:
+        """A list (the file) or JSON list text (the launchpad), kept as canonical JSON text."""
+        return _canonical_json(value, list | tuple, "a list of modes", "[]")
+
+    @pydantic.model_validator(mode="after")
+    def _modes_valid(self) -> GenerationConfig:
+        try:
+            self.mix()
+        except ModeError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def sampling(self) -> SamplingSettings:
+        """The run's sampling settings (the one mode's, without modes)."""
+        return SamplingSettings(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            chat_template_kwargs_json=self.chat_template_kwargs,
+            max_output_tokens=self.max_output_tokens,
+        )
+
+    def mix(self) -> ModeMix:
+        """The run's generation modes and each prompt's draw among them."""
+        return ModeMix.of(json.loads(self.modes), self.sampling(), self.mode_seed)
+
+
+def _canonical_json(value: Any, kind: Any, expected: str, empty: str) -> str:
+    """``value``, or the JSON text it is, checked to be ``kind`` and written as canonical JSON text:
+    settings given as structures in the file and as text on the launchpad compare equal."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value or empty)
+        except ValueError:
+            raise ValueError(f"not JSON: {value!r}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"must be {expected}, got {value!r}")
+    return json.dumps(dict(value) if isinstance(value, Mapping) else list(value), sort_keys=True)
 
 
 class LaunchConfig(_Section):
@@ -180,6 +225,7 @@ class FleetConfig(_Section):
     backend: Literal["sglang", "vllm"] = "sglang"
     slots: Optional[int] = Field(default=None, ge=1)
     stream_interval: int = Field(default=DEFAULT_STREAM_INTERVAL, ge=1)
+    tool_call_parser: Optional[str] = Field(default=None, min_length=1)
     api_key_env: str = Field(default="SGLANG_API_KEY", min_length=1)
     fallback_to_healthy: bool = True
     launch: LaunchConfig = LaunchConfig()
@@ -257,6 +303,7 @@ class RunConfig(_Section):
         data["fleet"]["urls"] = [mask_url(u) for u in data["fleet"]["urls"]]
         data["storage"]["root"] = mask_url(data["storage"]["root"])
         data["generation"]["chat_template_kwargs"] = json.loads(data["generation"]["chat_template_kwargs"])
+        data["generation"]["modes"] = json.loads(data["generation"]["modes"])
         return data
 
     def digest(self) -> str:
@@ -306,6 +353,7 @@ ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EXPANSION_NIGHTLY_TIMEZONE": ("schedule.timezone", str),
     "EXPANSION_NIGHTLY_QUOTA": ("schedule.quota", int),
     "EXPANSION_RETRY_OUTCOMES": ("generation.retry_outcomes", _csv),
+    "EXPANSION_TOOL_CALL_PARSER": ("fleet.tool_call_parser", str),
 }
 #: ``local``: a simulated fleet; ``production``: real servers, attached when URLs are known, else launched.
 PROFILE_ENV = "EXPANSION_PROFILE"

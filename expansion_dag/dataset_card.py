@@ -1,8 +1,10 @@
 """The dataset card (``README.md``) a training set folder carries: what a trainer needs to know.
 
-Its identity (model, settings, simulated or not), its counts (by source, and what was left out and
-why), the mask convention, each output's file, and how each trainer loads it, with the command to
-run from the folder. Written from the manifest alone, by the build that writes the manifest.
+Its identity (model, settings, simulated or not), its generation modes (each one's configured
+share beside the share of the rows it got), its counts (by source, whole conversations, and what
+was left out and why), the mask convention, each output's file, and how each trainer loads it,
+with the command to run from the folder. Written from the manifest alone, by the build that
+writes the manifest.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ CONSUMER_NOTES = {
         "system prompt (`You are a helpful assistant.`, mask 0) to a conversation that has none, "
         "and trains the newline after the end-of-turn token. Otherwise it masks as this set does: "
         "`qwen3-thinking` (thinking on) trains the reasoning with its think tags, `qwen3-instruct` "
-        "(thinking off) leaves the empty think block untrained (its `ignore_token`)."
+        "(thinking off) leaves the empty think block untrained (its `ignore_token`). A conversation "
+        "carries its `tools` (JSON text) and its assistant turns' `tool_calls`, which SpecForge "
+        "passes to the template; it parses each call's arguments and the template writes them back "
+        "as JSON, the same text when the server wrote them as `json.dumps` does (vLLM, SGLang)."
     ),
     "speculators-conversations": (
         "speculators renders conversations through vLLM's `/v1/chat/completions/render` without "
@@ -60,19 +65,44 @@ _LOADING = {
     ),
 }
 
+_MIXED_THINKING = (
+    " This set mixes modes with thinking on and off, and SpecForge renders every conversation with "
+    "the one template named: the other mode's rows come out differently masked. For exact masks "
+    "train from the pre-tokenized rows (`specforge-pretokenized`)."
+)
+
 
 def specforge_template(thinking: bool | None) -> str:
     """SpecForge's registered template for Qwen3 answers with thinking on or off."""
     return "qwen3-instruct" if thinking is False else "qwen3-thinking"
 
 
+def _kwargs(mode: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(mode["settings"].get("chat_template_kwargs_json") or "{}")
+
+
+def mode_table(manifest: Manifest) -> list[str]:
+    """Each generation mode's configured share beside the share of the rows it got."""
+    lines = [
+        "| mode | share configured | share of samples | samples | trained tokens | chat template kwargs "
+        "| settings fingerprint |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for name, mode in manifest.modes.items():
+        lines.append(
+            f"| {name} | {mode['share']:.3f} | {mode['sample_share']:.3f} | {mode['samples']:,} | "
+            f"{mode['assistant_tokens']:,} | `{json.dumps(_kwargs(mode), sort_keys=True)}` | `{mode['fingerprint']}` |"
+        )
+    return lines
+
+
 def dataset_card(manifest: Manifest) -> str:
     identity, config = manifest.identity, manifest.config
-    thinking = config.get("chat_template_kwargs", {}).get("enable_thinking")
+    thinking = {_kwargs(mode).get("enable_thinking") for mode in manifest.modes.values()}
     values: dict[str, Any] = {
         "model": shlex.quote(identity["model"]),
         "max_length": config["max_length"],
-        "specforge_template": specforge_template(thinking),
+        "specforge_template": specforge_template(next(iter(thinking)) if len(thinking) == 1 else None),
     }
     lines = [f"# Drafter training set: {identity['model']}", ""]
     if manifest.simulated:
@@ -85,19 +115,39 @@ def dataset_card(manifest: Manifest) -> str:
         "## Identity",
         "",
         f"- Model: `{identity['model']}` ({'simulated' if manifest.simulated else 'real'} answers)",
-        f"- Settings fingerprint: `{identity['fingerprint']}` (model, sampling settings, output cap)",
-        f"- Sampling settings: `{json.dumps(identity.get('settings', {}), sort_keys=True)}`",
-        f"- Chat template kwargs: `{json.dumps(config.get('chat_template_kwargs', {}), sort_keys=True)}`; "
-        f"reasoning `{config['reasoning']}`; truncated answers "
+        f"- Settings fingerprint: `{identity['fingerprint']}` ("
+        + ("model, every mode's settings and share, the draw's seed)" if len(manifest.modes) > 1
+           else "model, sampling settings, output cap)"),
+        *(
+            [f"- Sampling settings: `{json.dumps(identity.get('settings', {}), sort_keys=True)}`"]
+            if len(manifest.modes) <= 1
+            else []
+        ),
+        f"- Reasoning `{config['reasoning']}`; truncated answers "
         f"{'left out' if config['drop_truncated'] else 'kept'}; samples of {config['min_length']:,} "
         f"to {config['max_length']:,} tokens",
         f"- Tokenizer: {manifest.tokenizer['vocab_size']:,} tokens, chat template sha256 "
         f"`{manifest.tokenizer['chat_template_sha256']}`",
         "",
+        "## Generation modes",
+        "",
+        "Each prompt's mode is a seeded draw from its id; each mode's answers are rendered with its own "
+        "chat template kwargs."
+        if len(manifest.modes) > 1
+        else "One mode: every prompt under the run's settings.",
+        "",
+        *mode_table(manifest),
+        "",
         "## Counts",
         "",
         f"{manifest.samples:,} samples, {manifest.tokens:,} tokens, {manifest.assistant_tokens:,} of "
         f"them trained (loss_mask 1).",
+        *(
+            [f"{manifest.conversations:,} samples are whole regenerated conversations, every assistant turn "
+             f"trained ({manifest.conversation_turns_folded:,} records of earlier turns are in them)."]
+            if manifest.conversations or manifest.conversation_turns_folded
+            else []
+        ),
         "",
         "| source | samples | tokens |",
         "|---|---:|---:|",
@@ -122,6 +172,8 @@ def dataset_card(manifest: Manifest) -> str:
     digests = {f["name"]: f["sha256"] for f in [*manifest.files, *manifest.trainer_files]}
     for output, names in manifest.outputs.items():
         what, command = _LOADING[output]
+        if output == "specforge-conversations" and len(thinking) > 1:
+            what += _MIXED_THINKING
         files = ", ".join(f"`{n}` (sha256 `{digests[n][:16]}`)" for n in names)
         lines += [f"### {output}", "", f"{files}. {what.format(**values)}", "", "```sh", command.format(**values), "```", ""]
     return "\n".join(lines)

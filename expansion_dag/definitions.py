@@ -63,6 +63,7 @@ def fleet_for(config: RunConfig) -> FleetResource:
         or (SIMULATOR_STARTUP_TIMEOUT_S if simulate else SERVER_STARTUP_TIMEOUT_S),
         slots_override=fleet.slots,
         stream_interval=fleet.stream_interval,
+        tool_call_parser=fleet.tool_call_parser,
         fallback_to_healthy=fleet.fallback_to_healthy,
         state_dir=state_dir,
     )

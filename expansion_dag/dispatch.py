@@ -16,10 +16,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from expansion_dag.answer_lengths import AnswerLengths, prompt_features
+from expansion_dag.modes import DEFAULT_MODE
+from expansion_dag.sampling import SamplingSettings
 
 #: The queue is re-ordered when this many answers have returned, then at each doubling: estimates
 #: move most while they rest on few answers, and a sort of the queue costs CPU.
 FIRST_REORDER = 16
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Where a request stands in its conversation (``WorkItem.turn``; ``expansion_dag.conversations``)."""
+
+    conversation_id: str
+    turn: int
+    turns: int
+    #: The source's turns after this turn's answer, later placeholders included.
+    rest: tuple[Mapping[str, Any], ...]
+    prior_finish_reasons: tuple[str, ...] = ()
+
+    @property
+    def last(self) -> bool:
+        return self.turn == self.turns
+
+    def record_fields(self) -> dict[str, Any]:
+        return {
+            "conversation_id": self.conversation_id,
+            "turn": self.turn,
+            "turns": self.turns,
+            "prior_finish_reasons": list(self.prior_finish_reasons),
+        }
 
 
 @dataclass(frozen=True)
@@ -33,6 +59,13 @@ class WorkItem:
     #: The answer length the budget expects (its per-source prior, capped by ``max_tokens``):
     #: decode time follows it, so it orders the queue until answers teach better.
     expected_output_tokens: int
+    #: The prompt's generation mode and its settings (None: the shard's own).
+    mode: str = DEFAULT_MODE
+    sampling: SamplingSettings | None = None
+    #: Tool definitions sent with the request, for the chat template.
+    tools: Sequence[Mapping[str, Any]] | None = None
+    #: Where the request stands in its conversation; None for a single-turn prompt.
+    turn: Turn | None = None
 
 
 class PromptQueue:
@@ -53,9 +86,39 @@ class PromptQueue:
         self.drained = asyncio.Event()
         if not self._items:
             self.drained.set()
+        #: Conversation turns in flight whose answer may bring a next turn.
+        self._open = 0
+        self._changed = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing queued, and no answer in flight can bring more."""
+        return not self._items and not self._open
+
+    def opened(self, item: WorkItem) -> None:
+        """``item`` is being sent; a turn before its conversation's last may bring the next."""
+        if item.turn is not None and not item.turn.last:
+            self._open += 1
+
+    def settled(self, item: WorkItem, following: WorkItem | None = None) -> None:
+        """``item``'s outcome is known; ``following`` is its conversation's next turn, first in line:
+        a conversation finishes soon after it starts, so its turns do not wait behind the whole queue."""
+        if following is not None:
+            self._features[following.key] = prompt_features(following.messages)
+            self._ordered_on[following.key] = self.expected(following)
+            self._items.appendleft(following)
+            self.drained.clear()
+        if item.turn is not None and not item.turn.last:
+            self._open -= 1
+        self._changed.set()
+
+    async def wait_for_more(self) -> None:
+        """Until a turn in flight settles (and may have queued its successor)."""
+        self._changed.clear()
+        await self._changed.wait()
 
     def features(self, item: WorkItem) -> tuple[int, ...]:
         """The hashed words of the prompt that the length estimate reads (kept with its record)."""

@@ -36,6 +36,7 @@ import httpx
 
 from expansion_dag import event_loop, outcomes, server_api
 from expansion_dag.answer_lengths import AnswerLengths
+from expansion_dag.conversations import Ended, TurnPlanner
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.dispatch import PromptQueue, WorkItem, claim_share
 from expansion_dag.errors import QueueFullError, RequestError, ShardAborted
@@ -141,6 +142,8 @@ class Server:
     #: Tokens per streamed event (the probe's ``ServerInfo.stream_interval``): asked for in each
     #: request where the dialect takes it, and how a stopped answer's tokens are counted.
     stream_interval: int = 1
+    #: What requests with tools ask for (the probe's ``ServerInfo.tool_choice``).
+    tool_choice: str = "auto"
 
 
 
@@ -239,10 +242,12 @@ class Sender:
     """Sends one prompt to one server and records its outcome: the request, the exchange, the books."""
 
     def __init__(
-        self, *, model: str, sampling: SamplingSettings, config: EngineConfig, queue: PromptQueue, recorder: Recorder
+        self, *, model: str, sampling: SamplingSettings, config: EngineConfig, queue: PromptQueue, recorder: Recorder,
+        planner: TurnPlanner | None = None,
     ):
         self._model = model
         self._sampling = sampling
+        self._planner = planner
         self._policies = {borrowed: config.retry_policy(borrowed=borrowed) for borrowed in (False, True)}
         self._thresholds = config.loop_thresholds()
         self._queue = queue
@@ -255,15 +260,35 @@ class Sender:
         On a ``borrowed`` server there is one attempt, and only a content outcome is recorded: any
         other failure leaves the prompt this shard's, to send to its own server.
         """
+        self._queue.opened(item)
+        following: WorkItem | None = None
+        try:
+            error, answer = await self._exchange(client, item, server, borrowed)
+            if answer is not None and self._planner is not None:
+                planned = self._planner.next_item(item, answer.content, answer.finish_reason, answer.tool_calls)
+                if isinstance(planned, Ended):
+                    self._recorder.ended(planned, item, server.url)
+                elif planned is not None:
+                    following = planned
+                    self.report.total += 1
+        finally:
+            self._queue.settled(item, following)
+        return error
+
+    async def _exchange(
+        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool
+    ) -> tuple[RequestError | None, server_api.Answer | None]:
         stats = self.report.servers.get(server.url) or self.report.helpers[server.url]
         request = server_api.chat_request(
             self._model,
             item.messages,
             item.max_tokens,
-            self._sampling,
+            item.sampling or self._sampling,
             stream=self._thresholds is not None,
             stream_interval=server.stream_interval if server.dialect.stream_interval_per_request else None,
             continuous_usage=server.dialect.continuous_usage,
+            tools=item.tools,
+            tool_choice=server.tool_choice,
         )
         started = time.monotonic()
         stats.started(started)
@@ -293,7 +318,7 @@ class Sender:
             self._queue.learn(item, exchange.answer.completion_tokens)
         elif not borrowed or outcomes.of_error(error) == outcomes.CONTENT:
             self._recorder.failure(item, server.url, error, exchange, latency)
-        return error
+        return error, exchange.answer if error is None else None
 
     def _count_retry(self, kind: str) -> None:
         self.report.retries_by_kind[kind] += 1
@@ -319,6 +344,7 @@ class ShardRun:
         transport: httpx.AsyncBaseTransport | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         lengths: AnswerLengths | None = None,
+        planner: TurnPlanner | None = None,
     ):
         if not servers:
             raise ValueError("a shard needs at least one server")
@@ -336,7 +362,8 @@ class ShardRun:
             helpers={h.url: ServerStats(h.slots) for h in self._borrowing.helpers},
         )
         self._send = Sender(
-            model=model, sampling=sampling, config=config, queue=self.queue, recorder=Recorder(writer, self.report)
+            model=model, sampling=sampling, config=config, queue=self.queue, recorder=Recorder(writer, self.report),
+            planner=planner,
         ).send
         self._start = time.monotonic()
         self._cpu_start = time.process_time()
@@ -447,8 +474,13 @@ class ShardRun:
         self._own_workers += 1
         try:
             async with self._client() as client:
-                while len(self.queue) and not self.report.aborted:
-                    self._judge(server, await self._send(client, self.queue.take(), server))
+                while not self.report.aborted:
+                    if len(self.queue):
+                        self._judge(server, await self._send(client, self.queue.take(), server))
+                    elif self.queue.finished:
+                        break
+                    else:  # a conversation's next turn may come with an answer in flight
+                        await self.queue.wait_for_more()
         finally:
             self._own_workers -= 1
 
@@ -508,6 +540,7 @@ def generate_shard(
     transport: httpx.AsyncBaseTransport | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     lengths: AnswerLengths | None = None,
+    planner: TurnPlanner | None = None,
 ) -> ShardReport:
     """Run a shard to the end (or to its abort) on a fresh event loop (``config.client_tick_s``);
     the synchronous entry point.
@@ -515,7 +548,8 @@ def generate_shard(
     ``helpers``: the fleet's other servers, borrowed while idle; ``fleet_urls``: every server of the
     fleet, so that every shard splits a helper's idle slots alike (default: this shard's servers and
     its helpers). ``lengths``: answer lengths learned from the store (``answer_lengths.learn``); the
-    run refines them in place, so the caller can show what they became.
+    run refines them in place, so the caller can show what they became. ``planner``: builds each
+    conversation's next turn when an answer arrives (``expansion_dag.conversations``).
     """
 
     async def main() -> ShardReport:
@@ -532,6 +566,7 @@ def generate_shard(
             transport=transport,
             on_progress=on_progress,
             lengths=lengths,
+            planner=planner,
         )
         return await run.run()
 

@@ -6,13 +6,17 @@ within and across sources and samples each source down to its quota or weight.
 
 Everything runs as polars expressions over whole columns. The one step that reaches Python is
 SHA-256: polars and pyarrow ship no stable hash, so each prompt's canonical bytes go to hashlib
-through C-level ``map`` calls (no Python frame per row).
+through C-level ``map`` calls (no Python frame per row). Sources kept as whole conversations
+(``conversation``) are the exception: their turns are checked the same way, then each row's
+conversation is put together in Python, which their few thousand rows allow.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -34,6 +38,8 @@ UNKNOWN_ROLE = "unknown_role"
 NO_USER_TURN = "no_user_turn"
 EMPTY_PROMPT = "empty_prompt"
 TOO_LONG_CHARS = "too_long_chars"
+#: Conversation sources only: a ``<tools>`` block in a system turn is not a list of tool definitions.
+INVALID_TOOLS = "invalid_tools"
 REASONS = (
     MISTYPED_FIELD,
     INVALID_UNICODE,
@@ -42,6 +48,7 @@ REASONS = (
     NO_USER_TURN,
     EMPTY_PROMPT,
     TOO_LONG_CHARS,
+    INVALID_TOOLS,
 )
 
 #: The prompt ends at this user turn (1-based), or at the last one with ``LAST_TURN``. The default
@@ -55,8 +62,18 @@ DEFAULT_SEED = 0
 DETAIL_CHARS = 160
 
 MESSAGE_DTYPE = pl.Struct({"role": pl.String, "content": pl.String})
+#: ``conversation`` (every turn, null content where the target model answers) and ``tools`` (a JSON
+#: array of OpenAI-form tool definitions) are set for sources regenerated as whole conversations,
+#: null for the others.
 PROMPT_SCHEMA = pl.Schema(
-    {"prompt_id": pl.String, "source": pl.String, "messages": pl.List(MESSAGE_DTYPE), "row_index": pl.Int64}
+    {
+        "prompt_id": pl.String,
+        "source": pl.String,
+        "messages": pl.List(MESSAGE_DTYPE),
+        "row_index": pl.Int64,
+        "conversation": pl.List(MESSAGE_DTYPE),
+        "tools": pl.String,
+    }
 )
 QUARANTINE_SCHEMA = pl.Schema(
     {"source": pl.String, "row_index": pl.Int64, "reason": pl.String, "detail": pl.String}
@@ -69,6 +86,10 @@ _WHITESPACE = r"\s\s+|[^\S ]"
 _ASCII_WHITESPACE = r"[\t\n\r\x0b\x0c]"
 # datasets stores a JSON field whose rows disagree on type as JSON text in this extension type.
 _JSON_EXTENSION = "arrow.json"
+# Hermes keeps tool definitions in the system text; the preamble's empty "<tools> </tools>" is prose.
+# A block starts at the last "<tools>" before its "</tools>", so prose naming the tag is left out.
+_TOOLS_BLOCK = re.compile(r"<tools>((?:(?!<tools>).)*?)</tools>[ \t]*\n?", re.DOTALL)
+_TOOL_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
 
 
 class SourceSchemaError(ValueError):
@@ -81,15 +102,25 @@ class Extractor:
 
     With ``roles`` the column is a conversation of ``{from, value}`` turns and ``roles`` maps the
     dataset's ``from`` values to chat roles; without it the column is the user's message itself.
+    ``conversation_roles`` replaces ``roles`` when whole conversations are regenerated, and
+    ``tools_in_system`` says that system turns hold tool definitions in a ``<tools>`` block.
     """
 
     column: str
     roles: Mapping[str, str] | None = None
+    conversation_roles: Mapping[str, str] | None = None
+    tools_in_system: bool = False
+
+    def roles_for(self, conversation: bool) -> Mapping[str, str] | None:
+        return (self.conversation_roles or self.roles) if conversation else self.roles
 
 
 _SHAREGPT_ROLES = MappingProxyType({"system": "system", "human": "user", "gpt": "assistant"})
 # Tool results go back to the model in a user turn; Qwen-style chat templates render them so.
 _HERMES_ROLES = MappingProxyType({**_SHAREGPT_ROLES, "tool": "user"})
+# A regenerated conversation keeps them as tool messages: the template wraps them itself, and the
+# training row must render exactly as the server rendered each request.
+_HERMES_CONVERSATION_ROLES = MappingProxyType({**_SHAREGPT_ROLES, "tool": "tool"})
 
 EXTRACTORS: Mapping[str, Extractor] = MappingProxyType(
     {
@@ -97,7 +128,12 @@ EXTRACTORS: Mapping[str, Extractor] = MappingProxyType(
         "webinstructsub": Extractor(column="question"),
         "codefeedback": Extractor(column="query"),
         "metamathqa": Extractor(column="query"),
-        "hermes_function_calling": Extractor(column="conversations", roles=_HERMES_ROLES),
+        "hermes_function_calling": Extractor(
+            column="conversations",
+            roles=_HERMES_ROLES,
+            conversation_roles=_HERMES_CONVERSATION_ROLES,
+            tools_in_system=True,
+        ),
         "agentinstruct": Extractor(column="conversations", roles=_SHAREGPT_ROLES),
     }
 )
@@ -108,6 +144,19 @@ def turn_problem(turn: Any) -> str | None:
     if turn == LAST_TURN or (isinstance(turn, int) and not isinstance(turn, bool) and turn >= 1):
         return None
     return f"must be a positive integer or {LAST_TURN!r}, got {turn!r}"
+
+
+def conversation_problem(conversation: Any, *, extractor: str, turn: Any) -> str | None:
+    """Why ``conversation`` cannot be set with this extractor and turn, or None when it can."""
+    if not isinstance(conversation, bool):
+        return f"must be true or false, got {conversation!r}"
+    if not conversation:
+        return None
+    if extractor in EXTRACTORS and EXTRACTORS[extractor].roles is None:
+        return f"extractor {extractor!r} reads one text column: there is no conversation to regenerate"
+    if turn != DEFAULT_TURN:
+        return f"regenerates every turn, so it cannot be combined with turn {turn!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -144,18 +193,23 @@ def extract_prompts(
     turn: Turn = DEFAULT_TURN,
     max_chars: int = DEFAULT_MAX_CHARS,
     filters: Mapping[str, Sequence[Any]] | None = None,
+    conversation: bool = False,
 ) -> ExtractResult:
     """Prompt records from one source's raw rows, as ``pl.from_arrow(dataset.data.table)`` gives them.
 
     ``filters`` keeps only the rows whose column holds one of the listed values. The prompt is the
     system turns before the first user turn, then everything up to and including user turn
-    ``turn`` (or the last user turn, when a row has fewer). A row that cannot give a prompt is
-    quarantined with one of ``REASONS``; only a table without the needed column raises.
+    ``turn`` (or the last user turn, when a row has fewer). With ``conversation`` the whole
+    conversation is kept for regeneration turn by turn (``_conversations``); ``messages`` is then
+    its first request. A row that cannot give a prompt is quarantined with one of ``REASONS``; only
+    a table without the needed column raises.
     """
     if extractor not in EXTRACTORS:
         raise ValueError(f"unknown extractor {extractor!r}; known: {', '.join(EXTRACTORS)}")
     if (problem := turn_problem(turn)) is not None:
         raise ValueError(f"turn {problem}")
+    if (problem := conversation_problem(conversation, extractor=extractor, turn=turn)) is not None:
+        raise ValueError(f"conversation {problem}")
     if max_chars < 1:
         raise ValueError(f"max_chars must be at least 1, got {max_chars}")
     spec = EXTRACTORS[extractor]
@@ -184,17 +238,23 @@ def extract_prompts(
             (pl.col("target").list.len() == 0, NO_USER_TURN, pl.lit(f"{spec.column} is empty")),
         ]
     frame = frame.with_columns(_first_match(row_checks))
-    per_row = _check_turns(
-        _turns(frame.filter(pl.col("reason").is_null()), spec), spec=spec, turn=turn, max_chars=max_chars
-    )
+    turns = _turns(frame.filter(pl.col("reason").is_null()), spec.roles_for(conversation))
+    per_row = _check_turns(turns, spec=spec, turn=turn, max_chars=max_chars, conversation=conversation)
 
     accepted = per_row.filter(pl.col("reason").is_null())
-    prompts = accepted.select(
-        prompt_id=_sha256_hex32(accepted["canonical"]),
-        source=pl.lit(source, pl.String),
-        messages=_owned(accepted["messages"]),
-        row_index="row_index",
-    )
+    if conversation:
+        prompts, rejected = _conversations(accepted, source=source, spec=spec)
+        failed = per_row.filter(pl.col("reason").is_not_null()).select(rejected.columns)
+        per_row = pl.concat([failed, rejected])
+    else:
+        prompts = accepted.select(
+            prompt_id=_sha256_hex32(accepted["canonical"]),
+            source=pl.lit(source, pl.String),
+            messages=_owned(accepted["messages"]),
+            row_index="row_index",
+            conversation=pl.lit(None, PROMPT_SCHEMA["conversation"]),
+            tools=pl.lit(None, pl.String),
+        )
     quarantine = (
         pl.concat(
             [
@@ -281,9 +341,9 @@ def _as_turns(value: Any) -> list[dict[str, str | None] | None] | None:
     return turns
 
 
-def _turns(frame: pl.DataFrame, spec: Extractor) -> pl.DataFrame:
+def _turns(frame: pl.DataFrame, roles: Mapping[str, str] | None) -> pl.DataFrame:
     """One row per turn: row_index, pos, n_turns, source_role, role, value, bad_role."""
-    if spec.roles is None:
+    if roles is None:
         return frame.select(
             "row_index",
             pos=pl.lit(0, pl.Int64),
@@ -313,12 +373,18 @@ def _turns(frame: pl.DataFrame, spec: Extractor) -> pl.DataFrame:
     return turns.with_columns(
         source_role=pl.when(~bad_role).then("source_role"), bad_role=bad_role
     ).with_columns(
-        role=pl.col("source_role").replace_strict(dict(spec.roles), default=None, return_dtype=pl.String)
+        role=pl.col("source_role").replace_strict(dict(roles), default=None, return_dtype=pl.String)
     )
 
 
-def _check_turns(turns: pl.DataFrame, *, spec: Extractor, turn: Turn, max_chars: int) -> pl.DataFrame:
-    """Per row: row_index, reason, detail, messages and the canonical text its prompt_id hashes."""
+def _check_turns(
+    turns: pl.DataFrame, *, spec: Extractor, turn: Turn, max_chars: int, conversation: bool = False
+) -> pl.DataFrame:
+    """Per row: row_index, reason, detail, messages and the canonical text its prompt_id hashes.
+
+    A whole ``conversation`` keeps every turn from the first user turn on but the assistant's,
+    whose places come in ``answer_at`` (with ``at``, the kept turns' places).
+    """
     is_user = pl.col("role") == "user"
     users = is_user.cast(pl.Int64).cum_sum()
     # Rows are contiguous, so a row's running count of user turns is the global running count
@@ -329,11 +395,16 @@ def _check_turns(turns: pl.DataFrame, *, spec: Extractor, turn: Turn, max_chars:
         row_users=pl.when(pl.col("pos") == pl.col("n_turns") - 1).then("user_turn").backward_fill()
     )
     end = pl.col("row_users") if turn == LAST_TURN else pl.min_horizontal("row_users", pl.lit(turn, pl.Int64))
-    turns = turns.with_columns(
-        kept=((pl.col("user_turn") == 0) & (pl.col("role") == "system"))
-        | ((pl.col("user_turn") > 0) & (pl.col("user_turn") < end))
-        | (is_user & (pl.col("user_turn") == end))
-    )
+    opening = (pl.col("user_turn") == 0) & (pl.col("role") == "system")
+    if conversation:
+        is_answer = (pl.col("user_turn") > 0) & (pl.col("role") == "assistant")
+        turns = turns.with_columns(kept=opening | ((pl.col("user_turn") > 0) & ~is_answer.fill_null(False)))
+    else:
+        turns = turns.with_columns(
+            kept=opening
+            | ((pl.col("user_turn") > 0) & (pl.col("user_turn") < end))
+            | (is_user & (pl.col("user_turn") == end))
+        )
 
     # Text work runs on the kept turns only: the dataset's answers are most of the bytes.
     kept = turns.filter("kept").select("row_index", "pos", "role", "value")
@@ -346,6 +417,7 @@ def _check_turns(turns: pl.DataFrame, *, spec: Extractor, turn: Turn, max_chars:
         messages=pl.struct(role="role", content="value"),
         # Normalized text has no newline left, so newlines delimit roles and contents unambiguously.
         canonical=pl.concat_str("role", pl.lit("\n"), "normalized", pl.lit("\n")),
+        **({"at": pl.col("pos")} if conversation else {}),
     )
     # Problems are rare: find them on the few turns that have one, not with a pass over all rows.
     role_problems = (
@@ -375,9 +447,13 @@ def _check_turns(turns: pl.DataFrame, *, spec: Extractor, turn: Turn, max_chars:
         .join(value_problems, on="row_index", how="left", maintain_order="left")
         .with_columns(canonical=pl.col("canonical").list.join(""))
     )
+    if conversation:
+        answers = turns.filter(is_answer).group_by("row_index").agg(answer_at=pl.col("pos"))
+        per_row = per_row.join(answers, on="row_index", how="left", maintain_order="left")
 
     at = _position_label(spec)
-    user_names = " or ".join(repr(name) for name, role in (spec.roles or {}).items() if role == "user")
+    roles = spec.roles_for(conversation) or {}
+    user_names = " or ".join(repr(name) for name, role in roles.items() if role == "user")
     checks = [
         (
             pl.col("bad_role_at").is_not_null(),
@@ -418,7 +494,161 @@ def _check_turns(turns: pl.DataFrame, *, spec: Extractor, turn: Turn, max_chars:
             pl.format("{} characters, more than max_chars {}", "chars", pl.lit(max_chars)),
         ),
     ]
-    return per_row.select("row_index", "messages", "canonical", *_first_match(checks))
+    extra = ["at", "answer_at"] if conversation else []
+    return per_row.select("row_index", "messages", "canonical", *extra, *_first_match(checks))
+
+
+class _ToolsError(ValueError):
+    """A ``<tools>`` block, in the turn at ``pos``, that gives no list of tool definitions."""
+
+    def __init__(self, pos: int, problem: str):
+        super().__init__(problem)
+        self.pos = pos
+
+
+def _conversations(
+    accepted: pl.DataFrame, *, source: str, spec: Extractor
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Conversation prompts from the rows that passed the turn checks, and those quarantined here.
+
+    Plain Python per row: conversation sources have thousands of rows, not hundreds of thousands.
+    The id hashes every turn but the assistant's, as the turn checks normalize them, then the tools.
+    """
+    built, rejected = [], []
+    rows = accepted.select("row_index", "messages", "at", "answer_at").iter_rows()
+    for row_index, messages, at, answer_at in rows:
+        try:
+            conversation, tools = _conversation(messages, at, answer_at or [], spec=spec)
+        except _ToolsError as exc:
+            rejected.append((row_index, INVALID_TOOLS, f"{spec.column}[{exc.pos}].value: <tools> {exc}"))
+            continue
+        first_answer = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+        built.append((row_index, conversation[:first_answer], conversation, tools))
+    prompts = pl.DataFrame(
+        built,
+        schema={
+            "row_index": pl.Int64,
+            "messages": PROMPT_SCHEMA["messages"],
+            "conversation": PROMPT_SCHEMA["conversation"],
+            "tools": pl.String,
+        },
+        orient="row",
+    )
+    content = pl.col("content")
+    canonical = (
+        prompts.select("row_index", turn="conversation")
+        .explode("turn")
+        .unnest("turn")
+        .filter(content.is_not_null())
+        .group_by("row_index", maintain_order=True)
+        .agg(
+            canonical=pl.concat_str(
+                "role", pl.lit("\n"), _normalized(content, content.str.len_chars()), pl.lit("\n")
+            ).str.join("")
+        )
+    )
+    prompts = prompts.join(canonical, on="row_index", how="left", maintain_order="left").with_columns(
+        canonical=pl.concat_str("canonical", pl.format("tools\n{}\n", "tools").fill_null(""))
+    )
+    prompts = prompts.select(
+        prompt_id=_sha256_hex32(prompts["canonical"]),
+        source=pl.lit(source, pl.String),
+        messages="messages",
+        row_index="row_index",
+        conversation="conversation",
+        tools="tools",
+    )
+    schema = {"row_index": pl.Int64, "reason": pl.String, "detail": pl.String}
+    return prompts, pl.DataFrame(rejected, schema=schema, orient="row")
+
+
+def _conversation(
+    messages: list[dict[str, str]], at: list[int], answer_at: list[int], *, spec: Extractor
+) -> tuple[list[dict[str, str | None]], str | None]:
+    """The turns in order with an empty assistant turn wherever the target model answers, and the
+    tools as JSON text (None without any). The dataset's answers in a row make one place to answer,
+    and a conversation that does not end with one gets it: the last answer is the target's too."""
+    turns = sorted([*zip(at, messages, strict=True), *((pos, None) for pos in answer_at)], key=lambda t: t[0])
+    conversation: list[dict[str, str | None]] = []
+    tools: list[dict[str, Any]] = []
+    for pos, message in turns:
+        if message is None:
+            if conversation[-1]["role"] != "assistant":
+                conversation.append({"role": "assistant", "content": None})
+        elif message["role"] == "system" and spec.tools_in_system:
+            text = _take_tools(message["content"], tools, pos)
+            if text.strip():
+                conversation.append({"role": "system", "content": text})
+        elif message["role"] == "tool":
+            conversation += [{"role": "tool", "content": c} for c in _tool_results(message["content"])]
+        else:
+            conversation.append(dict(message))
+    if conversation[-1]["role"] != "assistant":
+        conversation.append({"role": "assistant", "content": None})
+    return conversation, json.dumps(tools, ensure_ascii=False) if tools else None
+
+
+def _take_tools(text: str, tools: list[dict[str, Any]], pos: int) -> str:
+    """``text`` without its ``<tools>`` blocks, whose definitions are appended to ``tools``.
+
+    The chat template renders tools passed to it in its own words, so the dataset's copy would be
+    a second listing. A block may hold a JSON list, JSON objects one after another, or (as in
+    hermes-function-calling-v1's own rows) a Python list literal.
+    """
+
+    def take(match: re.Match[str]) -> str:
+        body = match.group(1)
+        if not body.strip():
+            return match.group(0)
+        try:
+            values = _json_values(body)
+        except ValueError as json_error:
+            try:
+                values = [ast.literal_eval(body.strip())]
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                raise _ToolsError(pos, f"is neither JSON nor a Python literal: {json_error}") from None
+        for value in values:
+            tools.extend(_openai_tool(item, pos) for item in (value if isinstance(value, list) else [value]))
+        return ""
+
+    stripped = _TOOLS_BLOCK.sub(take, text)
+    return stripped.strip() if stripped != text else text
+
+
+def _json_values(text: str) -> list[Any]:
+    """The JSON values in ``text``, one after another (whitespace or commas between them)."""
+    decoder, values, position = json.JSONDecoder(), [], 0
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position == len(text):
+            return values
+        value, position = decoder.raw_decode(text, position)
+        values.append(value)
+
+
+def _openai_tool(item: Any, pos: int) -> dict[str, Any]:
+    """A tool definition in OpenAI form: ``{"type": "function", "function": {"name": ...}}``."""
+    function = item.get("function") if isinstance(item, dict) and item.get("type") == "function" else item
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise _ToolsError(pos, f"holds something that is not a named function: {str(item)[:60]}")
+    try:  # a Python literal can hold what JSON cannot (a set, NaN)
+        json.dumps(function, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise _ToolsError(pos, f"holds a value JSON cannot represent: {exc}") from None
+    return item if function is not item else {"type": "function", "function": item}
+
+
+def _tool_results(text: str) -> list[str]:
+    """A tool turn's results without their ``<tool_response>`` wrappers, which the template adds.
+
+    Several wrapped results in one turn (parallel calls) become one tool message each; text that
+    is not wholly wrapped stays one message as it is.
+    """
+    results = _TOOL_RESPONSE.findall(text)
+    if results and not _TOOL_RESPONSE.sub("", text).strip():
+        return [result.strip() for result in results]
+    return [text]
 
 
 def _position_label(spec: Extractor) -> Callable[..., pl.Expr]:

@@ -8,6 +8,9 @@
   ``max_num_seqs``) needs ``slots_override``, and ``ServerInfo.slots_source`` says which it was.
 - A fleet configured with an API key must refuse a request without it: one that answers is
   running unauthenticated, and that is an error, not a warning.
+- Whether a server parses tool calls decides the ``tool_choice`` its requests carry
+  (``ServerInfo.tool_choice``): SGLang says its ``--tool-call-parser``; vLLM says nothing, so the
+  configured one is believed.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ class ServerInfo:
     #: Tokens per streamed event: SGLang's own ``--stream-interval`` as it reports it (1 when it
     #: does not), or, where requests carry it (vLLM), the configured value each request asks for.
     stream_interval: int = 1
+    #: The server's tool-call parser: as SGLang reports it, else as configured; None: none.
+    tool_call_parser: str | None = None
+
+    @property
+    def tool_choice(self) -> str:
+        """The ``tool_choice`` of this server's requests with tools (``server_api.tool_choice_for``)."""
+        return server_api.tool_choice_for(self.dialect, self.tool_call_parser)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "dialect": self.dialect.name}
@@ -103,12 +113,15 @@ def probe_server(
     api_key: str | None = None,
     slots_override: int | None = None,
     stream_interval: int = 1,
+    tool_call_parser: str | None = None,
     timeout_s: float = 30.0,
 ) -> ServerInfo:
     """What one server says about itself, checked against the configuration.
 
     ``stream_interval``: the tokens per streamed event the fleet is configured with; a server that
     takes it per request gets it, another one streams at its own launch setting.
+    ``tool_call_parser``: the one the fleet is configured with; a server that reports its own
+    (SGLang's ``/server_info``) is believed instead.
     """
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -148,6 +161,7 @@ def probe_server(
         simulator=facts.simulator,
         dialect=facts.dialect,
         stream_interval=stream_interval if facts.dialect.stream_interval_per_request else facts.stream_interval or 1,
+        tool_call_parser=facts.tool_call_parser if facts.dialect.server_info_path else tool_call_parser,
     )
 
 
@@ -158,6 +172,7 @@ def probe_fleet(
     api_key: str | None = None,
     slots_override: int | None = None,
     stream_interval: int = 1,
+    tool_call_parser: str | None = None,
     timeout_s: float = 30.0,
     allow_unreachable: bool = False,
 ) -> FleetInfo:
@@ -175,6 +190,7 @@ def probe_fleet(
                     api_key=api_key,
                     slots_override=slots_override,
                     stream_interval=stream_interval,
+                    tool_call_parser=tool_call_parser,
                     timeout_s=timeout_s,
                 )
             )

@@ -35,6 +35,26 @@ from expansion_dag.http_client import tls_context
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
 SIMULATOR_MODULE = "expansion_dag.sim"
 
+#: The flags that make a server parse tool calls into ``message.tool_calls``, per backend: vLLM
+#: builds a tool parser only with ``--enable-auto-tool-choice`` as well (``ParserManager``), and
+#: refuses that flag without ``--tool-call-parser`` (``cli_args.validate_parsed_serve_args``).
+TOOL_CALL_FLAGS = {
+    "sglang": "--tool-call-parser {tool_call_parser}",
+    "vllm": "--enable-auto-tool-choice --tool-call-parser {tool_call_parser}",
+}
+
+
+def tool_call_flags(backend: str, tool_call_parser: str | None) -> str:
+    """The launch flags for ``tool_call_parser`` on ``backend`` ("" for none)."""
+    if not tool_call_parser:
+        return ""
+    try:
+        template = TOOL_CALL_FLAGS[backend]
+    except KeyError:
+        known = ", ".join(TOOL_CALL_FLAGS)
+        raise FleetError(f"no tool-call parser flags for backend {backend!r}; known: {known}") from None
+    return template.format(tool_call_parser=shlex.quote(tool_call_parser))
+
 
 def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
     """``/health`` runs a real 1-token generation; a loaded server may answer 503 once, so ask twice."""

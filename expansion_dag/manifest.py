@@ -25,7 +25,7 @@ class Manifest:
     by_source: dict[str, dict[str, int]]  # source -> {samples, tokens}
     left_out: dict[str, int]  # reason -> records
     other_identities: dict[str, int]  # Identity.label (or UNREGISTERED) -> records left out
-    identity: dict[str, Any]  # the identity taken (Identity.to_dict)
+    identity: dict[str, Any]  # the identity taken (Identity.to_dict); for a mix of modes, one fingerprint of all
     simulated: bool  # built from the simulator's answers, not a model's
     histogram: dict[str, Any]  # tokens per sample: {start, bin_width, counts}
     config: dict[str, Any]
@@ -39,6 +39,11 @@ class Manifest:
     outputs: dict[str, list[str]] = field(default_factory=dict)  # format -> its files in the folder
     trainer_files: list[dict[str, Any]] = field(default_factory=list)  # the JSONL files: {name, sha256}
     mask_convention: str = ""
+    # Each generation mode: {share (configured), fingerprint, settings, samples, sample_share (of the
+    # rows), assistant_tokens}; a run without modes has the one mode "default".
+    modes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    conversations: int = 0  # rows that are whole regenerated conversations
+    conversation_turns_folded: int = 0  # records of their earlier turns: in those rows, not rows themselves
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import Any
+
+from expansion_dag.conversations import Ended
 from expansion_dag.dispatch import WorkItem
 from expansion_dag.errors import RequestError
+from expansion_dag.outcomes import CONTENT
 from expansion_dag.server_api import Answer, DegenerateError, Exchange
 from expansion_dag.shard_report import ShardReport
 from expansion_dag.store import FAILED, OK, SegmentWriter
@@ -41,9 +45,11 @@ class Recorder:
                 "status": OK,
                 "prompt_id": item.prompt_id,
                 "source": item.source,
+                **_request_fields(item),
                 "messages": list(item.messages),
                 "content": answer.content,
                 "reasoning_content": answer.reasoning,
+                **({"tool_calls": answer.tool_calls} if answer.tool_calls else {}),
                 "finish_reason": finish,
                 "prompt_tokens": answer.prompt_tokens,
                 "completion_tokens": answer.completion_tokens,
@@ -77,6 +83,9 @@ class Recorder:
             "status": FAILED,
             "prompt_id": item.prompt_id,
             "source": item.source,
+            **_request_fields(item),
+            # A conversation's turn is asked again from the messages it was sent.
+            **({"messages": list(item.messages)} if item.turn is not None else {}),
             "error": error.kind,
             "outcome": error.outcome,
             "http_status": error.status,
@@ -102,5 +111,37 @@ class Recorder:
         self.report.slot_seconds_by_outcome[error.kind] += latency
         self._stats(server_url).requests += 1
 
+    def ended(self, ended: Ended, item: WorkItem, server_url: str) -> None:
+        """A conversation stopped before its last turn: final, under the key of the turn not asked."""
+        self._writer.append(ended_record(ended, item, server_url))
+        self.report.failures_by_kind[ended.reason] += 1
+
     def _stats(self, url: str):
         return self.report.servers.get(url) or self.report.helpers[url]
+
+
+def ended_record(ended: Ended, item: WorkItem, server_url: str) -> dict[str, Any]:
+    """The record of a conversation that stops before the turn ``ended`` names: a final content outcome."""
+    return {
+        "key": ended.key,
+        "status": FAILED,
+        "prompt_id": ended.prompt_id,
+        "source": item.source,
+        "mode": item.mode,
+        "tools": list(item.tools) if item.tools else None,
+        **ended.turn.record_fields(),
+        "error": ended.reason,
+        "outcome": CONTENT,
+        "message": ended.detail,
+        "attempts": 0,
+        "server": server_url,
+    }
+
+
+def _request_fields(item: WorkItem) -> dict[str, Any]:
+    """What a record says of the request beyond the prompt: its mode, and for a conversation's turn
+    where it stands and its tools."""
+    fields: dict[str, Any] = {"mode": item.mode}
+    if item.turn is not None:
+        fields |= item.turn.record_fields() | {"tools": list(item.tools) if item.tools else None}
+    return fields

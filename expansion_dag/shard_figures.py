@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from expansion_dag.conversations import ENDINGS
 from expansion_dag.store import FAILED, OK
 
 #: A failure kind that is the model's doing (a stopped loop), not the fleet's: not a failed prompt.
@@ -24,9 +25,12 @@ class ShardFigures:
 
     prompts: int = 0
     ok: int = 0
-    #: Prompts whose latest record is a failure (stopped loops aside) and that succeeded nowhere.
+    #: Prompts whose latest record is a failure (stopped loops and ended conversations aside) and
+    #: that succeeded nowhere.
     failed: int = 0
     degenerate: int = 0
+    #: Conversations that ended before their last turn for their content's sake (``conversations.ENDINGS``).
+    ended: int = 0
     failures_by_kind: collections.Counter = field(default_factory=collections.Counter)
     #: Completions cut at max_tokens (finish_reason ``length``).
     truncated: int = 0
@@ -79,6 +83,8 @@ def shard_figures(
             figures.failures_by_kind[kind] += 1
             if kind == DEGENERATE:
                 figures.degenerate += 1
+            elif kind in ENDINGS:
+                figures.ended += 1
             else:
                 figures.failed += 1
     return figures

@@ -60,7 +60,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -355,11 +355,14 @@ class CompletionStore:
                         failures[key] = record
         yield from failures.values()
 
-    def writer(self, shard: str, *, identity: Identity | None = None, fsync_interval_s: float = 2.0) -> SegmentWriter:
-        """The one writer of a run of ``shard``; ``identity`` (the pipeline always gives it) is registered first."""
+    def writer(
+        self, shard: str, *, identities: Sequence[Identity] = (), fsync_interval_s: float = 2.0
+    ) -> SegmentWriter:
+        """The one writer of a run of ``shard``; its ``identities`` (the pipeline always gives them: one
+        per generation mode) are registered first."""
         if shard == IDENTITIES:
             raise ValueError(f"{IDENTITIES!r} is the identity registry, not a shard")
-        if identity is not None:
+        for identity in identities:
             self.registry.register(identity)
         if self.local:
             return SegmentWriter(local_path(self.root / shard), fsync_interval_s=fsync_interval_s)

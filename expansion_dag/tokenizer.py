@@ -24,6 +24,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 DEFAULT_TOKENIZER = "qwen3-bundled"
 
 Messages = Sequence[Mapping[str, Any]]
+#: Tool definitions in OpenAI form, ``{"type": "function", "function": {...}}``.
+Tools = Sequence[Mapping[str, Any]]
 
 
 def bundled_qwen3_path() -> str:
@@ -52,17 +54,39 @@ def render_prompts(
     tokenizer: PreTrainedTokenizerBase,
     conversations: Sequence[Messages],
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    *,
+    tools: Sequence[Tools | None] | None = None,
 ) -> list[str]:
-    """Render each conversation as the server does before generation."""
+    """Render each conversation as the server does before generation.
+
+    ``tools``, aligned with ``conversations``, gives each its tool definitions (OpenAI form) or
+    None. Conversations without tools are rendered in one batch; each with tools on its own, since
+    a batch takes one list of tools for all.
+    """
     if not conversations:
         return []
-    rendered = tokenizer.apply_chat_template(
-        [[dict(m) for m in conv] for conv in conversations],
-        tokenize=False,
-        add_generation_prompt=True,
-        **dict(chat_template_kwargs or {}),
+    kwargs = dict(chat_template_kwargs or {})
+    if tools is not None and len(tools) != len(conversations):
+        raise ValueError(f"{len(tools)} tool lists for {len(conversations)} conversations")
+    with_tools = {i for i, t in enumerate(tools or ()) if t}
+    plain = [[dict(m) for m in conv] for i, conv in enumerate(conversations) if i not in with_tools]
+    batched = iter(
+        tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kwargs)
+        if plain
+        else ()
     )
-    return list(rendered)
+    return [
+        tokenizer.apply_chat_template(
+            [dict(m) for m in conversations[i]],
+            tools=[dict(t) for t in tools[i]],
+            tokenize=False,
+            add_generation_prompt=True,
+            **kwargs,
+        )
+        if i in with_tools
+        else next(batched)
+        for i in range(len(conversations))
+    ]
 
 
 def count_tokens(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[int]:
@@ -77,6 +101,9 @@ def count_prompt_tokens(
     tokenizer: PreTrainedTokenizerBase,
     conversations: Sequence[Messages],
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    *,
+    tools: Sequence[Tools | None] | None = None,
 ) -> list[int]:
     """Prompt token counts as the server reports them in ``usage.prompt_tokens``."""
-    return count_tokens(tokenizer, render_prompts(tokenizer, conversations, chat_template_kwargs))
+    rendered = render_prompts(tokenizer, conversations, chat_template_kwargs, tools=tools)
+    return count_tokens(tokenizer, rendered)

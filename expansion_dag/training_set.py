@@ -2,8 +2,9 @@
 
 Each kept completion becomes one sample: the prompt and the target model's answer rendered with
 the chat template, as token ids plus a loss mask that is 1 on exactly the tokens the assistant
-wrote. Templates such as Qwen3's have no ``{% generation %}`` markers, so the assistant's part is
-found in the rendered text:
+wrote. A regenerated conversation becomes one sample too, from the record of its last turn (whose
+messages hold the earlier regenerated turns), with every assistant turn masked 1. Templates such
+as Qwen3's have no ``{% generation %}`` markers, so the assistant's part is found in the rendered text:
 
 * The prompt is rendered as the server rendered it (``add_generation_prompt=True``, the same
   ``chat_template_kwargs``) and must be a prefix of the whole conversation's render; what follows,
@@ -16,22 +17,31 @@ found in the rendered text:
   default: the model stops at ``<|im_end|>`` and never writes it. SpecForge's and speculators'
   own renderers train it; ``train_newline_after_end_of_turn=True`` follows them (the mask
   convention, ``MASK_CONVENTION``; each trainer's other differences: ``dataset_card.CONSUMER_NOTES``).
-* The prompt, the assistant's part and that trailer are tokenized as three texts and concatenated.
+* An earlier assistant turn of a conversation is found by rendering the conversation again with
+  that turn's content replaced by a marker: the renders agree up to the marker (the turn's role
+  header) and after it (the rest), so what differs is the turn as the template renders it there
+  (Qwen3 drops earlier turns' think blocks), followed by the template's end-of-turn text. A
+  conversation that does not split so is left out (``render_mismatch``), never guessed at.
+* Each turn gives three texts, what precedes it, its own part and that trailer, tokenized apart
+  and concatenated.
   Tokenized whole, a render can merge characters across the boundary (Qwen's vocabulary with a
   ChatML template like Qwen2.5's turns ``assistant\\n`` + an answer starting ``" \\n"`` into one
   ``"\\n \\n"`` token), and no offset can split that token. Tokenized apart, the prompt's ids are
   exactly those the server fed the model, and the answer's start where its generation started.
 * With ``reasoning="drop"`` Qwen3's template still renders an empty ``<think>\\n\\n</think>\\n\\n``
-  on the final turn. Pass ``chat_template_kwargs={"enable_thinking": False}`` so that it is prompt,
-  as the server renders it in non-thinking mode; otherwise it counts as written by the assistant.
+  on the final turn. A mode with ``chat_template_kwargs={"enable_thinking": False}`` has it as
+  prompt, as the server renders it in non-thinking mode; otherwise it counts as written by the assistant.
 
-Which records: exactly those of the current ``Identity`` (the model as served, simulated or not, the
-sampling settings and the cap: a record's key must be that identity's key for its prompt), and of
-those only complete answers: ``finish_reason`` ``stop``, or ``length`` unless ``drop_truncated``.
-Everything else is counted by reason (and other identities by name) in the manifest, never merged.
-The answers themselves pass quality gates, each a counted reason: an empty answer; a raw ``<think>``
-or ``</think>`` left in the content; reasoning missing while the template's thinking is on, or
-present while it is off (``thinking_mode``).
+Which records: exactly those of the run's modes (``ModeIdentities``: each mode is an ``Identity``,
+the model as served, simulated or not, the mode's sampling settings and the cap), each prompt's
+only under the mode the mix draws it into now (another mode's answer to it is ``other_mode``: a
+changed mix leaves out the answers of the prompts whose mode changed), and of those only complete
+answers: ``finish_reason`` ``stop`` or ``tool_calls``, or ``length`` unless ``drop_truncated``, the
+same for every earlier turn of a conversation. Everything else is counted by reason (and other
+identities by name) in the manifest, never merged. The answers themselves pass quality gates, each a counted
+reason: an empty answer; a raw ``<think>`` or ``</think>`` left in the content; reasoning missing
+while the mode's thinking is on, or present while it is off (``thinking_mode``). Each answer is
+rendered with its own mode's ``chat_template_kwargs``.
 
 One pass: ``build_training_set`` reads the records once, in the order given (the store's file
 order), tokenizes each kept sample once, and writes from that pass every output the config's
@@ -64,11 +74,13 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from expansion_dag.dataset_card import dataset_card
-from expansion_dag.manifest import MANIFEST_NAME, Manifest
+from expansion_dag.dataset_card import dataset_card, mode_table
 from expansion_dag.histogram import bar_chart_png, png_data_uri
+from expansion_dag.manifest import MANIFEST_NAME, Manifest
+from expansion_dag.modes import ModeIdentities, base_prompt_id
 from expansion_dag.store import OK, Identity
 from expansion_dag.tokenizer import render_prompts
 from expansion_dag.urls import as_upath
@@ -79,14 +91,19 @@ DEFAULT_CHUNK_ROWS = 512  # peak memory: about 250 bytes per token of a chunk (3
 DEFAULT_ROWS_PER_FILE = 50_000  # about 100M tokens, a few hundred MB, per shard
 REASONING_POLICIES = ("keep", "drop")
 LEFT_OUT_REASONS = (
-    "other_identity", "failed", "unfinished", "truncated",
+    "other_identity", "other_mode", "failed", "unfinished", "truncated",
     # The quality gates on the answer itself.
     "empty", "think_tag_in_content", "reasoning_missing", "reasoning_unexpected",
-    "too_long", "too_short",
+    "render_mismatch", "too_long", "too_short",
 )
+#: An earlier turn of a conversation: its answer is in the row of the conversation's last turn.
+_FOLDED = "folded"
+#: Stands in for an earlier assistant turn's content, to find that turn in the render.
+_MARKER = "\ue000expansion-dag-turn\ue000"
 THINK_TAGS = ("<think>", "</think>")
-#: Answers the model finished; anything else (``abort``, ``unknown``...) is left out as unfinished.
-FINISHED = ("stop", "length")
+#: Answers the model finished (``tool_calls``: it stopped at a tool call the server parsed);
+#: anything else (``abort``, ``unknown``...) is left out as unfinished.
+FINISHED = ("stop", "length", "tool_calls")
 UNREGISTERED = "unregistered identity"  # a record whose key matches no identity in the store's registry
 #: How Qwen3 (and DeepSeek-R1) write reasoning inline; Qwen3's template turns it back into the same
 #: render as ``reasoning_content``. Used for the conversations JSONL.
@@ -105,9 +122,11 @@ FORMATS = {
 DEFAULT_FORMATS = ("parquet", "specforge-conversations")
 MASK_CONVENTION = (
     "loss_mask is 1 on exactly the tokens the assistant wrote: its answer, the reasoning kept "
-    "with its think tags, and the end-of-turn token. The generation prompt (`<|im_start|>assistant\\n`, "
-    "and with thinking off the empty think block the template adds) is 0. The newline the "
-    "template writes after the end-of-turn token is {newline}."
+    "with its think tags, and the end-of-turn token, in every assistant turn of a conversation "
+    "(its tool calls as the template renders them). The generation prompt "
+    "(`<|im_start|>assistant\\n`, and with thinking off the empty think block the template adds), "
+    "system, user and tool turns are 0. The newline the template writes after the end-of-turn "
+    "token is {newline}."
 )
 HISTOGRAM_BINS = 40
 MAX_FAILING_IDS = 10
@@ -139,7 +158,6 @@ class TrainingSetConfig:
     formats: tuple[str, ...] = DEFAULT_FORMATS  # outputs written (FORMATS); "parquet" always
     train_newline_after_end_of_turn: bool = False  # the mask convention (MASK_CONVENTION)
     reasoning: str = "keep"  # "keep": reasoning_content in the model's own format; "drop"
-    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # as at generation
     max_length: int = DEFAULT_MAX_LENGTH  # the training context: longer samples are left out
     min_length: int = DEFAULT_MIN_LENGTH  # shorter samples are left out
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # records held and tokenized at once
@@ -172,12 +190,6 @@ class TrainingSetConfig:
         # Parquet list offsets are int32: a chunk's tokens must fit.
         if self.chunk_rows * self.max_length > _INT32_MAX:
             raise ValueError("chunk_rows * max_length must stay below 2**31")
-        kwargs = dict(self.chat_template_kwargs)
-        try:
-            json.dumps(kwargs, sort_keys=True)
-        except TypeError as exc:
-            raise ValueError(f"chat_template_kwargs must be JSON values: {exc}") from exc
-        object.__setattr__(self, "chat_template_kwargs", kwargs)  # a copy the caller cannot mutate
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "formats": list(self.formats)}  # as JSON reads it back
@@ -194,24 +206,32 @@ class BuildTrace:
 
 @dataclass
 class _Tally:
-    """Records left out: by reason, and those of other identities by identity; the identity's output tokens."""
+    """Records left out: by reason, and those of other identities by identity; the mix's output tokens."""
 
-    identity: Identity
+    identities: ModeIdentities
     known: Mapping[str, Identity]  # fingerprint -> identity, to name the other identities
     trace: BuildTrace | None = None
     reasons: Counter[str] = field(default_factory=Counter)
     others: Counter[str] = field(default_factory=Counter)
     output_tokens: int = 0
+    folded: int = 0  # records of earlier turns of a conversation
+    folded_tokens: Counter[str] = field(default_factory=Counter)  # conversation_id -> its earlier turns' tokens
 
     def own(self, record: Mapping[str, Any]) -> None:
-        """A record of the identity: its tokens were generated, whatever becomes of it."""
+        """A record of a prompt's current mode: its tokens were generated, whatever becomes of it."""
         tokens = _output_tokens(record)
         self.output_tokens += tokens
         if self.trace is not None:
+            # By prompt: a conversation's turns add up under its id, the one a night takes.
+            prompt = base_prompt_id(record)
             if record.get("status") == OK:
-                self.trace.completion_tokens[record["prompt_id"]] = tokens
+                self.trace.completion_tokens[prompt] = self.trace.completion_tokens.get(prompt, 0) + tokens
             else:
-                self.trace.failed.add(record["prompt_id"])
+                self.trace.failed.add(prompt)
+
+    def fold(self, record: Mapping[str, Any]) -> None:
+        self.folded += 1
+        self.folded_tokens[base_prompt_id(record)] += _output_tokens(record)
 
     def other_identity(self, record: Mapping[str, Any]) -> None:
         self.reasons["other_identity"] += 1
@@ -247,12 +267,48 @@ class RoundTripResult:
 
 @dataclass(frozen=True)
 class _Sample:
-    id: str
+    id: str  # the prompt's, or the conversation's for a conversation's row
     source: str
-    prompt: list[dict[str, str]]
+    mode: str
+    prompt: list[dict[str, Any]]  # what precedes the answer: earlier assistant turns with their tool calls
     reasoning: str  # "" when dropped or absent
     answer: str
+    tool_calls: list[dict[str, Any]] | None  # the answer's, as the server parsed them
+    tools: list[dict[str, Any]] | None  # the tool definitions the template renders
+    conversation: bool  # a regenerated conversation's row
     output_tokens: int  # the server's count for the answer
+
+
+@dataclass(frozen=True)
+class _ModeRules:
+    """How one mode's answers are gated and rendered."""
+
+    kwargs: Mapping[str, Any]  # chat_template_kwargs, as at generation
+    thinking: bool | None  # thinking_mode
+    end_of_turn: str | None  # what the template closes an assistant turn with; None if unknown
+
+
+def _mode_rules(tokenizer: PreTrainedTokenizerBase, identities: ModeIdentities) -> dict[str, _ModeRules]:
+    return {
+        mode.name: _ModeRules(
+            kwargs=mode.chat_template_kwargs,
+            thinking=thinking_mode(tokenizer, mode.chat_template_kwargs),
+            end_of_turn=_end_of_turn(tokenizer, mode.chat_template_kwargs),
+        )
+        for mode in identities.mix.modes
+    }
+
+
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, Any]) -> str | None:
+    """The text after an assistant's content, less the whitespace after it (Qwen3's ``<|im_end|>``)."""
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}]
+    try:
+        [text] = _render(tokenizer, [probe], kwargs)
+    except TemplateError:
+        return None
+    if text.count(_MARKER) != 1:
+        return None
+    return text.partition(_MARKER)[2].rstrip() or None
 
 
 def _split_reasoning(reasoning_content: str | None, content: str | None) -> tuple[str, str]:
@@ -264,7 +320,7 @@ def _split_reasoning(reasoning_content: str | None, content: str | None) -> tupl
     return reasoning, answer
 
 
-def thinking_mode(tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig) -> bool | None:
+def thinking_mode(tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: Mapping[str, Any]) -> bool | None:
     """Whether every answer must carry reasoning (True), none may (False), or either (None).
 
     A template with a thinking switch (Qwen3's ``enable_thinking``, on unless the kwargs turn it
@@ -273,42 +329,65 @@ def thinking_mode(tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig)
     template = tokenizer.chat_template
     if "enable_thinking" not in json.dumps(template):
         return None
-    return bool(config.chat_template_kwargs.get("enable_thinking", True))
+    return bool(chat_template_kwargs.get("enable_thinking", True))
+
+
+def _message(message: Mapping[str, Any]) -> dict[str, Any]:
+    # Templates test content as a string; an assistant turn of only tool calls has none.
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        out["tool_calls"] = list(message["tool_calls"])
+    return out
 
 
 def _screen(
-    record: Mapping[str, Any], config: TrainingSetConfig, identity: Identity, thinking: bool | None
+    record: Mapping[str, Any], config: TrainingSetConfig, identities: ModeIdentities, rules: Mapping[str, _ModeRules]
 ) -> _Sample | str:
-    """The sample a record gives, or the reason it is left out."""
-    if not identity.owns(record):
+    """The sample a record gives, or the reason it is left out (``_FOLDED`` for an earlier turn)."""
+    mode = identities.mode_of(record)
+    if mode is None:
         return "other_identity"
-    if record.get("status") != OK:
-        return "failed"
-    if record.get("finish_reason") not in FINISHED:
+    if identities.mix.assign(base_prompt_id(record)).name != mode:
+        return "other_mode"
+    answered = record.get("status") == OK
+    if answered and int(record.get("turn") or 1) < int(record.get("turns") or 1):
+        return _FOLDED
+    # A conversation is as finished as its least finished turn; one the engine stopped for such a
+    # turn has a failed record for the next, which counts for that reason.
+    finishes = [*(record.get("prior_finish_reasons") or ()), *([record.get("finish_reason")] if answered else [])]
+    if any(reason not in FINISHED for reason in finishes):
         return "unfinished"
-    if config.drop_truncated and record.get("finish_reason") == "length":
+    if config.drop_truncated and "length" in finishes:
         return "truncated"
+    if not answered:
+        return "failed"
     reasoning, answer = _split_reasoning(record.get("reasoning_content"), record.get("content"))
-    if not answer.strip():
+    tool_calls = list(record.get("tool_calls") or ()) or None
+    if not answer.strip() and not tool_calls:
         return "empty"
     if any(tag in answer for tag in THINK_TAGS):
         return "think_tag_in_content"
+    thinking = rules[mode].thinking
     if thinking is True and not reasoning.strip():
         return "reasoning_missing"
     if thinking is False and reasoning.strip():
         return "reasoning_unexpected"
     return _Sample(
-        id=record["prompt_id"],
+        id=record.get("conversation_id") or record["prompt_id"],
         source=record["source"],
-        prompt=[{"role": m["role"], "content": m["content"]} for m in record["messages"]],
+        mode=mode,
+        prompt=[_message(m) for m in record["messages"]],
         reasoning=reasoning if config.reasoning == "keep" else "",
         answer=answer,
+        tool_calls=tool_calls,
+        tools=list(record.get("tools") or ()) or None,
+        conversation=bool(record.get("conversation_id")),
         output_tokens=_output_tokens(record),
     )
 
 
 def _screened_chunks(
-    records: Iterable[Mapping[str, Any]], config: TrainingSetConfig, tally: _Tally, thinking: bool | None
+    records: Iterable[Mapping[str, Any]], config: TrainingSetConfig, tally: _Tally, rules: Mapping[str, _ModeRules]
 ) -> Iterator[list[_Sample]]:
     """Samples of at most ``chunk_rows`` records at a time; the records themselves are let go."""
     it = iter(records)
@@ -318,49 +397,82 @@ def _screened_chunks(
             return
         samples = []
         for record in chunk:
-            screened = _screen(record, config, tally.identity, thinking)
-            if screened != "other_identity":
-                tally.own(record)
+            screened = _screen(record, config, tally.identities, rules)
             if screened == "other_identity":
                 tally.other_identity(record)
-            elif isinstance(screened, str):
+            elif screened == "other_mode":  # not this mix's work: the prompt is drawn into another mode
                 tally.reasons[screened] += 1
             else:
-                samples.append(screened)
+                tally.own(record)
+                if screened == _FOLDED:
+                    tally.fold(record)
+                elif isinstance(screened, str):
+                    tally.reasons[screened] += 1
+                else:
+                    samples.append(screened)
         del chunk, record  # so that the next chunk is read with no record of this one alive
         yield samples
 
 
-def _assistant_message(sample: _Sample) -> dict[str, str]:
-    message = {"role": "assistant", "content": sample.answer}
+def _assistant_message(sample: _Sample) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": sample.answer}
     if sample.reasoning:
         message["reasoning_content"] = sample.reasoning
+    if sample.tool_calls:
+        message["tool_calls"] = sample.tool_calls
     return message
 
 
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: Sequence[Sequence[Mapping[str, Any]]],
+    kwargs: Mapping[str, Any],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[str]:
+    """Whole conversations, as a trainer renders them (no generation prompt)."""
+    return list(tokenizer.apply_chat_template(list(map(list, conversations)), tools=tools, tokenize=False, **kwargs))
+
+
 def _segments(
-    samples: Sequence[_Sample], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig
-) -> list[tuple[str, str, str]]:
-    """(prompt, assistant, trailer) texts of each sample; together they are the full render."""
-    if not samples:
-        return []
-    kwargs = config.chat_template_kwargs
-    prompts = render_prompts(tokenizer, [s.prompt for s in samples], kwargs)
-    fulls = tokenizer.apply_chat_template(
-        [s.prompt + [_assistant_message(s)] for s in samples], tokenize=False, **kwargs
-    )
-    return [_split_render(s, p, f, kwargs) for s, p, f in zip(samples, prompts, fulls)]
+    samples: Sequence[_Sample], tokenizer: PreTrainedTokenizerBase, rules: Mapping[str, _ModeRules]
+) -> list[list[str] | None]:
+    """Each sample's texts, three per assistant turn (what precedes it, the turn, its trailer),
+    together the full render; None where the render does not split."""
+    texts: list[list[str] | None] = [None] * len(samples)
+    batches: dict[str, list[int]] = {}  # samples of one answer, by mode: rendered in one batch each
+    for i, sample in enumerate(samples):
+        if not sample.conversation:
+            batches.setdefault(sample.mode, []).append(i)
+        else:
+            texts[i] = _conversation_segments(sample, tokenizer, rules[sample.mode])
+    for mode, indices in batches.items():
+        group = [samples[i] for i in indices]
+        kwargs = rules[mode].kwargs
+        prompts = render_prompts(tokenizer, [s.prompt for s in group], kwargs)
+        fulls = _render(tokenizer, [[*s.prompt, _assistant_message(s)] for s in group], kwargs)
+        for i, sample, prompt, full in zip(indices, group, prompts, fulls):
+            texts[i] = _split_render(sample, prompt, full, tokenizer, rules[mode])
+    return texts
+
+
+def _conversation_segments(
+    sample: _Sample, tokenizer: PreTrainedTokenizerBase, rules: _ModeRules
+) -> list[str] | None:
+    # Rendered alone: a batch takes one list of tools for all. A template that refuses a
+    # conversation (its roles out of order, say) leaves out that one.
+    try:
+        [prompt] = render_prompts(tokenizer, [sample.prompt], rules.kwargs, tools=[sample.tools])
+        [full] = _render(tokenizer, [[*sample.prompt, _assistant_message(sample)]], rules.kwargs, sample.tools)
+        return _split_render(sample, prompt, full, tokenizer, rules)
+    except TemplateError:
+        return None
 
 
 def _split_render(
-    sample: _Sample, prompt: str, full: str, kwargs: Mapping[str, Any]
-) -> tuple[str, str, str]:
+    sample: _Sample, prompt: str, full: str, tokenizer: PreTrainedTokenizerBase, rules: _ModeRules
+) -> list[str] | None:
     if not full.startswith(prompt):
-        raise ValueError(
-            f"record {sample.id}: the prompt's render is not a prefix of the conversation's, so "
-            f"the answer cannot be located; do chat_template_kwargs={dict(kwargs)} match the "
-            "generation (e.g. kept reasoning with enable_thinking=False)?"
-        )
+        return None  # the generation prompt is not how the template renders the turn
     end = len(full.rstrip())
     assistant = full[len(prompt) : end]
     for name, text in (("content", sample.answer), ("reasoning_content", sample.reasoning)):
@@ -369,16 +481,53 @@ def _split_render(
                 f"record {sample.id}: the chat template does not render the assistant's {name}"
                 + ("; use reasoning='drop'" if name == "reasoning_content" else "")
             )
-    return prompt, assistant, full[end:]
+    spans = []  # (start, end of turn, end of trailer) of each regenerated assistant turn in ``full``
+    for index, message in enumerate(sample.prompt):
+        # A prompt's own assistant turns (a source read up to a later user turn) are the dataset's
+        # text, never trained; a conversation's are the model's.
+        if sample.conversation and message["role"] == "assistant":
+            span = _turn_span(sample, index, full, tokenizer, rules)
+            if span is None:
+                return None
+            spans.append(span)
+    spans.append((len(prompt), end, len(full)))
+    texts, position = [], 0
+    for start, stop, trail in spans:
+        if not position <= start <= stop <= trail:
+            return None
+        texts += [full[position:start], full[start:stop], full[stop:trail]]
+        position = trail
+    return texts
 
 
-def _encode(
-    segments: Sequence[tuple[str, str, str]], tokenizer: PreTrainedTokenizerBase
-) -> list[list[int]]:
-    """Token ids of every segment, flat (3 per sample), in one parallel batch."""
-    texts = [text for triple in segments for text in triple]
+def _turn_span(
+    sample: _Sample, index: int, full: str, tokenizer: PreTrainedTokenizerBase, rules: _ModeRules
+) -> tuple[int, int, int] | None:
+    """Where the earlier assistant turn ``sample.prompt[index]`` lies in ``full``: from its content
+    to the end of its end-of-turn text, and to the end of the whitespace after it."""
+    if rules.end_of_turn is None:
+        return None
+    marked = [*sample.prompt[:index], {"role": "assistant", "content": _MARKER}, *sample.prompt[index + 1 :]]
+    [render] = _render(tokenizer, [[*marked, _assistant_message(sample)]], rules.kwargs, sample.tools)
+    start = render.find(_MARKER)
+    tail = render[start + len(_MARKER) :]
+    if (
+        render.count(_MARKER) != 1
+        or render[:start] != full[:start]
+        or not full.endswith(tail)
+        or len(full) - len(tail) < start
+        or not tail.startswith(rules.end_of_turn)
+    ):
+        return None
+    stop = len(full) - len(tail) + len(rules.end_of_turn)
+    after = tail[len(rules.end_of_turn) :]
+    return start, stop, stop + len(after) - len(after.lstrip())
+
+
+def _encode(segments: Sequence[str], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """Token ids of every segment, in one parallel batch."""
     # The Rust backend tokenizes the batch on all cores; encode_batch_fast skips the offsets.
-    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    encodings = tokenizer.backend_tokenizer.encode_batch_fast(list(segments), add_special_tokens=False)
     return [e.ids for e in encodings]
 
 
@@ -387,17 +536,28 @@ def render_digest(full: str, written: str) -> bytes:
     return hashlib.blake2b(f"{full}\0{written}".encode(), digest_size=16).digest()
 
 
-def _digest(segments: tuple[str, str, str], config: TrainingSetConfig) -> bytes:
-    prompt, assistant, trailer = segments
-    trained = assistant + trailer if config.train_newline_after_end_of_turn else assistant
-    return render_digest(prompt + assistant + trailer, trained)
+def _digest(texts: Sequence[str], config: TrainingSetConfig) -> bytes:
+    # Texts come in threes, (before, turn, trailer): the turns are trained, the trailers by convention.
+    trained = (1, 2) if config.train_newline_after_end_of_turn else (1,)
+    return render_digest("".join(texts), "".join(t for i, t in enumerate(texts) if i % 3 in trained))
 
 
 def _tokenize(
-    segments: Sequence[tuple[str, str, str]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig
+    texts: Sequence[Sequence[str]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig
 ) -> tuple[list[list[int]], list[bytes]]:
-    """Segment ids, and each sample's render digest (hashed here, beside the tokenizer, off the main thread)."""
-    return _encode(segments, tokenizer), [_digest(triple, config) for triple in segments]
+    """Segment ids, flat, and each sample's render digest (hashed here, beside the tokenizer, off the main thread)."""
+    return _encode([t for sample in texts for t in sample], tokenizer), [_digest(t, config) for t in texts]
+
+
+@dataclass
+class _Chunk:
+    """Kept samples of a chunk of records, tokenized: the segment ids of all of them, flat."""
+
+    samples: list[_Sample] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)  # 3 per turn: before it, the turn, its trailer
+    turns: list[int] = field(default_factory=list)  # each sample's assistant turns
+    digests: list[bytes] = field(default_factory=list)
+    trained: list[int] = field(default_factory=list)  # each sample's tokens of loss_mask 1
 
 
 def _encoded_chunks(
@@ -405,67 +565,81 @@ def _encoded_chunks(
     tokenizer: PreTrainedTokenizerBase,
     config: TrainingSetConfig,
     tally: _Tally,
-) -> Iterator[tuple[list[_Sample], list[list[int]], list[bytes]]]:
-    """Kept samples of each chunk with their segment ids (3 lists per sample) and render digests, in input order.
+) -> Iterator[_Chunk]:
+    """The kept samples of each chunk, tokenized, with their render digests, in input order.
 
     One chunk is tokenized in a worker thread (the Rust backend releases the GIL and uses every
     core) while this thread renders the next chunk and the consumer writes the previous one, so
     the Python work hides behind tokenization. At most three chunks of samples are alive.
     """
+    rules = _mode_rules(tokenizer, tally.identities)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending: tuple[list[_Sample], Future[tuple[list[list[int]], list[bytes]]]] | None = None
-        for samples in _screened_chunks(records, config, tally, thinking_mode(tokenizer, config)):
-            if not samples:
+        pending: tuple[list[_Sample], list[int], Future[tuple[list[list[int]], list[bytes]]]] | None = None
+        for samples in _screened_chunks(records, config, tally, rules):
+            split = [(s, t) for s, t in zip(samples, _segments(samples, tokenizer, rules)) if t is not None]
+            tally.reasons["render_mismatch"] += len(samples) - len(split)
+            if not split:
                 continue
-            future = pool.submit(_tokenize, _segments(samples, tokenizer, config), tokenizer, config)
+            texts = [t for _, t in split]
+            future = pool.submit(_tokenize, texts, tokenizer, config)
             if pending is not None:
-                yield _within_length(pending[0], *pending[1].result(), config, tally.reasons)
-            pending = (samples, future)
+                yield _within_length(*pending[:2], *pending[2].result(), config, tally.reasons)
+            pending = ([s for s, _ in split], [len(t) // 3 for t in texts], future)
         if pending is not None:
-            yield _within_length(pending[0], *pending[1].result(), config, tally.reasons)
+            yield _within_length(*pending[:2], *pending[2].result(), config, tally.reasons)
 
 
 def _within_length(
     samples: list[_Sample],
+    turns: list[int],
     ids: list[list[int]],
     digests: list[bytes],
     config: TrainingSetConfig,
     left_out: Counter[str],
-) -> tuple[list[_Sample], list[list[int]], list[bytes]]:
-    kept, kept_ids, kept_digests = [], [], []
-    for i, sample in enumerate(samples):
-        triple = ids[3 * i : 3 * i + 3]
-        length = sum(map(len, triple))
+) -> _Chunk:
+    kept = _Chunk()
+    trained = (1, 2) if config.train_newline_after_end_of_turn else (1,)
+    position = 0
+    for sample, count, digest in zip(samples, turns, digests):
+        segments = ids[position : position + 3 * count]
+        position += 3 * count
+        length = sum(map(len, segments))
         if length > config.max_length:
             left_out["too_long"] += 1
         elif length < config.min_length:
             left_out["too_short"] += 1
         else:
-            kept.append(sample)
-            kept_ids.extend(triple)
-            kept_digests.append(digests[i])
-    return kept, kept_ids, kept_digests
+            kept.samples.append(sample)
+            kept.ids.extend(segments)
+            kept.turns.append(count)
+            kept.digests.append(digest)
+            kept.trained.append(sum(len(s) for i, s in enumerate(segments) if i % 3 in trained))
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------
 # The Parquet training set
 
 
-def _table(samples: Sequence[_Sample], ids: Sequence[list[int]], config: TrainingSetConfig) -> pa.Table:
+def _table(chunk: _Chunk, config: TrainingSetConfig) -> pa.Table:
+    ids = chunk.ids
     segment_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     values = np.fromiter(
         itertools.chain.from_iterable(ids), dtype=np.int32, count=int(segment_lengths.sum())
     )
-    # Segments alternate prompt, assistant, trailer: the mask is 0, 1 and the convention's over their lengths.
+    # Segments alternate before the turn, the turn, its trailer: the mask is 0, 1 and the
+    # convention's over their lengths; a sample is its turns' segments.
     trailer = int(config.train_newline_after_end_of_turn)
-    pattern = np.tile(np.array([0, 1, trailer], dtype=np.uint8), len(samples))
+    pattern = np.tile(np.array([0, 1, trailer], dtype=np.uint8), len(ids) // 3)
     mask = np.repeat(pattern, segment_lengths)
-    lengths = segment_lengths.reshape(-1, 3).sum(axis=1)
+    turn_lengths = segment_lengths.reshape(-1, 3).sum(axis=1)
+    first_turns = np.concatenate([[0], np.cumsum(chunk.turns)[:-1]])
+    lengths = np.add.reduceat(turn_lengths, first_turns)
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     return pa.Table.from_arrays(
         [
-            pa.array([s.id for s in samples], pa.string()),
-            pa.array([s.source for s in samples], pa.string()),
+            pa.array([s.id for s in chunk.samples], pa.string()),
+            pa.array([s.source for s in chunk.samples], pa.string()),
             pa.ListArray.from_arrays(offsets, pa.array(values)),
             pa.ListArray.from_arrays(offsets, pa.array(mask)),
             pa.array(lengths.astype(np.int32)),
@@ -513,15 +687,40 @@ class _Stats:
         self.length_counts = np.zeros(max_length + 1, dtype=np.int64)
         self.assistant_tokens = 0
         self.by_source: dict[str, dict[str, int]] = {}
+        self.by_mode: Counter[tuple[str, str]] = Counter()  # (mode, "samples" | "assistant_tokens")
+        self.conversations: set[str] = set()  # ids of the rows that are whole conversations
+        self.output_tokens = 0  # the server's count for the answers that became rows
 
-    def add(self, table: pa.Table, assistant_tokens: int) -> None:
+    def add(self, table: pa.Table, chunk: _Chunk) -> None:
         lengths = table.column("length").to_numpy()
         self.length_counts += np.bincount(lengths, minlength=self.length_counts.size)
-        self.assistant_tokens += assistant_tokens
+        self.assistant_tokens += sum(chunk.trained)
         for source, length in zip(table.column("source").to_pylist(), lengths.tolist()):
             entry = self.by_source.setdefault(source, {"samples": 0, "tokens": 0})
             entry["samples"] += 1
             entry["tokens"] += length
+        for sample, trained in zip(chunk.samples, chunk.trained):
+            self.by_mode[sample.mode, "samples"] += 1
+            self.by_mode[sample.mode, "assistant_tokens"] += trained
+            self.output_tokens += sample.output_tokens
+            if sample.conversation:
+                self.conversations.add(sample.id)
+
+    def modes(self, identities: ModeIdentities) -> dict[str, dict[str, Any]]:
+        """Each mode: its configured share and settings, and the rows and trained tokens it got."""
+        samples = int(self.length_counts.sum())
+        section = {}
+        for mode in identities.mix.describe():
+            rows = self.by_mode[mode["name"], "samples"]
+            section[mode["name"]] = {
+                "share": mode["share"],
+                "fingerprint": identities.by_mode[mode["name"]].fingerprint,
+                "settings": json.loads(json.dumps(mode["settings"])),  # as the manifest reads back
+                "samples": rows,
+                "sample_share": round(rows / samples, 4) if samples else 0.0,
+                "assistant_tokens": self.by_mode[mode["name"], "assistant_tokens"],
+            }
+        return section
 
     def summary(self) -> tuple[int, int, dict[str, float], dict[str, Any]]:
         """samples, tokens, tokens per sample, histogram."""
@@ -563,14 +762,16 @@ def build_training_set(
     config: TrainingSetConfig,
     out_dir: str | os.PathLike[str],
     *,
-    identity: Identity,
+    identities: ModeIdentities,
     known: Mapping[str, Identity] | None = None,
     trace: BuildTrace | None = None,
 ) -> Manifest:
     """Write the outputs ``config.formats`` names, ``manifest.json`` and the card under ``out_dir``, replacing what was there.
 
-    Only records of ``identity`` are taken; ``known`` (the store's registry, by fingerprint) names
-    the other identities in the manifest. ``trace``, if given, is filled with what the pass saw.
+    Only records of ``identities`` are taken, each prompt's under the mode the mix draws it into,
+    rendered with that mode's chat_template_kwargs; ``known`` (the store's registry, by
+    fingerprint) names the other identities in the manifest. ``trace``, if given, is filled with
+    what the pass saw.
 
     Everything is written into a sibling temporary folder that is renamed into place at the end,
     so ``out_dir`` only ever holds a complete set (between the two renames that replace an old set
@@ -582,7 +783,7 @@ def build_training_set(
     shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run of a recycled pid
     staging.mkdir()
     try:
-        manifest = _write_training_set(records, tokenizer, config, staging, _Tally(identity, known or {}, trace))
+        manifest = _write_training_set(records, tokenizer, config, staging, _Tally(identities, known or {}, trace))
         # On disk before the rename, so that a machine crash cannot leave a renamed set whose
         # files were still in the page cache.
         for path in [*staging.iterdir(), staging]:
@@ -627,25 +828,25 @@ def _write_training_set(
     stats = _Stats(config.max_length)
     writer = _ShardWriter(directory, config.rows_per_file)
     jsonl = _JsonlOutputs(directory, config.formats)
-    in_set = 0
     try:
-        for samples, ids, digests in _encoded_chunks(records, tokenizer, config, tally):
-            if not samples:
+        for chunk in _encoded_chunks(records, tokenizer, config, tally):
+            if not chunk.samples:
                 continue
-            table = _table(samples, ids, config)
+            table = _table(chunk, config)
             writer.write(table)
-            jsonl.write(samples, table)
-            trailers = sum(len(x) for x in ids[2::3]) if config.train_newline_after_end_of_turn else 0
-            stats.add(table, sum(len(x) for x in ids[1::3]) + trailers)
-            in_set += sum(s.output_tokens for s in samples)
+            jsonl.write(chunk.samples, table)
+            stats.add(table, chunk)
             if tally.trace is not None:
-                for sample, digest in zip(samples, digests):
+                for sample, digest in zip(chunk.samples, chunk.digests):
                     tally.trace.renders.setdefault(sample.id, []).append(digest)
     finally:
         files = writer.close() + jsonl.close()
     shards = [f["name"] for f in files if f["name"].endswith(".parquet")]
     samples, tokens, per_sample, histogram = stats.summary()
     template = json.dumps(tokenizer.chat_template, sort_keys=True).encode()
+    # A conversation's row holds its earlier turns' answers too.
+    in_set = stats.output_tokens + sum(tally.folded_tokens[c] for c in stats.conversations)
+    identity = _identity(tally.identities)
     manifest = Manifest(
         samples=samples,
         tokens=tokens,
@@ -654,8 +855,8 @@ def _write_training_set(
         by_source=dict(sorted(stats.by_source.items())),
         left_out=tally.left_out(),
         other_identities=dict(sorted(tally.others.items())),
-        identity=tally.identity.to_dict(),
-        simulated=tally.identity.simulated,
+        identity=identity,
+        simulated=identity["simulated"],
         histogram=histogram,
         config=config.to_dict(),
         tokenizer={
@@ -669,10 +870,25 @@ def _write_training_set(
         outputs={f: shards if f == "parquet" else [FORMATS[f]] for f in config.formats},
         trainer_files=[f for f in files if f["name"] not in shards],
         mask_convention=mask_convention(config),
+        modes=stats.modes(tally.identities),
+        conversations=len(stats.conversations),
+        conversation_turns_folded=tally.folded,
     )
     (directory / CARD_NAME).write_text(dataset_card(manifest))
     (directory / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
+
+
+def _identity(identities: ModeIdentities) -> dict[str, Any]:
+    """What the set was taken from: a run without modes, its identity; a mix, the model and one
+    fingerprint of every mode's settings, share and the draw's seed (each mode: ``Manifest.modes``)."""
+    if len(identities.by_mode) == 1:
+        return next(iter(identities.by_mode.values())).to_dict()
+    first = identities.identities[0]
+    mix = [[m["name"], m["share"], identities.by_mode[m["name"]].fingerprint] for m in identities.mix.describe()]
+    canonical = json.dumps({"modes": mix, "seed": identities.mix.seed}, sort_keys=True).encode()
+    return {"model": first.model, "simulated": first.simulated,
+            "fingerprint": hashlib.sha256(canonical).hexdigest()[:16], "settings": {}}
 
 
 def mask_convention(config: TrainingSetConfig) -> str:
@@ -744,23 +960,25 @@ def expected_renders(
     tokenizer: PreTrainedTokenizerBase,
     config: TrainingSetConfig,
     *,
-    identity: Identity,
+    identities: ModeIdentities,
     ids: Collection[str] | None = None,
 ) -> dict[str, list[bytes]]:
-    """Render digests of the records of ``identity`` (those whose prompt_id is in ``ids``), rendered afresh.
+    """Render digests of the rows the records of ``identities`` give (those whose row id is in
+    ``ids``: the prompt's, or the conversation's), rendered afresh.
 
     What ``BuildTrace.renders`` holds, computed from records instead of by a build.
     """
     candidates: list[_Sample] = []
-    thinking = thinking_mode(tokenizer, config)
+    rules = _mode_rules(tokenizer, identities)
     for record in records:
-        if ids is None or record.get("prompt_id") in ids:
-            screened = _screen(record, config, identity, thinking)
+        if ids is None or (record.get("conversation_id") or record.get("prompt_id")) in ids:
+            screened = _screen(record, config, identities, rules)
             if not isinstance(screened, str):
                 candidates.append(screened)
     expected: dict[str, list[bytes]] = {}
-    for sample, segments in zip(candidates, _segments(candidates, tokenizer, config)):
-        expected.setdefault(sample.id, []).append(_digest(segments, config))
+    for sample, texts in zip(candidates, _segments(candidates, tokenizer, rules)):
+        if texts is not None:
+            expected.setdefault(sample.id, []).append(_digest(texts, config))
     return expected
 
 
@@ -810,8 +1028,15 @@ def _conversation_line(sample: _Sample) -> str:
         answer = INLINE_REASONING.format(
             reasoning=sample.reasoning.strip("\n"), answer=answer.lstrip("\n")
         )
-    conversations = [*sample.prompt, {"role": "assistant", "content": answer}]
-    return json.dumps({"id": sample.id, "conversations": conversations}, ensure_ascii=False) + "\n"
+    final: dict[str, Any] = {"role": "assistant", "content": answer}
+    if sample.tool_calls:
+        final["tool_calls"] = sample.tool_calls
+    line: dict[str, Any] = {"id": sample.id, "conversations": [*sample.prompt, final]}
+    if sample.tools:
+        # As text, as SpecForge takes it: tools differ in shape, and a JSON reader inferring one
+        # schema for the column would fill each tool with the others' fields.
+        line["tools"] = json.dumps(sample.tools, ensure_ascii=False)
+    return json.dumps(line, ensure_ascii=False) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -851,6 +1076,10 @@ def manifest_markdown(manifest: Manifest) -> str:
         f"| {source} | {entry['samples']:,} | {entry['tokens']:,} |"
         for source, entry in manifest.by_source.items()
     ]
+    lines += ["", *mode_table(manifest)]
+    if manifest.conversations or manifest.conversation_turns_folded:
+        lines += ["", f"{manifest.conversations:,} of the samples are whole conversations (every assistant "
+                  f"turn trained), holding {manifest.conversation_turns_folded:,} records of earlier turns."]
     lines += ["", "| left out | records |", "|---|---:|"]
     lines += [f"| {reason} | {count:,} |" for reason, count in manifest.left_out.items()]
     if manifest.other_identities:

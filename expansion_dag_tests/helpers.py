@@ -1,14 +1,21 @@
 """Helpers shared by tests: prompt frames and resources bound to a simulated fleet."""
 
+import collections
+import json
 import ssl
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import httpx
 import polars as pl
 
 from expansion_dag.http_client import HttpClient, make_client
+from expansion_dag.modes import DEFAULT_MODE, ModeIdentities, ModeMix, base_prompt_id
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import ParquetIOManager, StorageResource
+from expansion_dag.sampling import SamplingSettings
+from expansion_dag.store import Identity
 
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 
@@ -40,3 +47,42 @@ def mock_client(handler) -> HttpClient:
     """A generation client whose requests ``handler`` answers in-process (httpx's MockTransport)."""
     return make_client(timeout_s=10.0, connect_timeout_s=2.0, tls=ssl.create_default_context(),
                        transport=httpx.MockTransport(handler))
+
+
+def one_mode(identity: Identity, chat_template_kwargs: dict | None = None) -> ModeIdentities:
+    """A run without modes whose one identity is ``identity`` (the tests' own, fingerprint and all),
+    its answers rendered with ``chat_template_kwargs``."""
+    sampling = SamplingSettings(chat_template_kwargs_json=json.dumps(chat_template_kwargs or {}))
+    identities = ModeIdentities(ModeMix.single(sampling), identity.model, identity.simulated)
+    identities.by_mode[DEFAULT_MODE] = identity
+    return identities
+
+
+#: A tool as the client sends it (``server_api.request_tools``), for the tests of tool-using requests.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def answered_prompts(records: Iterable[Mapping[str, Any]]) -> collections.Counter[str]:
+    """Each prompt's answered requests in ``records``: one for a prompt, one a turn for a conversation
+    (counted under the conversation's id, the id its budgeted row has)."""
+    return collections.Counter(base_prompt_id(r) for r in records if r["status"] == "ok")
+
+
+def requests_per_prompt(budgeted: pl.DataFrame) -> dict[str, int]:
+    """Each budgeted prompt's requests when all are answered: its conversation's turns, or one."""
+    conversations = budgeted["conversation"].to_list() if "conversation" in budgeted.columns else [None] * budgeted.height
+    return {
+        pid: 1 if turns is None else sum(m["role"] == "assistant" for m in turns)
+        for pid, turns in zip(budgeted["prompt_id"].to_list(), conversations)
+    }

@@ -1,10 +1,14 @@
 """Per-prompt budgets from exact token counts, and shards balanced on expected work."""
 
+import json
+
 import polars as pl
 import pytest
 
 from expansion_dag.budget import PROMPT_OVER_INPUT_LIMIT, PROMPT_TOO_LONG, BudgetConfig, budget_prompts
-from expansion_dag.tokenizer import count_prompt_tokens, load_tokenizer
+from expansion_dag.catalog import load_catalog, load_source
+from expansion_dag.extract import extract_prompts
+from expansion_dag.tokenizer import count_prompt_tokens, load_tokenizer, render_prompts
 
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 
@@ -134,3 +138,73 @@ def test_counting_matches_the_shared_tokenizer_helper(tokenizer):
     counts = count_prompt_tokens(tokenizer, frame["messages"].to_list())
     result = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1)
     assert result.prompts.sort("prompt_id")["prompt_tokens"].to_list() == counts
+
+
+@pytest.fixture(scope="module")
+def hermes_conversations(tmp_path_factory):
+    """The bundled hermes sample's conversation prompts, as the prompts stage gives them."""
+    spec = load_catalog("samples").source("hermes_fc")
+    raw = pl.from_arrow(load_source(spec, cache_dir=tmp_path_factory.mktemp("hf-cache")).data.table)
+    return extract_prompts(raw, source=spec.name, extractor=spec.extractor, conversation=True).prompts
+
+
+def test_a_prompt_with_tools_is_counted_with_them_in_the_template(tokenizer, hermes_conversations):
+    prompts = hermes_conversations
+    result = budget_prompts(prompts, tokenizer, context_length=8192, num_shards=1)
+    rows = result.prompts.filter(pl.col("tools").is_not_null())
+    assert rows.height >= 10
+    for row in rows.iter_rows(named=True):
+        ids = tokenizer.apply_chat_template(
+            row["messages"], tools=json.loads(row["tools"]), add_generation_prompt=True, return_dict=False
+        )
+        assert row["prompt_tokens"] == len(ids)
+    # The tools are rendered by the template, and they are what makes the count.
+    without = count_prompt_tokens(tokenizer, rows["messages"].to_list())
+    assert all(a > b + 50 for a, b in zip(rows["prompt_tokens"], without, strict=True))
+    # Every input column goes on: the conversation stages read them.
+    assert {"conversation", "tools", "row_index"} <= set(result.prompts.columns)
+
+
+def test_each_mode_counts_with_its_own_template_arguments(tokenizer, hermes_conversations):
+    prompts = hermes_conversations.head(6)
+    modes = prompts.with_columns(mode=pl.Series(["on", "off"] * 3))
+    config = BudgetConfig(
+        chat_template_kwargs_by_mode={"on": {"enable_thinking": True}, "off": {"enable_thinking": False}}
+    )
+    counted = budget_prompts(modes, tokenizer, context_length=8192, num_shards=1, config=config).prompts
+    for row in counted.iter_rows(named=True):
+        ids = tokenizer.apply_chat_template(
+            row["messages"],
+            tools=json.loads(row["tools"]) if row["tools"] else None,
+            add_generation_prompt=True,
+            return_dict=False,
+            enable_thinking=row["mode"] == "on",
+        )
+        assert row["prompt_tokens"] == len(ids), row["mode"]
+    on = budget_prompts(prompts, tokenizer, context_length=8192, num_shards=1).prompts
+    off = counted.filter(pl.col("mode") == "off").join(on, on="prompt_id", suffix="_on")
+    # Thinking off adds the empty <think></think> block the server counts.
+    assert (off["prompt_tokens"] == off["prompt_tokens_on"] + 4).all() and off.height == 3
+    stranger = modes.with_columns(mode=pl.lit("other"))
+    with pytest.raises(ValueError, match=r"no chat_template_kwargs for mode 'other' \(modes configured: on, off"):
+        budget_prompts(stranger, tokenizer, context_length=8192, num_shards=1, config=config)
+
+
+def test_rendering_gives_each_conversation_its_own_tools(tokenizer):
+    conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
+    weather = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    stocks = [{"type": "function", "function": {"name": "stocks", "parameters": {"type": "object"}}}]
+    tools = [None, weather, stocks, None]
+    rendered = render_prompts(tokenizer, conversations, {"enable_thinking": False}, tools=tools)
+    assert rendered == [
+        tokenizer.apply_chat_template(
+            c, tools=t, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        for c, t in zip(conversations, tools, strict=True)
+    ]
+    assert '"name": "weather"' in rendered[1] and '"name": "stocks"' in rendered[2]
+    assert "<tools>" not in rendered[0] + rendered[3]
+    plain = render_prompts(tokenizer, conversations)
+    assert plain == render_prompts(tokenizer, conversations, tools=[None] * 4)
+    with pytest.raises(ValueError, match="3 tool lists for 4 conversations"):
+        render_prompts(tokenizer, conversations, tools=tools[:3])

@@ -31,7 +31,7 @@ SAMPLE_ROWS = {
     "webinstructsub": 40,
     "codefeedback": 38,
     "metamathqa": 37,
-    "hermes_fc": 40,
+    "hermes_fc": 42,
     "agentinstruct": 26,
 }
 TOKEN = "hf_NotARealTokenButSecret1234567890"
@@ -121,13 +121,16 @@ def test_production_catalog_names_the_real_hub_sources():
     assert all(s.local_path is None and s.revision for s in production.sources)
     assert by_name["infinity_instruct"].filter_map() == {"langdetect": ["en"]}
     assert len(by_name["hermes_fc"].parts()) == 5 and len(by_name["agentinstruct"].parts()) == 6
+    # Hermes is regenerated turn by turn; AgentInstruct's later turns need its environment.
+    assert [s.name for s in production.sources if s.conversation] == ["hermes_fc"]
 
 
 def test_samples_catalog_mirrors_production_but_reads_bundled_files(samples):
+    def described(catalog):
+        return [(s.name, s.hub_id, s.config, s.split, s.extractor, s.conversation) for s in catalog.sources]
+
     production = load_catalog("production")
-    assert [(s.name, s.hub_id, s.config, s.split, s.extractor) for s in samples.sources] == [
-        (s.name, s.hub_id, s.config, s.split, s.extractor) for s in production.sources
-    ]
+    assert described(samples) == described(production)
     samples_dir = str(package_dir("samples"))
     assert all(s.local_path.startswith(samples_dir) for s in samples.sources)
 
@@ -312,6 +315,18 @@ def test_defaults_apply_unless_a_source_overrides_them(tmp_path):
             r"duplicate names a",
         ),
         ("sources:\n  - {extractor: codefeedback, hub_id: x/y}\n", r"sources\[0\]: .*name"),
+        (
+            "sources:\n  - {name: a, extractor: agentinstruct, hub_id: x/y, conversation: true, turn: 2}\n",
+            r"conversation: regenerates every turn, so it cannot be combined with turn 2",
+        ),
+        (
+            "sources:\n  - {name: a, extractor: codefeedback, hub_id: x/y, conversation: true}\n",
+            r"conversation: extractor 'codefeedback' reads one text column",
+        ),
+        (
+            "sources:\n  - {name: a, extractor: agentinstruct, hub_id: x/y, conversation: 'yes'}\n",
+            r"conversation: must be true or false, got 'yes'",
+        ),
     ],
 )
 def test_invalid_catalogs_name_the_field(tmp_path, text, message):

@@ -1,6 +1,7 @@
 """Prompt extraction, quarantine, deduplication and sampling, on the bundled samples (loaded through
 ``datasets`` as the pipeline does) and on small hand-made tables for each edge case."""
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -52,6 +53,7 @@ def extract(raw_frame: pl.DataFrame, spec: SourceSpec):
         turn=spec.turn,
         max_chars=spec.max_chars,
         filters=spec.filter_map(),
+        conversation=spec.conversation,
     )
 
 
@@ -113,14 +115,133 @@ def test_infinity_instruct_takes_the_first_human_turn_of_english_rows(raw, resul
     ]
 
 
-def test_hermes_prompts_keep_the_tool_definitions(results):
-    result = results["hermes_fc"]
+def test_hermes_first_turn_prompts_keep_the_tool_definitions(samples, raw):
+    spec = dataclasses.replace(samples.source("hermes_fc"), conversation=False)
+    result = extract(raw["hermes_fc"], spec)
+    assert result.prompts["conversation"].is_null().all() and result.prompts["tools"].is_null().all()
     for prompt in result.prompts["messages"].to_list():
         assert [m["role"] for m in prompt] == ["system", "user"]
         assert "<tools>" in prompt[0]["content"] or "<schema>" in prompt[0]["content"]
-    tools_prompt = next(p for p in result.prompts["messages"].to_list() if "<tools>" in p[0]["content"])
+    tools_prompt = next(p for p in result.prompts["messages"].to_list() if "<tools>\n{" in p[0]["content"])
     signature = tools_prompt[0]["content"].split("<tools>\n")[1].split("\n")[0]
     assert json.loads(signature)["function"]["parameters"]["type"] == "object"
+
+
+def hermes_row(raw, results, row_id: str) -> tuple[list[dict], dict]:
+    """A bundled hermes row by id: its source turns and its prompt record."""
+    row_index = raw["hermes_fc"]["id"].to_list().index(row_id)
+    record = results["hermes_fc"].prompts.filter(pl.col("row_index") == row_index).row(0, named=True)
+    return raw["hermes_fc"]["conversations"][row_index].to_list(), record
+
+
+def test_hermes_conversations_keep_every_turn_with_a_place_for_each_answer(raw, results):
+    turns, record = hermes_row(raw, results, "func_calling-0000")
+    assert [t["from"] for t in turns] == ["system", "human", "gpt", "tool", "gpt", "human", "gpt"]
+    system, block = turns[0]["value"].split("<tools>\n")[0], turns[0]["value"].split("<tools>\n")[1]
+    listed = [json.loads(line) for line in block.split("\n</tools>")[0].split("\n")]
+    assert [(m["role"], m["content"]) for m in record["conversation"]] == [
+        ("system", system + turns[0]["value"].split("</tools>\n")[-1]),
+        ("user", turns[1]["value"]),
+        ("assistant", None),
+        # Unwrapped: Qwen3's template wraps tool results in <tool_response> itself.
+        ("tool", turns[3]["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")),
+        ("assistant", None),
+        ("user", turns[5]["value"]),
+        ("assistant", None),
+    ]
+    assert json.loads(record["tools"]) == listed and listed[0]["type"] == "function"
+    assert record["messages"] == record["conversation"][:2]
+    assert "<tools>" in record["conversation"][0]["content"]  # the preamble's "<tools></tools>" stays prose
+    assert "</tools>\n" not in record["conversation"][0]["content"]
+
+
+def test_hermes_parallel_calls_and_python_literal_tools(raw, results):
+    turns, record = hermes_row(raw, results, "func_calling-parallel")
+    assert "[{'type': 'function'" in turns[0]["value"]  # as the dataset's own rows write tools
+    names = [t["function"]["name"] for t in json.loads(record["tools"])]
+    assert names == ["get_current_weather", "get_exchange_rate"]
+    roles = [m["role"] for m in record["conversation"]]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "assistant"]
+    assert [json.loads(m["content"])["name"] for m in record["conversation"][3:5]] == [
+        "get_current_weather",
+        "get_exchange_rate",
+    ]
+
+
+def test_hermes_single_turns_json_mode_and_bad_tools(raw, results):
+    for row_id in ("func_calling_singleturn-0000", "json_mode_agentic-0000"):
+        turns, record = hermes_row(raw, results, row_id)
+        assert [m["role"] for m in record["conversation"]] == ["system", "user", "assistant"]
+        assert record["messages"] == record["conversation"][:2]
+    # JSON mode: no tools, and the <schema> stays in the system text.
+    assert record["tools"] is None and record["messages"][0]["content"] == turns[0]["value"]
+    quarantine = results["hermes_fc"].quarantine
+    bad_row = raw["hermes_fc"]["id"].to_list().index("func_calling-bad-tools")
+    bad = quarantine.filter(pl.col("row_index") == bad_row)
+    assert bad["reason"].to_list() == ["invalid_tools"]
+    assert bad["detail"][0].startswith("conversations[0].value: <tools> is neither JSON nor a Python literal: ")
+    assert set(quarantine["reason"]) == {"invalid_tools", "unknown_role", "no_user_turn"}
+
+
+def test_conversation_places_answers_and_hashes_every_turn_but_the_assistants():
+    def conversation(*turns):
+        return [{"from": f, "value": v} for f, v in turns]
+
+    rows = [
+        # A greeting before the first question is dropped; two answers in a row make one place.
+        conversation(("gpt", "Hi!"), ("human", "Q1"), ("gpt", "A1"), ("gpt", "A1b"), ("human", "Q2")),
+        conversation(("human", "Q1"), ("gpt", "A1"), ("human", "Q3")),  # same first turn, another second
+        conversation(("human", " Q1 "), ("gpt", "other answer"), ("human", "Q2")),  # row 0 up to whitespace
+        conversation(("system", "<tools>[]</tools>"), ("gpt", "no question")),
+        conversation(("system", "<tools>\n{\"name\": \"f\"}\n</tools>"), ("human", "Q1")),
+        # Prose that names the tag stays; a result without its wrapper stays whole.
+        conversation(
+            ("system", "Use the <tools> below.\n<tools>\n[{'name': 'g', 'strict': True}]\n</tools>\nBe brief."),
+            ("human", "Q1"),
+            ("gpt", "<tool_call>...</tool_call>"),
+            ("tool", "plain result"),
+        ),
+    ]
+    frame = pl.DataFrame({"conversations": rows})
+    result = extract_prompts(frame, source="h", extractor="hermes_function_calling", conversation=True)
+    records = {r["row_index"]: r for r in result.prompts.iter_rows(named=True)}
+    placeholder = {"role": "assistant", "content": None}
+    q1, q2 = {"role": "user", "content": "Q1"}, {"role": "user", "content": "Q2"}
+    assert records[0]["conversation"] == [q1, placeholder, q2, placeholder]
+    assert records[0]["messages"] == [q1] and records[0]["tools"] is None
+    assert records[0]["prompt_id"] == expected_id([("user", "Q1"), ("user", "Q2")])
+    assert records[0]["prompt_id"] == records[2]["prompt_id"] != records[1]["prompt_id"]
+    # A bare function is put in OpenAI form; a system turn that only held tools is left out.
+    tools = '[{"type": "function", "function": {"name": "f"}}]'
+    assert records[4]["conversation"] == [q1, placeholder]
+    assert records[4]["tools"] == tools
+    canonical = f"user\nQ1\ntools\n{tools}\n"
+    assert records[4]["prompt_id"] == hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    assert records[5]["conversation"] == [
+        {"role": "system", "content": "Use the <tools> below.\nBe brief."},
+        q1,
+        placeholder,
+        {"role": "tool", "content": "plain result"},
+        placeholder,
+    ]
+    assert json.loads(records[5]["tools"]) == [{"type": "function", "function": {"name": "g", "strict": True}}]
+    # A tool result is no user turn here: it stays a tool message.
+    assert result.quarantine.select("row_index", "reason", "detail").rows() == [
+        (3, "no_user_turn", "no 'human' turn in conversations")
+    ]
+    with pytest.raises(ValueError, match="conversation regenerates every turn"):
+        extract_prompts(frame, source="h", extractor="agentinstruct", turn=2, conversation=True)
+    with pytest.raises(ValueError, match="reads one text column"):
+        extract_prompts(pl.DataFrame({"query": ["q"]}), source="q", extractor="codefeedback", conversation=True)
+
+
+def test_ordinary_sources_have_no_conversation_and_selection_carries_it(results, selection):
+    for name, result in results.items():
+        has = result.prompts["conversation"].is_not_null()
+        assert has.all() if name == "hermes_fc" else not has.any(), name
+    chosen = selection.prompts.filter(pl.col("conversation").is_not_null())
+    assert chosen.height == selection.stats["hermes_fc"].prompts_out > 0
+    assert set(chosen["source"]) == {"hermes_fc"} and chosen["tools"].is_not_null().any()
 
 
 def test_agentinstruct_takes_the_task_and_environment_instructions(raw, results):

@@ -194,3 +194,23 @@ def test_an_unknown_placeholder_in_the_launch_command_is_named(tmp_path):
     )
     with pytest.raises(FleetError, match="unknown placeholder 'gpus'"):
         launcher.ensure_running(timeout_s=5)
+
+
+def test_the_probe_reads_sglangs_tool_call_parser_and_believes_the_configured_one_for_vllm():
+    configs = [
+        SimServerConfig(port=0, tool_call_parser="qwen25"),
+        SimServerConfig(port=0),
+        SimServerConfig(port=0, backend="vllm"),
+    ]
+    with SimulatedFleet(configs) as fleet:
+        # An SGLang server says its own parser, whatever the configuration says.
+        reported = probe_server(fleet.urls[0], tool_call_parser="other")
+        unparsed = probe_server(fleet.urls[1], tool_call_parser="qwen25")
+        vllm = probe_server(fleet.urls[2], backend="vllm", slots_override=8)
+        vllm_parsed = probe_server(fleet.urls[2], backend="vllm", slots_override=8, tool_call_parser="hermes")
+    assert (reported.tool_call_parser, reported.tool_choice) == ("qwen25", "auto")
+    # SGLang renders the tools only with "auto"; nothing comes back parsed without a parser.
+    assert (unparsed.tool_call_parser, unparsed.tool_choice) == (None, "auto")
+    # vLLM refuses "auto" without a tool parser, and renders the tools with "none" too.
+    assert (vllm.tool_call_parser, vllm.tool_choice) == (None, "none")
+    assert (vllm_parsed.tool_call_parser, vllm_parsed.tool_choice) == ("hermes", "auto")

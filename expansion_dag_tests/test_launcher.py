@@ -10,6 +10,7 @@ import pytest
 from expansion_dag.config import parse_config
 from expansion_dag.definitions import fleet_for
 from expansion_dag.errors import FleetError
+from expansion_dag.launcher import tool_call_flags
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag_tests.test_fleet import simulator_launcher
@@ -77,3 +78,11 @@ def test_a_simulator_with_another_pid_is_not_taken_for_the_launched_one(tmp_path
         finally:
             other.kill()
             other.wait()
+
+
+def test_tool_call_flags_per_backend():
+    assert tool_call_flags("sglang", "qwen25") == "--tool-call-parser qwen25"
+    assert tool_call_flags("vllm", "hermes") == "--enable-auto-tool-choice --tool-call-parser hermes"
+    assert tool_call_flags("vllm", None) == ""
+    with pytest.raises(FleetError, match="no tool-call parser flags"):
+        tool_call_flags("tgi", "hermes")

@@ -9,10 +9,12 @@ import yaml
 from expansion_dag.config import load_config
 from expansion_dag.definitions import build_definitions
 from expansion_dag.ledger import nights
+from expansion_dag.modes import base_prompt_id
 from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.schedules import NIGHT_TAG
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.store import CompletionStore
 
 QUOTA = 50
 #: Values a user edits in the file; the requests the fleet receives must carry them.
@@ -73,6 +75,12 @@ def completions_requests(fleet):
     return sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
 
 
+def answered(tmp_path) -> tuple[int, int]:
+    """Prompts with an answer in the store (a conversation once, however many turns) and the answers."""
+    records = list(CompletionStore(tmp_path / "storage" / "completions").latest_records())
+    return len({base_prompt_id(r) for r in records}), len(records)
+
+
 def test_nights_take_fresh_quotas_with_the_files_settings_and_a_rerun_generates_nothing_twice(tmp_path, instance):
     config = SimServerConfig(port=0, max_running_requests=8, ttft_s=0.0, token_latency_s=0.0001,
                              output_median_tokens=80)
@@ -82,7 +90,9 @@ def test_nights_take_fresh_quotas_with_the_files_settings_and_a_rerun_generates_
         first = run_night(defs, instance, 27)
         # Every raw dataset (nothing loaded yet), prompts and the budget; not shards nor training set.
         assert len(first.asset_selection) == len(defs.assets) - 3
-        assert completions_requests(fleet) == QUOTA
+        # A night's quota counts prompts; a conversation's every turn is a request of its own.
+        prompts, answers = answered(tmp_path)
+        assert prompts == QUOTA and completions_requests(fleet) == answers
         # The schedule's runs sent what the file says, to the servers it names.
         for i in range(len(SHARD_KEYS)):
             sent = fleet.stats(i)["last_chat_request"]
@@ -95,7 +105,8 @@ def test_nights_take_fresh_quotas_with_the_files_settings_and_a_rerun_generates_
         second = run_night(defs, instance, 28)
         # The sources did not change: the second night does not reload them.
         assert set(second.asset_selection) == {dg.AssetKey("prompts"), dg.AssetKey("budgeted_prompts")}
-        assert completions_requests(fleet) == 2 * QUOTA
+        prompts, answers = answered(tmp_path)
+        assert prompts == 2 * QUOTA and completions_requests(fleet) == answers
 
         taken = nights(tmp_path / "storage" / "nights")
         assert list(taken) == ["2026-11-27", "2026-11-28"]
@@ -108,10 +119,10 @@ def test_nights_take_fresh_quotas_with_the_files_settings_and_a_rerun_generates_
         for shard in SHARD_KEYS:
             run_request(defs, instance, dg.RunRequest(partition_key=shard, tags=request.tags),
                         job_name="generate_job", partition_key=shard)
-        assert completions_requests(fleet) == 2 * QUOTA
+        assert completions_requests(fleet) == answers
 
     store = defs.resources["storage"].completion_store()
-    assert len(store.scan().done) == 2 * QUOTA
+    assert len(store.scan().done) == answers  # one completion a request: nothing generated twice
     assert store.scan().duplicates == 0
     nightly = instance.get_runs(filters=dg.RunsFilter(tags={NIGHT_TAG: "2026-11-28"}))
     assert len(nightly) == 1 + len(SHARD_KEYS) + 1

@@ -102,13 +102,13 @@ def test_a_body_that_is_not_a_chat_completion_is_a_bad_response(body):
         server_api.parse_chat_completion(body, SGLANG)
 
 
-@pytest.mark.parametrize("finish", ["stop", "length"])
-def test_stop_and_length_are_complete_answers(finish):
+@pytest.mark.parametrize("finish", ["stop", "length", "tool_calls"])
+def test_stop_length_and_tool_calls_are_complete_answers(finish):
     answer = server_api.parse_chat_completion(chat_body({"content": "x"}, finish=finish), SGLANG)
     assert server_api.finish_error(answer) is None
 
 
-@pytest.mark.parametrize("finish", ["abort", "tool_calls", "content_filter", None])
+@pytest.mark.parametrize("finish", ["abort", "content_filter", None])
 def test_any_other_finish_is_a_retryable_error_that_names_it(finish):
     answer = server_api.parse_chat_completion(chat_body({"content": "partial"}, finish=finish), SGLANG)
     error = server_api.finish_error(answer)

@@ -206,12 +206,12 @@ SIM = Identity(model="Qwen/Qwen3-8B (simulator)", simulated=True, fingerprint="f
 
 def test_a_store_never_takes_simulated_and_real_completions(tmp_path):
     store = CompletionStore(tmp_path / "completions")
-    with store.writer("shard-00", identity=SIM) as w:
+    with store.writer("shard-00", identities=[SIM]) as w:
         w.append(ok(SIM.key("p1")))
-    with store.writer("shard-01", identity=SIM):  # the same kind again: fine
+    with store.writer("shard-01", identities=[SIM]):  # the same kind again: fine
         pass
     with pytest.raises(MixedStoreError) as refused:
-        store.writer("shard-00", identity=REAL)
+        store.writer("shard-00", identities=[REAL])
     message = str(refused.value)
     assert str(tmp_path / "completions") in message
     assert "holds simulated completions (Qwen/Qwen3-8B (simulator))" in message
@@ -221,7 +221,7 @@ def test_a_store_never_takes_simulated_and_real_completions(tmp_path):
     real_store = CompletionStore(tmp_path / "real")
     real_store.registry.register(REAL)
     with pytest.raises(MixedStoreError, match="holds real completions"):
-        real_store.writer("shard-00", identity=SIM)
+        real_store.writer("shard-00", identities=[SIM])
 
 
 def test_the_identity_registry_names_who_wrote_the_store_and_is_not_a_shard(tmp_path):
@@ -229,7 +229,7 @@ def test_the_identity_registry_names_who_wrote_the_store_and_is_not_a_shard(tmp_
     store.registry.register(REAL)
     store.registry.register(REAL)
     other = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="f-cold", settings={"temperature": 0.1})
-    with store.writer("shard-00", identity=other) as w:
+    with store.writer("shard-00", identities=[other]) as w:
         w.append(ok(other.key("p1"), prompt_id="p1"))
     assert store.registry.known() == {"f-real": REAL, "f-cold": other}
     assert store.registry.known()["f-cold"].settings == {"temperature": 0.1}

@@ -27,6 +27,7 @@ from expansion_dag.training_set import (
     manifest_markdown,
     sample_rows,
 )
+from expansion_dag_tests.helpers import one_mode
 
 SYSTEM = "You are terse."
 #: The identity every test record is written under unless a test says otherwise.
@@ -100,9 +101,10 @@ def tiny():
     )
 
 
-def build(records, tokenizer, tmp_path, name="ts", **config):
+def build(records, tokenizer, tmp_path, name="ts", chat_template_kwargs=None, **config):
     out = tmp_path / name
-    manifest = build_training_set(records, tokenizer, TrainingSetConfig(**config), out, identity=MODEL)
+    identities = one_mode(MODEL, chat_template_kwargs)
+    manifest = build_training_set(records, tokenizer, TrainingSetConfig(**config), out, identities=identities)
     return manifest, pq.read_table(data_files(out)).to_pylist()
 
 
@@ -223,8 +225,9 @@ def test_left_out_records_are_counted_by_reason(qwen3, tmp_path):
     manifest, rows = build(records, qwen3, tmp_path, max_length=200, min_length=20)
     assert [r["id"] for r in rows] == ["p0000", "p0009"]
     assert manifest.left_out == {
-        "other_identity": 0, "failed": 1, "unfinished": 0, "truncated": 1, "empty": 4, "too_long": 1,
-        "too_short": 1, "think_tag_in_content": 0, "reasoning_missing": 0, "reasoning_unexpected": 0,
+        "other_identity": 0, "other_mode": 0, "failed": 1, "unfinished": 0, "truncated": 1, "empty": 4,
+        "too_long": 1, "too_short": 1, "think_tag_in_content": 0, "reasoning_missing": 0,
+        "reasoning_unexpected": 0, "render_mismatch": 0,
     }
     assert list(manifest.left_out) == list(LEFT_OUT_REASONS)
     # Kept when asked to; and min_length == max_length leaves only samples of exactly that length.
@@ -245,7 +248,7 @@ def test_manifest_says_what_share_of_the_generated_tokens_reached_the_set(qwen3,
         record(3, completion_tokens=999, identity=SIMULATED),  # another identity's: not this set's work
     ]
     trace = BuildTrace()
-    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identity=MODEL, trace=trace)
+    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identities=one_mode(MODEL), trace=trace)
     assert (manifest.output_tokens, manifest.output_tokens_in_set, manifest.useful_token_share) == (500, 100, 0.2)
     # The nightly table's figures come from the same pass.
     assert trace.completion_tokens == {"p0000": 100, "p0001": 300} and trace.failed == {"p0002"}
@@ -302,15 +305,15 @@ def test_loads_with_datasets_parquet(qwen3, tmp_path):
 def test_round_trip_check_passes_and_catches_corruption(qwen3, tmp_path):
     records = [record(i) for i in range(12)]
     config = TrainingSetConfig(rows_per_file=5, chunk_rows=4)
-    build_training_set(records, qwen3, config, tmp_path / "ts", identity=MODEL)
+    build_training_set(records, qwen3, config, tmp_path / "ts", identities=one_mode(MODEL))
     rows = sample_rows(tmp_path / "ts", 6)
     assert [r["id"] for r in rows] == ["p0000", "p0002", "p0004", "p0006", "p0008", "p0010"]
-    expected = expected_renders(iter(records), qwen3, config, identity=MODEL)
+    expected = expected_renders(iter(records), qwen3, config, identities=one_mode(MODEL))
     result = check_round_trip(rows, expected, qwen3)
     assert result.ok and (result.checked, result.passed, result.failing_ids) == (6, 6, [])
     # The build's own trace holds the same renders: the asset's round trip needs no second pass.
     trace = BuildTrace()
-    build_training_set(records, qwen3, config, tmp_path / "again", identity=MODEL, trace=trace)
+    build_training_set(records, qwen3, config, tmp_path / "again", identities=one_mode(MODEL), trace=trace)
     assert trace.renders == expected
 
     shifted = dict(rows[1], loss_mask=[0] + rows[1]["loss_mask"][:-1])  # mask one token late
@@ -323,15 +326,15 @@ def test_round_trip_check_passes_and_catches_corruption(qwen3, tmp_path):
     assert result.failing_ids == ["p0002", "p0004", "nobody", "p0008"]
     # Rendered under other settings, the same rows no longer match.
     dropped = TrainingSetConfig(reasoning="drop")
-    assert check_round_trip(rows, expected_renders(records, qwen3, dropped, identity=MODEL), qwen3).failed == 6
+    assert check_round_trip(rows, expected_renders(records, qwen3, dropped, identities=one_mode(MODEL)), qwen3).failed == 6
     # A row is only right when it comes from the set's own identity.
-    assert check_round_trip(rows, expected_renders(records, qwen3, config, identity=SIMULATED), qwen3).missing == 6
+    assert check_round_trip(rows, expected_renders(records, qwen3, config, identities=one_mode(SIMULATED)), qwen3).missing == 6
 
 
 def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     records = [record(0), record(1, finish_reason="length"), record(2, content="word " * 400)]
     config = TrainingSetConfig(max_length=200)
-    manifest = build_training_set(records, qwen3, config, tmp_path / "ts", identity=MODEL)
+    manifest = build_training_set(records, qwen3, config, tmp_path / "ts", identities=one_mode(MODEL))
     assert manifest.outputs["specforge-conversations"] == ["conversations.jsonl"]
     lines = [json.loads(x) for x in (tmp_path / "ts" / "conversations.jsonl").read_text().splitlines()]
     # Exactly the Parquet set's samples: the cut answer and the over-long one are left out of both.
@@ -369,8 +372,8 @@ def test_the_newline_after_the_end_of_turn_is_trained_when_configured(qwen3, tmp
     lines = [json.loads(x) for x in (tmp_path / "trained" / "pretokenized.jsonl").read_text().splitlines()]
     assert lines == [{k: r[k] for k in ("id", "input_ids", "loss_mask")} for r in rows]
     config = TrainingSetConfig(train_newline_after_end_of_turn=True)
-    assert check_round_trip(rows, expected_renders(records, qwen3, config, identity=MODEL), qwen3).ok
-    assert check_round_trip(untrained, expected_renders(records, qwen3, config, identity=MODEL), qwen3).failed == 4
+    assert check_round_trip(rows, expected_renders(records, qwen3, config, identities=one_mode(MODEL)), qwen3).ok
+    assert check_round_trip(untrained, expected_renders(records, qwen3, config, identities=one_mode(MODEL)), qwen3).failed == 4
 
 
 def test_formats_are_checked(qwen3):
@@ -522,20 +525,12 @@ def test_manifest_markdown_has_a_histogram_picture_and_tables(qwen3, tmp_path):
         {"chunk_rows": 0},
         {"rows_per_file": True},
         {"drop_truncated": "yes"},
-        {"chat_template_kwargs": {"enable_thinking": object()}},
         {"chunk_rows": 1 << 20, "max_length": 1 << 12},
     ],
 )
 def test_config_is_validated(fields):
     with pytest.raises(ValueError):
         TrainingSetConfig(**fields)
-
-
-def test_config_keeps_its_own_copy_of_the_kwargs():
-    kwargs = {"enable_thinking": False}
-    config = TrainingSetConfig(chat_template_kwargs=kwargs)
-    kwargs["enable_thinking"] = True
-    assert config.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_only_the_current_identity_and_finished_answers_are_taken(qwen3, tmp_path):
@@ -553,7 +548,7 @@ def test_only_the_current_identity_and_finished_answers_are_taken(qwen3, tmp_pat
     ]
     known = {i.fingerprint: i for i in (MODEL, SIMULATED, warmer)}
     manifest = build_training_set(
-        records, qwen3, TrainingSetConfig(drop_truncated=False), tmp_path / "ts", identity=MODEL, known=known
+        records, qwen3, TrainingSetConfig(drop_truncated=False), tmp_path / "ts", identities=one_mode(MODEL), known=known
     )
     rows = pq.read_table(data_files(tmp_path / "ts")).to_pylist()
     assert [r["id"] for r in rows] == ["p0000", "p0005", "p0007"]  # one answer per prompt
@@ -570,7 +565,7 @@ def test_only_the_current_identity_and_finished_answers_are_taken(qwen3, tmp_pat
 
 def test_a_set_built_from_simulated_answers_says_so(qwen3, tmp_path):
     records = [record(i, identity=SIMULATED) for i in range(3)] + [record(9)]
-    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identity=SIMULATED)
+    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identities=one_mode(SIMULATED))
     assert manifest.samples == 3 and manifest.left_out["other_identity"] == 1
     assert Manifest.read(tmp_path / "ts").simulated is True
     assert json.loads((tmp_path / "ts" / "manifest.json").read_text())["identity"]["model"].endswith("(simulator)")

@@ -4,19 +4,22 @@ The shard checks read the shard's file back as stored (the IO manager has writte
 ``Output`` is yielded) and recompute from it: a sample of prompts is re-counted with the tokenizer.
 """
 
+import json
+
 import dagster as dg
 import polars as pl
 from pydantic import Field
 
 from expansion_dag.assets.metadata import markdown_table
-from expansion_dag.budget import budget_prompts
+from expansion_dag.budget import BudgetConfig, budget_prompts, count_all_prompt_tokens
 from expansion_dag.ledger import take_night
 from expansion_dag.partitions import SHARD_KEYS, shard_partitions
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
-from expansion_dag.store import Identity
-from expansion_dag.tokenizer import count_prompt_tokens
+from expansion_dag.modes import ModeIdentities
+from expansion_dag.server_api import template_tools
+from expansion_dag.shard_work import prompt_keys
 
 GROUP = "budget"
 FLEET_IDENTITY = "fleet_identity"
@@ -46,15 +49,28 @@ def budgeted_prompts(
         f"probed context length {fleet_info.context_length} and model {fleet_info.model_path} "
         f"from {len(fleet_info.servers)} {'simulated ' if fleet_info.simulated else ''}server(s)"
     )
-    identity = Identity.of(fleet_info.identity, fleet_info.simulated, settings.sampling())
+    mix = settings.mix()
+    identities = ModeIdentities(mix, fleet_info.identity, fleet_info.simulated)
     # Before any work: simulated and real completions never share a store.
-    storage.completion_store().registry.refuse_other_kind(identity)
+    for identity in identities.identities:
+        storage.completion_store().registry.refuse_other_kind(identity)
+    # Each prompt's generation mode: a seeded draw from its id (expansion_dag.modes).
+    prompts = prompts.with_columns(pl.Series("mode", mix.names(prompts["prompt_id"].to_list()), dtype=pl.String))
+    if "tools" in prompts.columns:
+        # Tools as the fleet's servers hand them to the chat template, which is how they are
+        # counted here and for each later turn, and rendered in the training set.
+        dialect = fleet_info.servers[0].dialect
+        prompts = prompts.with_columns(
+            pl.col("tools").map_elements(
+                lambda text: json.dumps(template_tools(json.loads(text), dialect)), return_dtype=pl.String
+            )
+        )
     night_metadata: dict = {}
     take = None
     if config.night:
 
         def take(fitting: pl.DataFrame) -> pl.DataFrame:
-            keys = pl.Series([identity.key(p) for p in fitting["prompt_id"].to_list()], dtype=pl.String)
+            keys = prompt_keys(fitting, identities)
             taken = take_night(
                 fitting,
                 keys,
@@ -98,6 +114,12 @@ def budgeted_prompts(
             "shard_balance_largest_over_mean": round(result.balance(), 4),
             "shards": dg.MetadataValue.md(markdown_table(shards)),
             **night_metadata,
+            **(
+                {"prompts_by_mode": dg.MetadataValue.json(dict(result.prompts.group_by("mode").len().sort("mode").iter_rows())),
+                 "modes": dg.MetadataValue.json(mix.describe())}
+                if len(mix.modes) > 1
+                else {}
+            ),
         }
     )
     return result.prompts.with_columns(pl.lit(result.context_length, pl.Int64).alias("context_length"))
@@ -140,10 +162,10 @@ def shard_prompts(
     )
     # Written by now: the checks look at the file the completions will read.
     stored = storage.read_asset("shard_prompts", shard)
-    yield from shard_checks(stored, settings.load_tokenizer(), settings.template_kwargs(), expected_rows=rows.height)
+    yield from shard_checks(stored, settings.load_tokenizer(), settings.budget_config(), expected_rows=rows.height)
 
 
-def shard_checks(stored: pl.DataFrame, tokenizer, chat_template_kwargs: dict, *, expected_rows: int):
+def shard_checks(stored: pl.DataFrame, tokenizer, budget: BudgetConfig, *, expected_rows: int):
     """The three shard checks over a shard's prompts as stored."""
     duplicates = stored.height - stored["prompt_id"].n_unique()
     yield dg.AssetCheckResult(
@@ -157,9 +179,8 @@ def shard_checks(stored: pl.DataFrame, tokenizer, chat_template_kwargs: dict, *,
     over = stored.filter(pl.col("prompt_tokens") + pl.col("max_tokens") > pl.col("context_length"))
     # An independent count: the stored token counts are only trusted where the tokenizer agrees.
     sample = stored.gather(sorted({i * stored.height // FITS_SAMPLE for i in range(min(FITS_SAMPLE, stored.height))}))
-    recounted = sample.with_columns(
-        pl.Series("recount", count_prompt_tokens(tokenizer, sample["messages"].to_list(), chat_template_kwargs))
-    )
+    # Each row as it was budgeted: with its mode's template arguments and its tools.
+    recounted = sample.with_columns(count_all_prompt_tokens(sample, tokenizer, budget).alias("recount"))
     miscounted = recounted.filter(pl.col("recount") != pl.col("prompt_tokens"))
     over_by_recount = recounted.filter(pl.col("recount") + pl.col("max_tokens") > pl.col("context_length"))
     failing = pl.concat([over["prompt_id"], miscounted["prompt_id"], over_by_recount["prompt_id"]]).unique(

@@ -16,12 +16,16 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
+from collections.abc import Callable, Mapping
+
 from expansion_dag.answer_lengths import Estimate, bucket_label, cell_estimates, learn
-from expansion_dag.outcomes import is_final
 from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.assets.configuration import resource_fields, run_configuration_file
 from expansion_dag.assets.progress import shard_progress_reporter
-from expansion_dag.engine import Server, WorkItem, generate_shard
+from expansion_dag.engine import Server, generate_shard
+from expansion_dag.modes import DEFAULT_MODE, ModeIdentities
+from expansion_dag.recorder import ended_record
+from expansion_dag.shard_work import ShardWork
 from expansion_dag.shard_report import ShardReport
 from expansion_dag.errors import ShardAborted
 from expansion_dag.partitions import shard_index, shard_partitions
@@ -29,7 +33,7 @@ from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
 from expansion_dag.shard_figures import ShardFigures, shard_figures
-from expansion_dag.store import CompletionStore, Identity
+from expansion_dag.store import CompletionStore
 
 GROUP = "generation"
 CHECK_FAILURE_RATE = "failure_rate"
@@ -79,7 +83,8 @@ def completions(
     # Other servers lend idle slots; vLLM has no /v1/loads to say when they are idle.
     helpers = (
         [
-            Server(url=s.url, slots=s.slots, dialect=s.dialect, stream_interval=s.stream_interval)
+            Server(url=s.url, slots=s.slots, dialect=s.dialect, stream_interval=s.stream_interval,
+                   tool_choice=s.tool_choice)
             for s in fleet_info.servers
             if s.url != url
         ]
@@ -87,68 +92,39 @@ def completions(
         else []
     )
     sampling = settings.sampling()
-    identity = Identity.of(fleet_info.identity, fleet_info.simulated, sampling)
-    keys = [identity.key(pid) for pid in shard_prompts["prompt_id"].to_list()]
-    prompts = shard_prompts.with_columns(pl.Series("key", keys, dtype=pl.String))
-
-    store = storage.completion_store()
-    already = store.scan()  # the whole store in one pass: a prompt may have moved between shards
-    # Expected answer lengths, learned from this identity's completions in the store (earlier
-    # nights, other shards) and refined by the run: they order the queue, the typed priors only
-    # where nothing was learned. The same pass finds the final answers: prompts the model answered
-    # (a loop included) are not asked again unless the user names their outcome.
-    final: set[str] = set()
-
-    def noting_final(records):
-        for record in records:
-            if is_final(record, settings.retry_outcomes):
-                final.add(record["key"])
-            yield record
-
-    lengths = learn(noting_final(store.latest_records(digest=True)), identity.owns)
-    learned_from_store = lengths.answers
-    final_failures = final - already.done
-    todo = prompts.filter(~pl.col("key").is_in(list(already.done | final)))
-    shard_final_failures = prompts.filter(pl.col("key").is_in(list(final_failures))).height
-    context.log.info(
-        f"{shard}: {prompts.height} prompts, {prompts.height - todo.height - shard_final_failures} already done, "
-        + (
-            f"{shard_final_failures} answered as loops before (final; kept for inspection: "
-            "--retry-outcomes degenerate asks them again), "
-            if shard_final_failures
-            else ""
-        )
-        + f"{todo.height} to send to {url} ({server.slots} slots)"
+    identities = ModeIdentities(settings.mix(), fleet_info.identity, fleet_info.simulated)
+    has_conversations = "conversation" in shard_prompts.columns and shard_prompts["conversation"].null_count() < shard_prompts.height
+    work = ShardWork(
+        shard_prompts, identities, retry_outcomes=settings.retry_outcomes,
+        planner=settings.turn_planner(int(shard_prompts["context_length"][0]), identities) if has_conversations else None,
     )
-    items = [
-        WorkItem(
-            key=row["key"],
-            prompt_id=row["prompt_id"],
-            source=row["source"],
-            messages=row["messages"],
-            prompt_tokens=row["prompt_tokens"],
-            max_tokens=row["max_tokens"],
-            expected_output_tokens=row["expected_output_tokens"],
-        )
-        for row in todo.select(
-            "key",
-            "prompt_id",
-            "source",
-            "messages",
-            "prompt_tokens",
-            "max_tokens",
-            (pl.col("expected_tokens") - pl.col("prompt_tokens")).alias("expected_output_tokens"),
-        ).iter_rows(named=True)
-    ]
+    store = storage.completion_store()
+    # Expected answer lengths, learned from the mix's completions in the store (earlier nights,
+    # other shards; the whole store: a prompt may have moved between shards) and refined by the
+    # run: they order the queue, the typed priors only where nothing was learned. The same pass
+    # finds what is done and what is final: prompts the model answered (a loop included) are not
+    # asked again unless the user names their outcome.
+    lengths = learn(work.reading(store.latest_records(digest=True)), identities.owns)
+    learned_from_store = lengths.answers
+    items, endings = work.items(lambda keys: {r["key"]: r for r in store.latest_records() if r["key"] in keys})
+    waiting = len(work.firsts) - len(items) - len(endings)
+    context.log.info(
+        f"{shard}: {len(work.firsts)} prompts ({work.conversations} of them conversations, asked turn by turn), "
+        f"{waiting} done or final (answers stopped as loops are final: --retry-outcomes degenerate asks them again), "
+        f"{len(items)} to send to {url} ({server.slots} slots)"
+    )
     cells = [(i.source, i.prompt_tokens, i.expected_output_tokens) for i in items]
     estimates_before = cell_estimates(lengths, cells)
     aborted: str | None = None
     # Registering the identity refuses a simulated run in a real store (and the reverse) before any request.
-    with store.writer(shard, identity=identity) as writer:
+    with store.writer(shard, identities=identities.identities) as writer:
+        for ended, item in endings:  # resumed conversations whose next turn no longer fits
+            writer.append(ended_record(ended, item, url))
         try:
             report = generate_shard(
                 items,
-                [Server(url=url, slots=server.slots, dialect=server.dialect, stream_interval=server.stream_interval)],
+                [Server(url=url, slots=server.slots, dialect=server.dialect, stream_interval=server.stream_interval,
+                        tool_choice=server.tool_choice)],
                 writer=writer,
                 model=fleet_info.model,
                 sampling=sampling,
@@ -158,6 +134,7 @@ def completions(
                 api_key=fleet.api_key(),
                 lengths=lengths,
                 on_progress=shard_progress_reporter(context, shard),
+                planner=work.planner,
             )
         except ShardAborted as exc:
             aborted = str(exc)
@@ -165,13 +142,14 @@ def completions(
 
     # The shard's standing across every run and every shard folder, not only this one.
     final = store.scan()
-    shard_keys = set(keys)
+    # Where each prompt stands: its key, or for a conversation that of its furthest turn.
+    shard_keys = work.frontier_keys(store.latest_records(digest=True))
     done = len(shard_keys & final.done)
     failed = len(shard_keys & final.failed)
     missing = len(shard_keys) - done - failed
     # Answers stopped as loops are the model's, not the fleet's: dropped and counted as waste,
     # they do not fail the shard (a loop share above max_failure_rate is normal for reasoning models).
-    figures = stored_figures(store, shard, shard_keys, identity, done_anywhere=final.done)
+    figures = stored_figures(store, shard, shard_keys, identities.owns, done_anywhere=final.done)
     effective = {
         "fleet": fleet.effective_config(fleet_info, url),
         "settings": settings.as_metadata(),
@@ -184,8 +162,11 @@ def completions(
 
     yield from stored_checks(figures, settings, context_retries=report.context_retries)
     yield _config_check(effective, previous)
-    metadata = _metadata(report, shard, url, fell_back, done, failed, missing, shard_keys & already.done, final, effective)
+    metadata = _metadata(report, shard, url, fell_back, done, failed, missing, shard_keys & work.done, final, effective)
+    metadata |= _mode_metadata(identities, shard_prompts)
     metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": figures.degenerate}
+    if work.conversations:
+        metadata |= {"conversations": work.conversations, "conversations_ended_early": figures.ended}
     metadata |= _order_metadata(learned_from_store, estimates_before, cell_estimates(lengths, cells))
     failure_rate = figures.failure_rate
     if aborted or failure_rate > settings.max_failure_rate or missing:
@@ -201,6 +182,17 @@ def completions(
             metadata=metadata,
         )
     yield dg.MaterializeResult(metadata=metadata)
+
+
+def _mode_metadata(identities: ModeIdentities, prompts: pl.DataFrame) -> dict[str, Any]:
+    """The shard's prompts per generation mode, and each mode's settings fingerprint."""
+    if len(identities.by_mode) == 1:
+        return {}
+    counts = dict(prompts.group_by("mode").len().iter_rows()) if "mode" in prompts.columns else {DEFAULT_MODE: prompts.height}
+    return {
+        "prompts_by_mode": dg.MetadataValue.json({name: counts.get(name, 0) for name in identities.by_mode}),
+        "mode_fingerprints": dg.MetadataValue.json({n: i.fingerprint for n, i in identities.by_mode.items()}),
+    }
 
 
 def _log_failures(context: dg.AssetExecutionContext, store, shard: str) -> None:
@@ -237,14 +229,15 @@ def config_differences(previous: dict[str, Any] | None, current: dict[str, Any])
 
 
 def stored_figures(
-    store: CompletionStore, shard: str, keys: set[str], identity: Identity, *, done_anywhere: set[str] | None = None
+    store: CompletionStore, shard: str, keys: set[str], owns: Callable[[Mapping[str, Any]], bool], *,
+    done_anywhere: set[str] | None = None,
 ) -> ShardFigures:
-    """The figures of the shard's prompts (``keys``) as ``identity``'s records in its folder say, in one pass.
+    """The figures of the shard's prompts (``keys``) as the records ``owns`` accepts in its folder say, in one pass.
 
     ``done_anywhere``: the keys completed in any folder (a whole-store scan when not given).
     """
     done = store.scan().done if done_anywhere is None else done_anywhere
-    return shard_figures(store.latest_records(shards=[shard], digest=True), keys, identity.owns, done)
+    return shard_figures(store.latest_records(shards=[shard], digest=True), keys, owns, done)
 
 
 def stored_checks(figures: ShardFigures, settings: GenerationSettings, *, context_retries: int = 0):

@@ -44,7 +44,7 @@ def _extract(storage: StorageResource, spec: SourceSpec) -> ExtractResult:
         for batch in batches:
             part = extract_prompts(
                 pl.from_arrow(batch), source=spec.name, extractor=spec.extractor, turn=spec.turn,
-                max_chars=spec.max_chars, filters=spec.filter_map(),
+                max_chars=spec.max_chars, filters=spec.filter_map(), conversation=spec.conversation,
             )
             shift = pl.col("row_index") + rows
             prompts.append(part.prompts.with_columns(shift))

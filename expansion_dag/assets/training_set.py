@@ -22,7 +22,7 @@ from expansion_dag.dataset_card import dataset_card
 from expansion_dag.ledger import nights
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
-from expansion_dag.store import Identity
+from expansion_dag.modes import ModeIdentities
 from expansion_dag.training_set import (
     MANIFEST_NAME,
     BuildTrace,
@@ -82,7 +82,7 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
     store = storage.completion_store()
     tokenizer = settings.load_tokenizer()
     context_length, model, simulated = _budget_facts(context)
-    identity = Identity.of(model, simulated, settings.sampling())
+    identities = ModeIdentities(settings.mix(), model, simulated)
     config = settings.training_set_config(context_length)
     out_dir = storage.path("training_set")
     # One pass over the store, in file order: every output, and (in the trace) what the round trip
@@ -90,11 +90,11 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
     trace = BuildTrace()
     with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging:
         manifest = build_training_set(
-            store.latest_records(), tokenizer, config, staging, identity=identity, known=store.registry.known(),
+            store.latest_records(), tokenizer, config, staging, identities=identities, known=store.registry.known(),
             trace=trace,
         )
 
-    yield from training_set_checks(out_dir, trace.renders, tokenizer, config, identity)
+    yield from training_set_checks(out_dir, trace.renders, tokenizer, config)
     if manifest.samples == 0:
         raise dg.Failure(
             description=f"the training set has no samples: {_left_out_text(manifest)}",
@@ -149,7 +149,6 @@ def training_set_checks(
     expected: Mapping[str, Collection[bytes]],
     tokenizer,
     config: TrainingSetConfig,
-    identity: Identity,
 ) -> list[dg.AssetCheckResult]:
     """Every check of a written set, from its files read back.
 

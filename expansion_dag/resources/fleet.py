@@ -11,7 +11,7 @@ from pydantic import Field
 
 from expansion_dag.errors import FleetError
 from expansion_dag.fleet import FleetInfo, probe_fleet
-from expansion_dag.launcher import Launcher, LaunchSpec, is_healthy
+from expansion_dag.launcher import Launcher, LaunchSpec, is_healthy, tool_call_flags
 from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
 
 #: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
@@ -39,8 +39,8 @@ class FleetResource(dg.ConfigurableResource):
     launch_command: str = Field(
         default=SGLANG_LAUNCH_COMMAND,
         description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
-        "{context_length} {max_running_requests} {stream_interval} {python} {api_key}. With an API key set and no "
-        "{api_key} in it, '--api-key {api_key}' is appended.",
+        "{context_length} {max_running_requests} {stream_interval} {tool_call_parser} {python} {api_key}. With an API "
+        "key set and no {api_key} in it, '--api-key {api_key}' is appended.",
     )
     model_path: str = "Qwen/Qwen3-8B"
     context_length: int = Field(
@@ -54,6 +54,14 @@ class FleetResource(dg.ConfigurableResource):
         ge=1,
         description="Tokens per streamed event: vLLM requests ask for it, launched SGLang servers get "
         "it as --stream-interval {stream_interval}; an attached SGLang server streams at its own.",
+    )
+    tool_call_parser: Optional[str] = Field(
+        default=None,
+        description="The servers' tool-call parser (e.g. SGLang 'qwen25', vLLM 'hermes' for Qwen3), so that "
+        "tool calls come back parsed in message.tool_calls; None: raw <tool_call> text in the content. "
+        "Launch mode adds the backend's flags to the command (SGLang --tool-call-parser, vLLM "
+        "--enable-auto-tool-choice --tool-call-parser) unless it names {tool_call_parser}; attach mode "
+        "states what the vLLM servers were started with (SGLang reports its own).",
     )
     host: str = "127.0.0.1"
     base_port: int = 30000
@@ -78,10 +86,14 @@ class FleetResource(dg.ConfigurableResource):
         return os.environ.get(self.api_key_env) or None
 
     def command(self) -> str:
-        """The launch command template; a keyed fleet's servers get the key by ``--api-key``."""
-        if self.api_key() and "{api_key}" not in self.launch_command:
-            return self.launch_command + " --api-key {api_key}"
-        return self.launch_command
+        """The launch command template; a keyed fleet's servers get the key by ``--api-key``, and
+        the tool-call parser by the backend's flags."""
+        command = self.launch_command
+        if self.tool_call_parser and "{tool_call_parser}" not in command:
+            command += " " + tool_call_flags(self.backend, self.tool_call_parser)
+        if self.api_key() and "{api_key}" not in command:
+            command += " --api-key {api_key}"
+        return command
 
     def launcher(self) -> Launcher:
         if self.launch_scope not in ("fleet", "run"):
@@ -99,6 +111,7 @@ class FleetResource(dg.ConfigurableResource):
                 "context_length": self.context_length,
                 "max_running_requests": self.max_running_requests,
                 "stream_interval": self.stream_interval,
+                "tool_call_parser": self.tool_call_parser or "",
                 "python": sys.executable,
             },
             api_key=self.api_key(),
@@ -128,6 +141,7 @@ class FleetResource(dg.ConfigurableResource):
             api_key=self.api_key(),
             slots_override=self.slots_override,
             stream_interval=self.stream_interval,
+            tool_call_parser=self.tool_call_parser,
             allow_unreachable=self.fallback_to_healthy,
         )
 
@@ -167,6 +181,7 @@ class FleetResource(dg.ConfigurableResource):
             "slots": info.slots,
             "slots_source": info.slots_source,
             "stream_interval": info.stream_interval,
+            "tool_call_parser": info.tool_call_parser,
             "simulator": info.simulator,
             "launch_command": self.command() if self.mode == "launch" else None,
         }

@@ -15,8 +15,9 @@ from pydantic import Field
 
 from expansion_dag.budget import BudgetConfig
 from expansion_dag.config import GenerationConfig
+from expansion_dag.conversations import TurnPlanner
 from expansion_dag.engine import EngineConfig
-from expansion_dag.sampling import SamplingSettings
+from expansion_dag.modes import ModeIdentities
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from expansion_dag.training_set import TrainingSetConfig
 
@@ -49,18 +50,20 @@ class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
             expected_output_tokens=self.expected_output_tokens,
             expected_output_by_source=dict(self.expected_output_by_source),
             chat_template_kwargs=self.template_kwargs(),
+            chat_template_kwargs_by_mode={m.name: m.chat_template_kwargs for m in self.mix().modes},
         )
 
-    def sampling(self) -> SamplingSettings:
-        return SamplingSettings(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            chat_template_kwargs_json=self.chat_template_kwargs,
+    def turn_planner(self, context_length: int, identities: ModeIdentities) -> TurnPlanner:
+        """Budgets each next turn of a conversation as the budget stage budgets turn 1."""
+        finished = ("stop", "tool_calls") if self.drop_truncated else ("stop", "tool_calls", "length")
+        return TurnPlanner(
+            tokenizer=self.load_tokenizer(),
+            context_length=context_length,
             max_output_tokens=self.max_output_tokens,
+            min_output_tokens=self.min_output_tokens,
+            margin=self.margin,
+            identities=identities.by_mode,
+            continue_on=finished,
         )
 
     def engine_config(self) -> EngineConfig:
@@ -85,7 +88,6 @@ class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
         return TrainingSetConfig(
             drop_truncated=self.drop_truncated,
             reasoning=self.reasoning,
-            chat_template_kwargs=self.template_kwargs(),
             max_length=context_length,
             min_length=self.min_sample_tokens,
             formats=tuple(self.training_formats),

@@ -716,6 +716,32 @@ def tools_system_prompt(names: list[str]) -> str:
     )
 
 
+def parallel_calls_conversation() -> list[dict[str, Any]]:
+    """Two calls in one answer and both results in one tool turn, with the tools written as a Python
+    list literal inside <tools>, as many of the dataset's own rows write them."""
+    names = ["get_current_weather", "get_exchange_rate"]
+    literal = repr([json.loads(tool_signature(n)) for n in names])
+    system = tools_system_prompt(names).replace("\n".join(tool_signature(n) for n in names), literal)
+    calls = [
+        {"name": "get_current_weather", "arguments": {"city": "Lisbon", "unit": "celsius"}},
+        {"name": "get_exchange_rate", "arguments": {"base": "EUR", "quote": "USD"}},
+    ]
+    results = [
+        {"name": "get_current_weather", "content": {"temperature": 21, "sky": "clear"}},
+        {"name": "get_exchange_rate", "content": {"rate": 1.08}},
+    ]
+    return [
+        {"from": "system", "value": system},
+        human("I'm flying to Lisbon tomorrow: what's the weather there, and how many dollars is a euro?"),
+        gpt("\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)),
+        {
+            "from": "tool",
+            "value": "\n".join(f"<tool_response>\n{json.dumps(r)}\n</tool_response>" for r in results),
+        },
+        gpt("It is 21 degrees and clear in Lisbon, and one euro buys 1.08 dollars."),
+    ]
+
+
 def json_system_prompt(title: str, fields: dict[str, str]) -> str:
     schema = {
         "title": title,
@@ -790,6 +816,31 @@ def write_hermes(rng: random.Random, out_dir: Path) -> None:
                     "category": "Function calling",
                     "subcategory": "API call",
                     "task": "shared",
+                }
+            )
+        if config == "func_calling":
+            records.append(
+                {
+                    "id": "func_calling-parallel",
+                    "conversations": parallel_calls_conversation(),
+                    "category": "Function calling",
+                    "subcategory": "Parallel calls",
+                    "task": "two calls in one turn",
+                }
+            )
+            # Tool definitions cut off mid-way: quarantined as invalid_tools when conversations are kept.
+            broken = tools_system_prompt(["get_stock_price"]).replace('["symbol"]}}}', "[")
+            records.append(
+                {
+                    "id": "func_calling-bad-tools",
+                    "conversations": [
+                        {"from": "system", "value": broken},
+                        human("What is MSFT trading at?"),
+                        gpt("..."),
+                    ],
+                    "category": "Function calling",
+                    "subcategory": "API call",
+                    "task": "truncated tool definitions",
                 }
             )
         if config == "glaive_func_calling":

@@ -38,6 +38,11 @@ context answers 200 cut short with ``finish_reason: "length"``; ``max_tokens`` o
 prompt over it, and a prompt of exactly the context answer vLLM's nested 400 bodies, whose texts
 end with ``(parameter=..., value=...)``.
 
+Requests may carry ``tools`` and ``tool_choice``: each dialect accepts, refuses and renders them as
+its server does (the tools in the prompt count as there), and ``tool_call_share`` of the answers to
+prompts with tools call one of them, as raw ``<tool_call>`` text or, on a server started with a
+tool-call parser, as ``message.tool_calls`` (:mod:`expansion_dag.sim.tools`).
+
 Deliberate differences from a real server:
 
 - ``n`` other than 1 is refused with a 400 saying so (``stream=true`` is served as server-sent

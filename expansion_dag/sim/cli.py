@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-total-tokens", type=int, default=None, help="KV cache tokens (default: slots x context)"
     )
     sg.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None)
+    sg.add_argument(
+        "--tool-call-parser", default=None, help="parse tool calls into message.tool_calls (any name: Hermes format)"
+    )
+    sg.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help="vLLM's flag: its tool parser runs only with it"
+    )
     sg.add_argument("--random-seed", "--seed", dest="seed", type=int, default=_DEFAULTS.seed)
     sg.add_argument("--log-level", default="info")
 
@@ -168,6 +174,12 @@ def _parser() -> argparse.ArgumentParser:
         help="spread of the per-word effects on answer lengths: lengths follow what the prompt says (0: off)",
     )
     sim.add_argument("--prompt-token-skew", type=int, default=_DEFAULTS.prompt_token_skew)
+    sim.add_argument(
+        "--tool-call-share",
+        type=float,
+        default=_DEFAULTS.tool_call_share,
+        help="share of answers to requests with tools that call one (chosen by the prompt)",
+    )
     return p
 
 
@@ -193,6 +205,9 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         api_key=args.api_key or None,  # an empty --api-key sets no key, as on SGLang
         max_total_tokens=args.max_total_tokens,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser or None,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_share=args.tool_call_share,
         backend=args.backend,
         version=args.emulate_version,
         startup_delay_s=args.startup_delay_s,

@@ -19,6 +19,8 @@ DEFAULT_OUTPUT_SIGMA = 1.0
 DEFAULT_REASONING_SHARE = 0.5
 DEFAULT_FAIL_STATUS = 503
 DEFAULT_SEED = 0
+#: The share of answers to requests with tools that call one.
+DEFAULT_TOOL_CALL_SHARE = 0.3
 
 BACKENDS = ("sglang", "vllm")
 REASONING_PARSERS = ("qwen3",)
@@ -68,6 +70,11 @@ class SimServerConfig:
     :data:`SGLANG_VERSION` or :data:`VLLM_VERSION`). ``max_total_tokens`` is the KV cache in tokens
     (SGLang's ``--max-total-tokens``; None: ``max_running_requests * context_length``); it bounds
     ``max_req_input_len`` as on a real server.
+
+    ``tool_call_share`` of the answers to requests whose prompt renders tools call one of them
+    (drawn from the prompt: the same prompt calls again), as raw ``<tool_call>`` text, which a
+    ``tool_call_parser`` turns into ``message.tool_calls`` (on vLLM only with
+    ``enable_auto_tool_choice`` as well, as there); see :mod:`expansion_dag.sim.tools`.
     """
 
     host: str = DEFAULT_HOST
@@ -82,6 +89,9 @@ class SimServerConfig:
     tokenizer: str = DEFAULT_TOKENIZER
     api_key: str | None = dataclasses.field(default=None, repr=False)
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_share: float = DEFAULT_TOOL_CALL_SHARE
     backend: str = "sglang"
     version: str | None = None
     max_total_tokens: int | None = None
@@ -158,6 +168,11 @@ def _problems(c: SimServerConfig):
         yield "api_key must be None or non-empty"
     if c.reasoning_parser is not None and c.reasoning_parser not in REASONING_PARSERS:
         yield f"reasoning_parser must be None or one of {REASONING_PARSERS}, got {c.reasoning_parser!r}"
+    if c.tool_call_parser == "":
+        yield "tool_call_parser must be None or non-empty"
+    if c.enable_auto_tool_choice and not c.tool_call_parser:
+        # vLLM's cli_args.validate_parsed_serve_args refuses to start so.
+        yield "enable_auto_tool_choice requires tool_call_parser (--enable-auto-tool-choice requires --tool-call-parser)"
     if c.backend not in BACKENDS:
         yield f"backend must be one of {BACKENDS}, got {c.backend!r}"
     elif c.version is not None:
@@ -182,7 +197,7 @@ def _problems(c: SimServerConfig):
         yield f"reasoning_share must be strictly between 0 and 1, got {c.reasoning_share}"
     if not (math.isfinite(c.output_word_sigma) and 0 <= c.output_word_sigma <= 3):
         yield f"output_word_sigma must be within [0, 3], got {c.output_word_sigma}"
-    for name in ("fail_rate", "hang_rate", "abort_rate", "loop_rate", "looping_prompt_share"):
+    for name in ("fail_rate", "hang_rate", "abort_rate", "loop_rate", "looping_prompt_share", "tool_call_share"):
         value = getattr(c, name)
         if not 0 <= value <= 1:
             yield f"{name} must be in [0, 1], got {value}"

@@ -157,6 +157,8 @@ class Dialect:
                         "role": "assistant",
                         "content": c.content,
                         "reasoning_content": c.reasoning_content,
+                        # ChatMessage's serializer drops a null tool_calls.
+                        **({"tool_calls": list(c.tool_calls)} if c.tool_calls else {}),
                     },
                     "logprobs": None,
                     "finish_reason": c.finish_reason,
@@ -289,11 +291,13 @@ class VllmDialect(Dialect):
                     "message": {
                         "role": "assistant",
                         # vLLM's reasoning parser leaves no content (null) when the answer never started.
-                        "content": c.content if c.content or c.reasoning_content is None else None,
+                        # ... and its tool parser none when only calls were written.
+                        "content": c.content if c.content or (c.reasoning_content is None and not c.tool_calls) else None,
                         "refusal": None,
                         "annotations": None,
                         "audio": None,
                         "function_call": None,
+                        **({"tool_calls": list(c.tool_calls)} if c.tool_calls else {}),  # dropped when empty
                         "reasoning": c.reasoning_content,
                     },
                     "logprobs": None,

@@ -110,6 +110,7 @@ class Endpoints:
             "dp_size": 1,
             "pp_size": 1,
             "reasoning_parser": c.reasoning_parser,
+            "tool_call_parser": c.tool_call_parser,
             "random_seed": c.seed,
             "schedule_policy": "fcfs",
             # The scheduler's handshake; the HTTP server only starts once it is in.

@@ -61,7 +61,9 @@ class Completion:
     reasoning_content: str | None
     completion_tokens: int
     reasoning_tokens: int
-    finish_reason: str  # "stop" or "length"; the server may turn it into "abort"
+    finish_reason: str  # "stop" or "length"; the server may turn it into "abort" or "tool_calls"
+    #: Calls a tool-call parser took out of the text, as the dialect's ``message.tool_calls``; None: none.
+    tool_calls: tuple[dict, ...] | None = None
 
 
 class WordStream:

@@ -22,6 +22,7 @@ from expansion_dag.sim.generation import Completion, OutputModel, supports_think
 from expansion_dag.sim.http import HttpConnection, HttpRequest
 from expansion_dag.sim.job import Job
 from expansion_dag.sim.scheduler import Scheduler
+from expansion_dag.sim.tools import TOOL_RULES, calls_tool
 from expansion_dag.tokenizer import count_tokens, render_prompts
 
 #: A looping answer (``loop_rate``): this many words, then a span of ``_LOOP_SPAN_WORDS`` repeated.
@@ -30,8 +31,8 @@ _LOOP_SPAN_WORDS = 12
 _TOKEN_PIECES = re.compile(r"\s*\S+|\s+")
 
 
-def _stream_deltas(fields: Iterable[tuple[str, str | None]], interval: int) -> Iterator[tuple[str, str, int]]:
-    """A streamed answer's events as (field, text, tokens): the first token alone, then ``interval``
+def _stream_deltas(fields: Iterable[tuple[str, str | None]], interval: int) -> Iterator[tuple[dict, int]]:
+    """A streamed answer's events as (delta, tokens): the first token alone, then ``interval``
     tokens an event, as SGLang's ``OutputStreamer`` and vLLM's ``RequestState`` send them."""
     first = True
     for name, text in fields:
@@ -40,11 +41,11 @@ def _stream_deltas(fields: Iterable[tuple[str, str | None]], interval: int) -> I
         pieces = _TOKEN_PIECES.findall(text)
         start = 0
         if first:
-            yield name, pieces[0], 1
+            yield {name: pieces[0]}, 1
             start, first = 1, False
         for i in range(start, len(pieces), interval):
             chunk = pieces[i : i + interval]
-            yield name, "".join(chunk), len(chunk)
+            yield {name: "".join(chunk)}, len(chunk)
 
 
 def _last_user_text(messages: object) -> str:
@@ -89,6 +90,7 @@ class ChatIntake:
         self._tokenizer = tokenizer
         self._scheduler = scheduler
         self._thinking_model = supports_thinking(tokenizer)
+        self._tools = TOOL_RULES[config.backend](config, dialect)
         self._output = OutputModel(
             tokenizer_spec=config.tokenizer,
             max_length=min(config.context_length, config.output_max_tokens or config.context_length),
@@ -121,7 +123,7 @@ class ChatIntake:
         try:
             body = self._parse_json(request)
             if "messages" in body:
-                text, _ = self._render(body)
+                text, _ = self._render(body, body.get("tools") or None)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:
@@ -151,8 +153,9 @@ class ChatIntake:
             raise self._dialect.validation_error(("body",), "Input should be a valid dictionary")
         return body
 
-    def _render(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """The prompt rendered with the chat template as the server does, and the template kwargs."""
+    def _render(self, body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, dict[str, Any]]:
+        """The prompt rendered with the chat template as the server does, with the ``tools`` it
+        hands the template (None: none), and the template kwargs."""
         d = self._dialect
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -162,8 +165,9 @@ class ChatIntake:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise d.validation_error(("body", "chat_template_kwargs"), "Input should be a valid dictionary")
+        messages = self._tools.history(messages)
         try:
-            return render_prompts(self._tokenizer, [messages], kwargs)[0], kwargs
+            return render_prompts(self._tokenizer, [messages], kwargs, tools=[tools])[0], kwargs
         except Exception as exc:  # the chat template raises jinja and type errors on odd input
             raise d.error(f"cannot apply the chat template: {exc}") from None
 
@@ -185,7 +189,8 @@ class ChatIntake:
         field, max_tokens = d.max_tokens(body.get("max_tokens"), body.get("max_completion_tokens"))
         d.check_model(body.get("model"))
         request_seed = body.get("seed")
-        rendered, kwargs = self._render(body)
+        tools, tool_choice = self._tools.accept(body)
+        rendered, kwargs = self._render(body, tools)
         prompt_tokens = self._reported(count_tokens(self._tokenizer, [rendered])[0])
         instruction = _last_user_text(body.get("messages"))
 
@@ -232,6 +237,8 @@ class ChatIntake:
         elif not hang and _evenly_spaced_hit(survivor, c.abort_rate):
             # Aborted halfway (/abort_request, abort_all): SGLang answers 200 with the partial text.
             completion = dataclasses.replace(generate(completion.completion_tokens // 2), finish_reason="abort")
+        elif tools and calls_tool(tools, rendered, c.tool_call_share, c.seed):
+            completion = self._tools.answer(completion, tools, rendered, cap, tool_choice, self._tokenizer)
         rid = body.get("rid")
         job = Job(
             conn,
@@ -248,4 +255,6 @@ class ChatIntake:
             job.continuous_usage = job.stream_usage and d.continuous_usage and bool(options.get("continuous_usage_stats"))
             fields = ((d.reasoning_delta, completion.reasoning_content), ("content", completion.content))
             job.pieces = list(_stream_deltas(fields, d.stream_interval(body)))
+            if completion.tool_calls:
+                job.pieces += self._tools.stream_pieces(completion, job.pieces)
         return job

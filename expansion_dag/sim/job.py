@@ -59,8 +59,8 @@ class Job:
         self.timer: asyncio.TimerHandle | None = None
         #: None: answered in one body; else streamed, with a usage chunk when True.
         self.stream_usage: bool | None = None
-        #: A streamed answer's events, (field, text, tokens), how many were sent, and their tokens.
-        self.pieces: list[tuple[str, str, int]] = []
+        #: A streamed answer's events, (delta, tokens), how many were sent, and their tokens.
+        self.pieces: list[tuple[dict, int]] = []
         self.sent = 0
         self.sent_tokens = 0
         #: Every choice chunk carries the usage so far (vLLM's ``continuous_usage_stats``).

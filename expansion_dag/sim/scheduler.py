@@ -148,10 +148,10 @@ class Scheduler:
             job.conn.send_event(d.stream_event(job, {"role": "assistant", "content": ""}, usage=_usage_so_far(job)))
         events, tokens = [], 0
         while job.sent < len(job.pieces) and tokens < _STREAM_TICK_TOKENS:
-            name, text, n = job.pieces[job.sent]
+            delta, n = job.pieces[job.sent]
             job.sent += 1
             job.sent_tokens += n
-            events.append(d.stream_event(job, {name: text}, usage=_usage_so_far(job)))
+            events.append(d.stream_event(job, delta, usage=_usage_so_far(job)))
             tokens += n
         if events:
             job.conn.send_event(b"".join(events))

@@ -25,6 +25,7 @@ from expansion_dag.assets.training_set import (
     CHECK_ROUND_TRIP,
     training_set_checks,
 )
+from expansion_dag.modes import ModeIdentities
 from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.resources.storage import ParquetIOManager
 from expansion_dag.sim.config import SimServerConfig
@@ -124,14 +125,14 @@ def built_set(pipeline, tmp_path):
     settings = pipeline["settings"]
     manifest = Manifest.read(out_dir)
     context_length = manifest.config["max_length"]
-    identity = Identity.of(manifest.identity["model"], manifest.simulated, settings.sampling())
+    identities = ModeIdentities(settings.mix(), manifest.identity["model"], manifest.simulated)
 
     def checks() -> set[str]:
         store = pipeline["storage"].completion_store()
         config, tokenizer = settings.training_set_config(context_length), load_tokenizer()
         # Renders from the store afresh, not the build's own trace: the damage is in the files.
-        expected = expected_renders(store.latest_records(), tokenizer, config, identity=identity)
-        results = training_set_checks(out_dir, expected, tokenizer, config, identity)
+        expected = expected_renders(store.latest_records(), tokenizer, config, identities=identities)
+        results = training_set_checks(out_dir, expected, tokenizer, config)
         assert len(results) == 4
         return {r.check_name for r in results if not r.passed}
 
@@ -242,7 +243,7 @@ def rerun_checks(res) -> set[str]:
     """The four data checks over the store as it is now, as the asset runs them."""
     records, identity = stored(res)
     keys = {identity.key(r["prompt_id"]) for r in records}
-    figures = stored_figures(res["storage"].completion_store(), SHARD, keys, identity)
+    figures = stored_figures(res["storage"].completion_store(), SHARD, keys, identity.owns)
     return {r.check_name for r in stored_checks(figures, res["settings"]) if not r.passed}
 
 

@@ -33,6 +33,17 @@ SIMULATORS = {
     "vllm-plain": SimServerConfig(
         port=0, backend="vllm", served_model_name=VLLM_NAME, context_length=CONTEXT, **_FAST
     ),
+    # Launched with a tool-call parser, and calling a tool whenever a request offers one.
+    "sglang-tools": SimServerConfig(port=0, tool_call_parser="qwen25", tool_call_share=1.0, **_FAST),
+    "vllm-tools": SimServerConfig(
+        port=0,
+        backend="vllm",
+        served_model_name=VLLM_NAME,
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+        tool_call_share=1.0,
+        **_FAST,
+    ),
 }
 
 

@@ -34,12 +34,15 @@ from expansion_dag.server_api import (
 from expansion_dag.sim.dialects import VllmDialect
 from expansion_dag_tests.contract.conftest import VLLM_NAME, Provider, Simulators
 from expansion_dag_tests.contract.shapes import Fixture, all_fixtures, load_fixture, shape_differences
+from expansion_dag_tests.helpers import WEATHER_TOOL
 
 #: Keys only the simulator sends, each a path into one response: nothing else may be added.
 SIM_ONLY_KEYS = frozenset({"$.simulator"})
 
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
 THINKING_OFF = {"enable_thinking": False}
+WEATHER = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
+TOOLS = [WEATHER_TOOL]
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -108,6 +111,9 @@ SCENARIOS: dict[str, Callable[[Provider], httpx.Response]] = {
     ),
     "sglang/error_queue_full": _queue_full,
     "sglang/error_unauthorized": lambda s: httpx.get(f"{s.url('sglang')}/v1/models"),
+    "sglang/chat_completion_tool_calls": lambda s: _chat(
+        s, "sglang-tools", WEATHER, chat_template_kwargs=THINKING_OFF, tools=TOOLS, tool_choice="auto"
+    ),
     "vllm/models": _get("vllm", "/v1/models"),
     "vllm/version": _get("vllm", "/version"),
     "vllm/chat_completion": lambda s: _chat(s, "vllm-plain", chat_template_kwargs=THINKING_OFF, max_tokens=400),
@@ -120,6 +126,11 @@ SCENARIOS: dict[str, Callable[[Provider], httpx.Response]] = {
         f"{s.url('vllm')}/v1/chat/completions", json={"model": "gpt-4", "messages": POEM}
     ),
     "vllm/error_unauthorized": lambda s: httpx.get(f"{s.url('vllm')}/v1/models"),
+    "vllm/chat_completion_tool_calls": lambda s: _chat(
+        s, "vllm-tools", WEATHER, chat_template_kwargs=THINKING_OFF, tools=TOOLS, tool_choice="auto"
+    ),
+    # No tool_choice: vLLM takes tools alone as "auto" (check_tool_usage), which needs a parser.
+    "vllm/error_auto_tool_choice_without_parser": lambda s: _chat(s, "vllm-plain", WEATHER, tools=TOOLS),
 }
 
 #: The provider's own figures, which its responses must carry where a fixture has a number.
@@ -176,10 +187,11 @@ def check_server_info(fixture, body, version, sims):
     effective = [s.get("effective_max_running_requests_per_dp") for s in body["internal_states"]]
     # From 0.5.8 the scheduler's own figure; before, only the launch flag (null on auto) says.
     slots = sum(effective) if all(effective) else body["max_running_requests"]
-    assert (facts.slots, facts.max_req_input_len, facts.version) == (
+    assert (facts.slots, facts.max_req_input_len, facts.version, facts.tool_call_parser) == (
         slots,
         body["max_req_input_len"],
         body["version"],
+        body["tool_call_parser"],
     )
     assert facts.context_length == models["data"][0]["max_model_len"]
 
@@ -217,6 +229,19 @@ def check_chat(fixture, body, version, sims):
         assert error is not None and error.kind == "finish_abort"
     else:
         assert finish_error(answer) is None
+
+
+def check_tool_calls(fixture, body, version, sims):
+    """A parsed call comes back as the client keeps it: OpenAI form, arguments as JSON text, and
+    ``tool_calls`` a finished answer."""
+    check_chat(fixture, body, version, sims)
+    answer = parse_chat_completion(body, dialect_for(fixture.backend, version))
+    sent = body["choices"][0]["message"]["tool_calls"]
+    assert answer.finish_reason == "tool_calls"
+    assert answer.tool_calls == [{"id": c["id"], "type": "function", "function": c["function"]} for c in sent]
+    assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in answer.tool_calls)
+    if sims is not None:  # the simulator calls a tool of the request
+        assert {c["function"]["name"] for c in answer.tool_calls} <= {t["function"]["name"] for t in TOOLS}
 
 
 def check_truncated(fixture, body, version, sims):
@@ -273,6 +298,8 @@ CLIENT_EXPECTATIONS: dict[str, type | tuple[type, ...]] = {
     "vllm/error_prompt_fills_context": (ContextLengthError, RejectedError),
     "vllm/error_model_not_found": RejectedError,
     "vllm/error_unauthorized": AuthError,
+    # The request's own trouble: server_api.tool_choice_for sends "none" to such a server.
+    "vllm/error_auto_tool_choice_without_parser": RejectedError,
 }
 
 CLIENT_CHECKS = {
@@ -287,6 +314,7 @@ CLIENT_CHECKS = {
     "chat_completion_reasoning": check_chat,
     "chat_completion_abort": check_chat,
     "chat_completion_truncated": check_truncated,
+    "chat_completion_tool_calls": check_tool_calls,
 }
 
 

@@ -6,7 +6,10 @@ without sending any prompt twice. The scenario itself is the `ui_pipeline` fixtu
 import polars as pl
 import pytest
 
+from expansion_dag.conversations import ENDINGS
+from expansion_dag.modes import base_prompt_id
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -19,13 +22,14 @@ def runs_by_partition(backfill: dict) -> dict[str, list[str]]:
     return runs
 
 
-def shard_01_prompt_ids(storage) -> list[str]:
+def shard_01_prompts(storage) -> dict[str, int]:
+    """shard-01's prompts, each with its requests (a conversation's turns, or one)."""
     budgeted = pl.read_parquet(storage / "assets" / "budgeted_prompts.parquet")
-    return sorted(budgeted.filter(pl.col("shard") == "shard-01")["prompt_id"].to_list())
+    return requests_per_prompt(budgeted.filter(pl.col("shard") == "shard-01"))
 
 
 def test_the_server_died_in_the_middle_of_its_shard(ui_pipeline):
-    assert 0 < ui_pipeline.done_at_kill < len(shard_01_prompt_ids(ui_pipeline.storage))
+    assert 0 < ui_pipeline.done_at_kill < sum(shard_01_prompts(ui_pipeline.storage).values())
 
 
 def test_the_backfill_fails_only_the_shard_whose_server_died(ui_pipeline):
@@ -50,8 +54,13 @@ def test_the_failed_shard_holds_each_of_its_prompts_exactly_once(ui_pipeline):
     scan = store.scan("shard-01")
     records = list(store.records("shard-01"))
     assert scan.duplicates == 0
-    assert scan.failed == set()
-    assert sorted(r["prompt_id"] for r in records) == shard_01_prompt_ids(ui_pipeline.storage)
+    # Every request once: each prompt's, or each turn of a conversation, unless its content ended it.
+    ended = {base_prompt_id(r) for r in store.latest_records(shards=["shard-01"]) if r["status"] != "ok"}
+    assert all(r["error"] in ENDINGS for r in store.latest_records(shards=["shard-01"]) if r["status"] != "ok")
+    expected = shard_01_prompts(ui_pipeline.storage)
+    answered = answered_prompts(records)
+    assert set(answered) == set(expected)
+    assert all(answered[p] == n or p in ended for p, n in expected.items())
     # No fallback: every answer came from the shard's own server, before and after its restart.
     assert {r["server"] for r in records} == {ui_pipeline.urls[1]}
 
@@ -67,5 +76,5 @@ def test_the_re_execution_reused_the_completions_of_the_failed_run(ui_pipeline):
     (materialization,) = data["assetNodeOrError"]["latestMaterializationByPartition"]
     metadata = {e["label"]: e.get("intValue") for e in materialization["metadataEntries"]}
     assert metadata["completed_before_this_run"] >= ui_pipeline.done_at_kill
-    assert metadata["completions_total"] == len(shard_01_prompt_ids(ui_pipeline.storage))
+    assert metadata["completions_total"] == len(shard_01_prompts(ui_pipeline.storage))
     assert metadata["duplicate_lines_ignored"] == 0

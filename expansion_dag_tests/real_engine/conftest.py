@@ -97,6 +97,25 @@ def vllm_server(tmp_path_factory, figures) -> Iterator[VllmServer]:
     yield from serve(server, figures)
 
 
+#: The roomy server's context: room for loops to run on for many seconds (this CPU engine decodes the
+#: tiny model at about 100 tokens a second a request) and for whole conversations with their tools.
+#: At the suite's 256 a loop reached its cap within two seconds, before a client sharing two cores
+#: with another test worker had read far enough to stop it, and no conversation with tools fits.
+ROOMY_CONTEXT_LENGTH = 4096
+
+
+@pytest.fixture(scope="session")
+def roomy_vllm_server(vllm_server: VllmServer, tmp_path_factory) -> Iterator[VllmServer]:
+    """The same model on a second vLLM server, with a context of ``ROOMY_CONTEXT_LENGTH``."""
+    log = tmp_path_factory.mktemp("vllm-roomy") / "vllm.log"
+    server = VllmServer(vllm_server.model_dir, log, context_length=ROOMY_CONTEXT_LENGTH, slots=SLOTS, api_key=API_KEY)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def sglang_model(tmp_path_factory) -> Path:
     """The tiny model as SGLang's own transformers saves it: served attached and launched."""

@@ -445,6 +445,16 @@ def failure_report(result: subprocess.CompletedProcess[str], server: EngineServe
     return f"run output:\n{result.stdout[-4000:]}\n--- {server.engine.name} log:\n{server.log_tail(2000)}"
 
 
+def run_pipeline(deployment: Deployment, server: EngineServer, shard: str) -> None:
+    """Prepare, generate ``shard`` and build the training set, as a user runs them; a failed step
+    fails the test with the run's output and the server's log."""
+    for step in (("job", "execute", "-j", "prepare_job"), deployment.generate_args(shard),
+                 ("job", "execute", "-j", "training_set_job")):
+        result = deployment.run(*step)
+        if result.returncode != 0:
+            pytest.fail(f"`dagster {' '.join(step)}` failed\n{failure_report(result, server)}")
+
+
 # --- looping answers, stopped by the client --------------------------------------------------------
 
 #: A looping answer's span: one token, forced on top at every step.

@@ -21,6 +21,7 @@ from expansion_dag.engine import EngineConfig
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.real_engine.conftest import SLOTS
 from expansion_dag_tests.real_engine.support import Deployment, EngineServer, failure_report
+from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt
 
 SHARD = "shard-00"
 #: The kill lands once this many completions are durable: past the canary, far from the end.
@@ -37,7 +38,7 @@ def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(engin
     deployment: Deployment = request.getfixturevalue(f"{engine}_attach")(tmp_path)
     prepared = deployment.prepare()
     assert prepared.returncode == 0, failure_report(prepared, server)
-    prompts = pl.read_parquet(deployment.storage / "assets" / "budgeted_prompts.parquet")["prompt_id"].to_list()
+    prompts = requests_per_prompt(pl.read_parquet(deployment.storage / "assets" / "budgeted_prompts.parquet"))
     store = CompletionStore(deployment.storage / "completions")
     store_dir = deployment.storage / "completions" / SHARD
 
@@ -63,6 +64,7 @@ def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(engin
     scan = store.scan(SHARD)
     figures[engine]["kill_resume"] = {
         "prompts": len(prompts),
+        "requests": sum(prompts.values()),
         "durable_at_kill": done_at_kill,
         "generated_by_killed_run": generated_by_killed_run,
         "requests_at_kill": server.received(before, at_kill),
@@ -75,9 +77,11 @@ def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(engin
     # Every answer the killed run wrote was kept. Only answers in flight at the kill can have been
     # generated and lost with the client; the resume asked the server for the rest, once each.
     assert 0 <= generated_by_killed_run - done_at_kill <= EngineConfig().workers_for(SLOTS)
-    assert generated_by_resume == server.received(at_kill, after) == len(prompts) - done_at_kill
+    # One request a prompt, or a conversation's turn (at this context, only one-turn ones fit).
+    records = list(store.records(SHARD))
+    assert answered_prompts(records) == prompts
+    assert generated_by_resume == server.received(at_kill, after) == len(records) - done_at_kill
     assert scan.duplicates == 0 and scan.failed == set()
-    assert sorted(r["prompt_id"] for r in store.records(SHARD)) == sorted(prompts)
     metadata = deployment.metadata("completions", SHARD)
     assert metadata["completed_before_this_run"] == done_at_kill
-    assert metadata["sent_this_run"] == len(prompts) - done_at_kill
+    assert metadata["sent_this_run"] == len(records) - done_at_kill

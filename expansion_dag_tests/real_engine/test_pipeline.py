@@ -29,6 +29,7 @@ import httpx
 import polars as pl
 import pytest
 
+from expansion_dag.modes import base_prompt_id
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.real_engine.conftest import (
@@ -48,11 +49,16 @@ from expansion_dag_tests.real_engine.support import (
     Deployment,
     EngineServer,
     SglangServer,
-    failure_report,
+    run_pipeline,
 )
 
 SHARD = "shard-00"
 MARGIN = 16  # GenerationSettings' default, left as it is
+
+
+def first_requests(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each budgeted prompt's first request's record, by the prompt's id: its own, or its conversation's turn 1."""
+    return {base_prompt_id(r): r for r in records if r.get("turn", 1) == 1}
 
 
 @dataclass(frozen=True)
@@ -116,11 +122,7 @@ def pipeline(request, tmp_path_factory, figures) -> Iterator[Pipeline]:
     measured = figures[str(case)]
     try:
         started = time.monotonic()
-        for step in (("job", "execute", "-j", "prepare_job"), deployment.generate_args(SHARD),
-                     ("job", "execute", "-j", "training_set_job")):
-            result = deployment.run(*step)
-            if result.returncode != 0:
-                pytest.fail(f"`dagster {' '.join(step)}` failed\n{failure_report(result, server)}")
+        run_pipeline(deployment, server, SHARD)
         measured["pipeline_wall_s"] = round(time.monotonic() - started, 1)
         storage = deployment.storage
         yield Pipeline(
@@ -199,7 +201,7 @@ def test_prompts_over_the_context_are_set_aside_and_never_sent(pipeline: Pipelin
     assert set(set_aside["reason"]) == {"prompt_too_long"}
     # Each left less than the minimum answer; every other prompt fits.
     assert (set_aside["prompt_tokens"] + SETTINGS["min_output_tokens"] + MARGIN > context).all()
-    assert set(set_aside["prompt_id"]).isdisjoint(r["prompt_id"] for r in pipeline.records)
+    assert set(set_aside["prompt_id"]).isdisjoint(base_prompt_id(r) for r in pipeline.records)
     # The server received one request per budgeted prompt and no other, each answered to its end.
     budgeted = pipeline.budgeted.height
     assert pipeline.server.received(pipeline.before, pipeline.after) == budgeted
@@ -217,7 +219,7 @@ def test_generation_runs_with_the_key_the_server_enforces(pipeline: Pipeline):
     assert httpx.post(server.url + "/v1/chat/completions", json=request, headers=wrong, timeout=30).status_code == 401
     # With the key every budgeted prompt got its answer, each cut at its own max_tokens or ended.
     assert {r["status"] for r in pipeline.records} == {"ok"}
-    by_id = {r["prompt_id"]: r for r in pipeline.records}
+    by_id = first_requests(pipeline.records)
     for row in pipeline.budgeted.iter_rows(named=True):
         record = by_id[row["prompt_id"]]
         assert record["max_tokens"] == row["max_tokens"] <= SETTINGS["max_output_tokens"]
@@ -228,7 +230,7 @@ def test_generation_runs_with_the_key_the_server_enforces(pipeline: Pipeline):
 
 def test_training_rows_start_with_the_ids_the_server_fed_the_model(pipeline: Pipeline):
     rows = pipeline.training_rows
-    by_id = {r["prompt_id"]: r for r in pipeline.records}
+    by_id = first_requests(pipeline.records)
     pipeline.figures["training_rows"] = rows.height
     left_out = json.loads((pipeline.deployment.storage / "training_set" / "manifest.json").read_text())["left_out"]
     pipeline.figures["training_left_out"] = left_out
@@ -239,7 +241,13 @@ def test_training_rows_start_with_the_ids_the_server_fed_the_model(pipeline: Pip
     for row in rows.iter_rows(named=True):
         mask = row["loss_mask"]
         prompt_ids = row["input_ids"][: mask.index(1)]
-        assert prompt_ids == pipeline.server.tokenize(by_id[row["id"]]["messages"], TEMPLATE_KWARGS), row["id"]
+        record = by_id[row["id"]]
+        if record.get("tools"):
+            # A conversation with tools (one turn at this context): the tokens the server says it
+            # was fed (its usage), the tools rendered (its /tokenize takes no tools).
+            assert len(prompt_ids) == record["prompt_tokens"], row["id"]
+        else:
+            assert prompt_ids == pipeline.server.tokenize(record["messages"], TEMPLATE_KWARGS), row["id"]
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

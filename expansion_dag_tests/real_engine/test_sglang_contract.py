@@ -30,6 +30,7 @@ from expansion_dag_tests.real_engine.support import SGLANG_KV_TOKENS, SglangServ
 SOURCE_ONLY = {
     "sglang/chat_completion_reasoning": "needs a model that writes </think>: a random one does not",
     "sglang/error_queue_full": "needs --max-queued-requests, which the fleet's servers do not get",
+    "sglang/chat_completion_tool_calls": "needs a model that writes <tool_call> and --tool-call-parser: a random one does not",
     "sglang/get_server_info_0.5.4": "another SGLang release",
     "sglang/get_load_0.5.4": "another SGLang release",
     "sglang/get_load_0.5.7": "another SGLang release",

@@ -43,14 +43,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
 from expansion_dag.server_api import VLLM, ChatStream
-from expansion_dag_tests.real_engine.conftest import API_KEY, SLOTS
+from expansion_dag_tests.real_engine.conftest import SLOTS
 from expansion_dag_tests.real_engine.support import (
     FREE_TIMEOUT_S,
     LOOP_MESSAGES,
@@ -64,25 +64,6 @@ from expansion_dag_tests.real_engine.support import (
 )
 
 STREAM_INTERVAL = 8
-#: The stopped streams' server has room for a loop to run on for many seconds (this CPU engine decodes
-#: the tiny model at about 100 tokens a second a request). At the suite's context of 256 a loop reached
-#: its cap within two seconds, before a client that shares two cores with another test worker had
-#: read far enough to stop it: the stop raced the cap instead of being measured.
-LOOP_CONTEXT_LENGTH = 4096
-
-
-@pytest.fixture(scope="module")
-def roomy_vllm_server(vllm_server: VllmServer, tmp_path_factory) -> Iterator[VllmServer]:
-    """The same model on a second vLLM server whose context leaves loops room to run long."""
-    log = tmp_path_factory.mktemp("vllm-roomy") / "vllm.log"
-    server = VllmServer(vllm_server.model_dir, log, context_length=LOOP_CONTEXT_LENGTH, slots=SLOTS, api_key=API_KEY)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
 def wait_for(server: VllmServer, done: Callable[[dict[str, float]], bool], timeout_s: float) -> dict[str, float]:
     """Poll /metrics until ``done(metrics)``: the metrics that said so."""
     started = time.monotonic()

@@ -60,3 +60,31 @@ def test_the_sglang_command_names_a_key_only_when_one_is_set(monkeypatch):
     # A command that places the key itself is left as written.
     placed = FleetResource(mode="launch", launch_command="serve --key={api_key}", api_key_env="FLEET_TEST_KEY")
     assert placed.command() == "serve --key={api_key}"
+
+
+def test_a_tool_call_parser_adds_each_backends_flags_to_the_command():
+    sglang = FleetResource(mode="launch", launch_command=SGLANG_LAUNCH_COMMAND, tool_call_parser="qwen25")
+    assert sglang.command() == SGLANG_LAUNCH_COMMAND + " --tool-call-parser qwen25"
+    # vLLM builds its tool parser only with --enable-auto-tool-choice as well.
+    vllm = FleetResource(mode="launch", backend="vllm", launch_command="vllm serve {model_path}", tool_call_parser="hermes")
+    assert vllm.command() == "vllm serve {model_path} --enable-auto-tool-choice --tool-call-parser hermes"
+    placed = FleetResource(mode="launch", launch_command="serve --parser={tool_call_parser}", tool_call_parser="x")
+    assert placed.command() == "serve --parser={tool_call_parser}"
+    assert "tool" not in FleetResource(mode="launch", launch_command=SGLANG_LAUNCH_COMMAND).command()
+
+
+def test_a_launched_vllm_simulator_with_a_tool_parser_gets_auto_tool_choice(tmp_path):
+    [port] = free_ports(1)
+    fleet = FleetResource(
+        mode="launch", backend="vllm", launch_command=SIMULATOR_LAUNCH_COMMAND + " --backend vllm",
+        num_servers=1, base_port=port, state_dir=str(tmp_path), startup_timeout_s=60,
+        slots_override=16, tool_call_parser="hermes",
+    )
+    try:
+        info = fleet.provision()
+        config = fleet.effective_config(info, info.servers[0].url)
+    finally:
+        fleet.stop()
+    # vLLM does not say its parser: the configured one is believed, and its requests ask for "auto".
+    assert (info.servers[0].tool_call_parser, info.servers[0].tool_choice) == ("hermes", "auto")
+    assert config["tool_call_parser"] == "hermes"

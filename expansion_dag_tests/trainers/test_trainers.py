@@ -21,6 +21,8 @@ from expansion_dag.dataset_card import specforge_template
 from expansion_dag.store import Identity
 from expansion_dag.tokenizer import load_tokenizer
 from expansion_dag.training_set import FORMATS, Manifest, TrainingSetConfig, build_training_set, data_files
+from expansion_dag_tests import test_training_set_conversations as conversations
+from expansion_dag_tests.helpers import one_mode
 from expansion_dag_tests.trainers.conftest import consume
 
 MODEL = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="trainers-test")
@@ -84,10 +86,10 @@ def consumed(tmp_path_factory, qwen3, render_server) -> dict[str, Consumed]:
     for name, (thinking, newline) in sets.items():
         config = TrainingSetConfig(
             formats=tuple(FORMATS), train_newline_after_end_of_turn=newline, max_length=MAX_LENGTH,
-            chat_template_kwargs={} if thinking else {"enable_thinking": False},
         )
         out = tmp / name
-        manifest = build_training_set(records(thinking), qwen3, config, out, identity=MODEL)
+        identities = one_mode(MODEL, {} if thinking else {"enable_thinking": False})
+        manifest = build_training_set(records(thinking), qwen3, config, out, identities=identities)
         assert manifest.samples == len(PROMPTS), manifest.left_out
         built[name] = (out, manifest)
         pretokenized, conversations = str(out / "pretokenized.jsonl"), str(out / "conversations.jsonl")
@@ -176,7 +178,7 @@ def test_the_mask_convention_is_what_the_manifest_and_the_card_say(consumed, tmp
     assert all(row["loss_mask"][-1] == 0 for row in consumed["thinking"].parquet)
     manifest = build_training_set(
         records(True), qwen3, TrainingSetConfig(formats=("parquet", "speculators-pretokenized")), tmp_path / "ts",
-        identity=MODEL,
+        identities=one_mode(MODEL),
     )
     assert manifest == Manifest.read(tmp_path / "ts")
     assert manifest.outputs == {"parquet": ["part-00000.parquet"], "speculators-pretokenized": ["pretokenized.jsonl"]}
@@ -184,3 +186,21 @@ def test_the_mask_convention_is_what_the_manifest_and_the_card_say(consumed, tmp
         "README.md", "manifest.json", "part-00000.parquet", "pretokenized.jsonl"
     ]
     assert "newline the template writes after the end-of-turn token is not trained" in manifest.mask_convention
+
+
+def test_specforge_reads_a_tool_conversation_with_only_its_documented_differences(tmp_path, qwen3):
+    """Tools as JSON text and parsed tool calls, read by SpecForge's own parser: the same ids, and
+    the mask differs only by the newline after each turn's end-of-turn token, which SpecForge trains."""
+    ids = conversations.identities()
+    out = tmp_path / "ts"
+    records = conversations.turn_records(ids, parsed_call=True)
+    build_training_set(records, qwen3, TrainingSetConfig(max_length=MAX_LENGTH), out, identities=ids)
+    job = {"consumer": "specforge", "data": str(out / "conversations.jsonl"), "max_length": MAX_LENGTH,
+           "chat_template": specforge_template(True)}
+    [got] = consume([job], tmp_path)
+    [row] = pq.read_table(data_files(out)).to_pylist()
+    mask = row["loss_mask"]
+    after_turns = [i for i in range(1, len(mask)) if mask[i - 1] and not mask[i]]
+    assert len(after_turns) == 3
+    expected = {**row, "loss_mask": [1 if i in after_turns else m for i, m in enumerate(mask)]}
+    assert_rows_equal(got, [expected], qwen3, "SpecForge tool conversations")
