@@ -91,9 +91,12 @@ def test_a_stopped_stream_frees_its_slot_at_once(sglang_server: SglangServer, fi
         assert e.tokens * len(LOOP_TEXT) == len(e.content)
     assert freed_s < 5.0, measured
     # Each request was aborted, none ran to its cap, and the engine decoded only about what the
-    # clients read before they stopped (a few steps more while the close reached it).
+    # clients read before they stopped (a few steps more while the close reached it). The bound is
+    # half of what was asked: at this context a client slowed by another test worker on the same
+    # two cores reads later (this engine decodes ~35 tokens a second a request), and a quarter left
+    # it under a second of slack (CI: 140 of 916 tokens generated, 132 read, 1.0 s to stop).
     assert measured["aborted"] == SLOTS and measured["generated_to_their_end"] == 0, measured
-    assert sum(client_tokens) <= generated_tokens < max_tokens * SLOTS // 4, measured
+    assert sum(client_tokens) <= generated_tokens < max_tokens * SLOTS // 2, measured
     assert server.queue() == (0, 0)
 
     # The slots are free: SLOTS fresh requests are all admitted and answered at once.
