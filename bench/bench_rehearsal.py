@@ -521,12 +521,12 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
         "training_rows_in_files": rows,
         "manifest_samples": manifest.samples,
         "completions_passing_policy": passing["rows"],
-        "left_out_recounted": {**{k: v for k, v in outcomes.items() if k not in ("screened_in", ts._FOLDED)},
+        "left_out_recounted": {**{k: v for k, v in outcomes.items() if k not in ("screened_in", ts.FOLDED)},
                                "too_long": passing["too_long"], "too_short": passing["too_short"],
                                "render_mismatch": passing["render_mismatch"]},  # fmt: skip
         "left_out_manifest": manifest.left_out,
         # Records of earlier turns of conversations: in their conversation's row, not left out.
-        "conversation_turns_folded_recounted": outcomes[ts._FOLDED],
+        "conversation_turns_folded_recounted": outcomes[ts.FOLDED],
         "conversation_turns_folded_manifest": manifest.conversation_turns_folded,
     }
     accounting["every_prompt_accounted_for"] = (

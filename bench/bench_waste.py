@@ -40,8 +40,21 @@ canary ignored) is modelled with zero client overhead and its own ordering code
 Each policy reports its makespan over the clairvoyant one and the rank correlation (Spearman's) of
 the length it expected when it took each prompt against the actual length.
 
+Part C (policy model, as part B; issue 36): a mixed night, ``--conversation-share`` of the prompts
+tool conversations of 2 to 6 turns (each turn a short answer, its prompt growing, the next turn
+asked when its answer returns; a loop ends its conversation), shards starting ``--stagger-s`` apart
+(no server borrowed before its shard starts). Answer lengths follow the source, the prompt's length
+and the instruction's *phrases* (``OutputModel(phrase_sigma=...)``: pairs of adjacent words), a rule
+the client's single-word features cannot read off: the simulator does not mirror the learner. The
+engine orders conversations by their remaining chain (``PromptQueue.remaining``); beside it, the
+order before (each turn by its own answer), a plain loop (as SpecForge's script: 72 workers a
+server taking the next prompt in dataset order, a conversation's turns in order; loops to the cap,
+and stopped) and the clairvoyant bound (longest first on the true service times, a conversation
+its whole chain on one slot, each slot from its shard's start).
+
     .venv/bin/python bench/bench_waste.py           # ~5 min on 2 shared cores
     .venv/bin/python bench/bench_waste.py --quick   # a smoke run, ~1 min
+    .venv/bin/python bench/bench_waste.py --skip-a --skip-b   # part C alone, ~20 s
 """
 
 from __future__ import annotations
@@ -67,7 +80,7 @@ from harness import SimulatedFleet, header, write_result  # (bench/ is on sys.pa
 from expansion_dag.answer_lengths import AnswerLengths
 from expansion_dag import event_loop
 from expansion_dag.degeneration import find_loop
-from expansion_dag.dispatch import PromptQueue, WorkItem
+from expansion_dag.dispatch import PromptQueue, Turn, WorkItem
 from expansion_dag.engine import EngineConfig, Server, ShardRun
 from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
@@ -285,16 +298,24 @@ def without_words(items: list[WorkItem]) -> list[WorkItem]:
 
 
 def makespan_engine(items: list[WorkItem], duration: dict[str, float], servers: int, learned: AnswerLengths | None,
-                    learn: bool) -> dict[str, float]:
+                    learn: bool, *, following: dict[str, WorkItem] | None = None, starts: list[float] | None = None,
+                    queue: type[PromptQueue] = PromptQueue) -> dict[str, float]:
     """The engine's dispatch: shards dealt round-robin (the budget balances equal priors by count),
     one ``PromptQueue`` per shard (the engine's own, re-ordered as answers return), a slot whose
-    shard has nothing queued taking from the longest queue (spill)."""
-    queues = [PromptQueue(items[s::servers], _copy(learned)) for s in range(servers)]
+    shard has nothing queued taking from the longest queue of a started shard (spill).
+
+    ``following``: a conversation turn's next turn, queued first in line when its answer returns
+    (as ``Sender`` does); ``starts``: when each shard (and its server) starts, none borrowed before."""
+    following = following or {}
+    starts = starts or [0.0] * servers
+    queues = [queue(items[s::servers], _copy(learned)) for s in range(servers)]
     # (what the order rested on when each prompt was taken, its actual tokens): the rank correlation
     expected: list[tuple[int, int]] = []
-    events: list[tuple[float, int, int, str | None]] = [(0.0, s, j, None) for s in range(servers) for j in range(SLOTS)]
+    events: list[tuple[float, int, int, str | None]] = [(starts[s], s, j, None) for s in range(servers) for j in range(SLOTS)]
     heapq.heapify(events)
-    by_key = {it.prompt_id: it for it in items}
+    by_key = {it.prompt_id: it for it in [*items, *following.values()]}
+    #: Slots with nothing to take while a conversation's turn may still bring the next.
+    parked: list[tuple[int, int]] = []
     makespan = drained_at = 0.0
     while events:
         t, server, slot, finished = heapq.heappop(events)
@@ -303,11 +324,21 @@ def makespan_engine(items: list[WorkItem], duration: dict[str, float], servers: 
             owner, prompt_id = finished.split("|")
             if learn:  # the shard that sent it learns from it, as ShardRun does
                 queues[int(owner)].learn(by_key[prompt_id], _tokens(duration[prompt_id]))
-        source = server if len(queues[server]) else max(range(servers), key=lambda k: len(queues[k]))
+            queues[int(owner)].settled(by_key[prompt_id], following.get(prompt_id))
+            if prompt_id in following:
+                events.extend((t, *woken, None) for woken in parked)
+                heapq.heapify(events)
+                parked.clear()
+        started = [k for k in range(servers) if starts[k] <= t]
+        source = server if len(queues[server]) else max(started, key=lambda k: len(queues[k]))
         if not len(queues[source]):
+            if not all(queues[k].finished for k in range(servers)):
+                parked.append((server, slot))
+                continue
             drained_at = drained_at or t
             continue
         item = queues[source].take()
+        queues[source].opened(item)
         expected.append((queues[source].ordered_on(item), _tokens(duration[item.prompt_id])))
         heapq.heappush(events, (t + duration[item.prompt_id], server, slot, f"{source}|{item.prompt_id}"))
     rank = spearman([e for e, _ in expected], [a for _, a in expected])
@@ -396,6 +427,178 @@ def part_b(n: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# Part C: the tail of a mixed night (issue 36): conversations among single prompts
+
+#: Tool conversations: 2 to 6 assistant turns, each a short answer; a turn's prompt is the
+#: conversation so far (tool definitions first), so it grows turn by turn.
+CONVERSATION_SOURCE = ("hermes", 700, 900)  # name, answer median a turn, turn 1's prompt tokens
+CONVERSATION_TURNS = (2, 6)
+TURN_PROMPT_GROWTH = 400
+#: Lengths follow phrases (pairs of adjacent words, anywhere in the text), not single words: the
+#: rule of the simulator's ``output_phrase_sigma``, which the client's word features cannot read.
+PHRASE_SIGMA = 0.6
+
+
+class TurnByTurn(PromptQueue):
+    """The order before issue 36: a conversation's turn by its own expected answer alone."""
+
+    def remaining(self, item: WorkItem) -> int:
+        return self.expected(item)
+
+
+@dataclasses.dataclass
+class MixedNight:
+    items: list[WorkItem]  # single prompts and conversations' first turns, in dataset order
+    following: dict[str, WorkItem]  # a turn's next turn, by the turn's id
+    duration: dict[str, float]  # every request's service time, by its id
+    units: list[list[str]]  # the requests of each prompt, a conversation's turns in order
+
+
+def part_c_workload(n: int, seed: int, output_model: OutputModel, conversation_share: float) -> MixedNight:
+    """``n`` prompts, ``conversation_share`` of them conversations; a looping prompt costs what
+    its stopped loop streamed, and a conversation ends at a turn that loops (its answer is no context)."""
+    rng = random.Random(seed)
+    names = [s[0] for s in SOURCES]
+    weights = [s[1] for s in SOURCES]
+    prompt_medians = {s[0]: s[3] for s in SOURCES}
+    hermes, _, first_prompt = CONVERSATION_SOURCE
+    night = MixedNight([], {}, {}, [])
+
+    def words() -> str:
+        return " ".join(VOCABULARY[int(len(VOCABULARY) * rng.random() ** 3)] for _ in range(INSTRUCTION_WORDS))
+
+    def cost(text: str, prompt_tokens: int) -> tuple[float, bool]:
+        max_tokens = CONTEXT - prompt_tokens - 16
+        if output_model.loops(text, LOOPING_SHARE):
+            return REFERENCE_TTFT_S + LOOP_STOP_TOKENS * REFERENCE_TOKEN_LATENCY_S, True
+        tokens = output_model.generate(text, request_seed=None, cap=max_tokens, thinking=False, split_reasoning=False,
+                                       prompt_tokens=prompt_tokens, instruction=text).completion_tokens
+        return REFERENCE_TTFT_S + tokens * REFERENCE_TOKEN_LATENCY_S, False
+
+    for i in range(n):
+        prompt_id = f"s{seed}-{i:06d}"
+        if rng.random() < conversation_share:
+            turns = rng.randint(*CONVERSATION_TURNS)
+            topic = words()
+            unit, previous = [], None
+            for k in range(1, turns + 1):
+                turn_id = f"{prompt_id}.t{k}"
+                prompt_tokens = first_prompt + (k - 1) * TURN_PROMPT_GROWTH
+                text = f"<{hermes}> {topic} step {k}"
+                item = WorkItem(key=turn_id, prompt_id=turn_id, source=hermes,
+                                messages=({"role": "user", "content": text},), prompt_tokens=prompt_tokens,
+                                max_tokens=CONTEXT - prompt_tokens - 16, expected_output_tokens=0,
+                                turn=Turn(prompt_id, k, turns, ()))  # fmt: skip
+                if previous is None:
+                    night.items.append(item)
+                else:
+                    night.following[previous] = item
+                night.duration[turn_id], looped = cost(text, prompt_tokens)
+                unit.append(turn_id)
+                previous = turn_id
+                if looped:
+                    break
+            night.units.append(unit)
+            continue
+        source = rng.choices(names, weights)[0]
+        prompt_tokens = max(8, min(6000, round(rng.lognormvariate(math.log(prompt_medians[source]), PROMPT_SIGMA))))
+        text = f"<{source}> {words()}"
+        night.items.append(WorkItem(key=prompt_id, prompt_id=prompt_id, source=source,
+                                    messages=({"role": "user", "content": text},), prompt_tokens=prompt_tokens,
+                                    max_tokens=CONTEXT - prompt_tokens - 16, expected_output_tokens=0))  # fmt: skip
+        night.duration[prompt_id], _ = cost(text, prompt_tokens)
+        night.units.append([prompt_id])
+    return night
+
+
+def makespan_plain_units(night: MixedNight, servers: int, starts: list[float]) -> dict[str, Any]:
+    """A plain loop, as SpecForge's generation script: prompts dealt to the servers round-robin, each
+    server's 72 workers taking its next prompt in dataset order and asking a conversation's turns in
+    order; no stopping (each loop runs to the cap: ``cap_s``)."""
+    end = 0.0
+    for s in range(servers):
+        free = [starts[s]] * SLOTS
+        for unit in night.units[s::servers]:
+            start = heapq.heappop(free)
+            finish = start + sum(night.duration[r] for r in unit)
+            heapq.heappush(free, finish)
+            end = max(end, finish)
+    return {"makespan_s": end, "queue_empty_at_s": 0.0, "rank_correlation": None}
+
+
+def makespan_clairvoyant_units(night: MixedNight, servers: int, starts: list[float]) -> dict[str, float]:
+    """Longest first on one fleet-wide queue, the true service times known, a conversation's turns
+    back to back on one slot (its chain, which no schedule shortens); each slot from its shard's start."""
+    free = [start for start in starts for _ in range(SLOTS)]
+    heapq.heapify(free)
+    end = last_start = 0.0
+    for unit_s in sorted((sum(night.duration[r] for r in unit) for unit in night.units), reverse=True):
+        start = heapq.heappop(free)
+        last_start = start
+        end = max(end, start + unit_s)
+        heapq.heappush(free, start + unit_s)
+    return {"makespan_s": end, "queue_empty_at_s": last_start, "rank_correlation": 1.0}
+
+
+def part_c(n: int, conversation_share: float, stagger_s: float) -> dict[str, Any]:
+    output_model = OutputModel(
+        tokenizer_spec=DEFAULT_TOKENIZER, max_length=CONTEXT, median_tokens=ANSWER_MEDIAN, sigma=SOURCE_SIGMA,
+        reasoning_share=DEFAULT_REASONING_SHARE, seed=0,
+        median_by_marker=(*((f"<{name}>", median) for name, _, median, _ in SOURCES),
+                          (f"<{CONVERSATION_SOURCE[0]}>", CONVERSATION_SOURCE[1])),
+        prompt_exponent=PROMPT_EXPONENT, phrase_sigma=PHRASE_SIGMA,
+    )  # fmt: skip
+    night = part_c_workload(n, 2, output_model, conversation_share)
+    earlier = part_c_workload(n, 1, output_model, conversation_share)
+    # An earlier night's answers, as the store gives them (loops are failures: nothing to learn).
+    learner = PromptQueue([*earlier.items, *earlier.following.values()])
+    for item in [*earlier.items, *earlier.following.values()]:
+        if _tokens(earlier.duration[item.prompt_id]) != LOOP_STOP_TOKENS:
+            learner.learn(item, _tokens(earlier.duration[item.prompt_id]))
+    servers = REFERENCE_SERVERS
+    starts = [s * stagger_s for s in range(servers)]
+    bound = makespan_clairvoyant_units(night, servers, starts)
+    chains = dict(following=night.following, starts=starts)
+    policies = {
+        "engine: remaining chain first (earlier night)": makespan_engine(night.items, night.duration, servers,
+                                                                          learner.lengths, learn=True, **chains),
+        "engine: remaining chain first (in run only)": makespan_engine(night.items, night.duration, servers, None,
+                                                                        learn=True, **chains),
+        "engine: each turn by its own answer (earlier night)": makespan_engine(
+            night.items, night.duration, servers, learner.lengths, learn=True, queue=TurnByTurn, **chains),
+        "plain loop (conversations whole, loops to the cap)": makespan_plain_units(
+            _loops_to_the_cap(night), servers, starts),
+        "plain loop, loops stopped": makespan_plain_units(night, servers, starts),
+        "clairvoyant longest-first": bound,
+    }  # fmt: skip
+    conversations = [u for u in night.units if "." in u[0]]
+    return {
+        "prompts": len(night.units),
+        "conversations": len(conversations),
+        "requests": sum(map(len, night.units)),
+        "stagger_s": stagger_s,
+        "policies": {
+            name: {
+                "makespan_s": round(r["makespan_s"], 1),
+                "vs_clairvoyant": round(r["makespan_s"] / bound["makespan_s"], 4),
+                "rank_correlation": None if r.get("rank_correlation") is None else round(r["rank_correlation"], 4),
+            }
+            for name, r in policies.items()
+        },
+    }
+
+
+def _loops_to_the_cap(night: MixedNight) -> MixedNight:
+    """The same night with every loop running to its cap, as a client that does not stop them sees it."""
+    looped = {r for r, d in night.duration.items() if _tokens(d) == LOOP_STOP_TOKENS}
+    # A loop runs until the context is full: its max_tokens, from its prompt.
+    caps = {it.prompt_id: it.max_tokens for it in [*night.items, *night.following.values()]}
+    duration = {r: REFERENCE_TTFT_S + caps[r] * REFERENCE_TOKEN_LATENCY_S if r in looped else d
+                for r, d in night.duration.items()}  # fmt: skip
+    return dataclasses.replace(night, duration=duration)
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,18 +621,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="part A: the engine's client_tick_s (default: its default); a phase without it runs beside")
     p.add_argument("--base-port", type=int, default=32500)
     p.add_argument("--skip-a", action="store_true")
+    p.add_argument("--skip-b", action="store_true")
+    p.add_argument("--mixed-prompts", type=int, default=20_000,
+                   help="part C: prompts on 8 x 72 slots, --conversation-share of them conversations")
+    p.add_argument("--conversation-share", type=float, default=0.05, help="part C: share of prompts that are conversations")
+    p.add_argument("--stagger-s", type=float, default=5.0, help="part C: seconds between two shards' starts")
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.time_factor, args.model_requests = 144, 20.0, [3000]
+        args.requests, args.time_factor, args.model_requests, args.mixed_prompts = 144, 20.0, [3000], 3000
     result = header("waste", simulator=True, argv=argv)
     result["args"] = vars(args)
     if not args.skip_a:
         started = time.perf_counter()
         result["part_a"] = part_a(args)
         result["part_a"]["wall_s"] = round(time.perf_counter() - started, 1)
+    if not args.skip_b:
+        started = time.perf_counter()
+        result["part_b"] = [part_b(n) for n in args.model_requests]
+        result["part_b_wall_s"] = round(time.perf_counter() - started, 1)
     started = time.perf_counter()
-    result["part_b"] = [part_b(n) for n in args.model_requests]
-    result["part_b_wall_s"] = round(time.perf_counter() - started, 1)
+    result["part_c"] = part_c(args.mixed_prompts, args.conversation_share, args.stagger_s)
+    result["part_c_wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result, indent=2))
     print(f"written to {write_result('waste', result)}")
     return 0

@@ -93,6 +93,9 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
 def _shard_main(key: str, out: Connection) -> None:
     """One shard's run in its own process, as the daemon launches one run per partition."""
     quiet_third_party()
+    # SIGTERM ends the run as Ctrl-C does, as Dagster's own run workers map it: the shard's lease
+    # is released and the run recorded as ended.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Warnings and errors only: the parent's table shows the progress.
     out.send(_execute("generate_job", key, log_level="WARNING"))
 
@@ -226,6 +229,7 @@ def _run_all(signals: _Signals) -> int:
     run_id, ok, why = _execute("prepare_job")
     signals.check()
     print(f"prepare_job run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
+    _print_plan(run_id)  # before the first request: what the run will send, cost and yield
     if not ok:
         return 1
     shard_results = _run_shards(SHARD_KEYS)
@@ -248,6 +252,73 @@ def _run_all(signals: _Signals) -> int:
         return 1
     _print_summary(defs.resources["storage"].path("training_set"))
     return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Prepare (sources, prompts, budgets; nothing generated) and print what the run will send, cost and yield."""
+    use_config(args.config)
+    prepare_dagster_home()
+    quiet_third_party()
+    try:
+        run_id, ok, why = _execute("prepare_job", log_level="WARNING")
+        if not ok and not why:
+            # No step failed: a resource did as the run started, the fleet's probe when nobody
+            # answers. The prompts need no server: prepared alone, they are what can still be printed.
+            why = _fleet_problem()
+            run_id = _prepare_prompts_only()
+    finally:
+        _stop_fleet(args.keep_fleet)
+    _print_plan(run_id)
+    if not ok:
+        print(f"plan: incomplete, the prepare run failed: {why}", flush=True)
+    return 0 if ok else 1
+
+
+def _fleet_problem() -> str:
+    from expansion_dag.definitions import defs
+    from expansion_dag.errors import FleetError
+
+    try:
+        defs.resources["fleet"].probe()
+    except FleetError as exc:
+        return f"the fleet: {exc}"
+    return "a resource failed as the run started (see the log above)"
+
+
+def _prepare_prompts_only() -> str:
+    """The prepare job's sources and prompts, without the budget (which needs the servers); its run id."""
+    import dagster as dg
+
+    from expansion_dag.definitions import defs
+
+    job = defs.resolve_job_def("prepare_job")
+    keys = [k for k in job.asset_layer.executable_asset_keys if k != dg.AssetKey("budgeted_prompts")]
+    with dg.DagsterInstance.get() as instance:
+        result = job.execute_in_process(
+            instance=instance, asset_selection=keys, raise_on_error=False,
+            run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
+        )
+    return result.run_id
+
+
+def _print_plan(run_id: str) -> None:
+    """The plan the budget of run ``run_id`` made; where the budget failed, what its prompts say."""
+    import dagster as dg
+
+    found = {}
+    with dg.DagsterInstance.get() as instance:
+        for name in ("budgeted_prompts", "prompts"):
+            event = instance.get_latest_materialization_event(dg.AssetKey(name))
+            if event is not None and event.run_id == run_id and event.asset_materialization is not None:
+                found[name] = event.asset_materialization.metadata
+    if "budgeted_prompts" in found:
+        print(str(found["budgeted_prompts"]["plan"].value).strip("`\n"), flush=True)
+    elif "prompts" in found:
+        by_source = found["prompts"]["prompts_by_source"].value
+        print(f"plan: prompts by source after dedup and quotas: {by_source}; not budgeted (see the failure): "
+              "no tokens, time or cost", flush=True)
+    else:
+        print("plan: no prompts were extracted (see the failure): nothing to plan", flush=True)
 
 
 def _print_summary(out_dir: UPath) -> None:
@@ -347,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     dry_parser.add_argument("--keep-fleet", action="store_true", help="leave launched simulators running")
     _retry_outcomes_option(dry_parser)
     dry_parser.set_defaults(func=dry_run)
+    plan_parser = sub.add_parser("plan", help="print what a run will send, cost and yield, before any GPU time")
+    plan_parser.add_argument("--config", help=config_help)
+    plan_parser.add_argument("--keep-fleet", action="store_true", help="leave launched servers running")
+    plan_parser.set_defaults(func=plan)
     fleet_parser = sub.add_parser("fleet", help="start, probe or stop the configured fleet")
     fleet_parser.add_argument("action", choices=["start", "status", "stop"])
     fleet_parser.add_argument("--config", help=config_help)

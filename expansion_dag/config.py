@@ -28,6 +28,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from expansion_dag.lease import DEFAULT_LEASE_TIMEOUT_S
 from expansion_dag.modes import ModeError, ModeMix
 from expansion_dag.outcomes import RETRYABLE_CONTENT
 from expansion_dag.sampling import SamplingSettings
@@ -99,10 +100,28 @@ class GenerationConfig(BaseModel):
     max_truncation_rate: float = Field(
         default=0.2, ge=0.0, le=1.0, description="Warn above this rate of finish_reason length."
     )
+    min_yield: float = Field(
+        default=0.5, ge=0.0, le=1.0,
+        description="The yield gate: a shard whose first yield_gate_answers answers give fewer training rows than "
+        "this share stops, naming the cause and the fix (a verdict on the answers, never on a server). 0: off.",
+    )
+    yield_gate_answers: int = Field(
+        default=64, ge=1, description="Answers of a shard the yield gate waits for before it judges."
+    )
+    plan_output_tokens_per_s: Optional[float] = Field(
+        default=None, ge=0,
+        description="The plan's output tokens a second per server where live servers do not say it "
+        "(/v1/loads gen_throughput of a busy SGLang server). null: only what the servers say.",
+    )
     progress_interval_s: float = Field(default=5.0, gt=0, description="Seconds between a shard's progress reports.")
     spill_to_idle_servers: bool = Field(
         default=True,
         description="Send queued prompts to other fleet servers while they report idle slots (end-of-run balance).",
+    )
+    owner_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds a shard waits for another server's own shard to start before borrowing its idle slots.",
     )
     drop_truncated: bool = Field(default=True, description="Leave answers cut at max_tokens out of the training set.")
     reasoning: Literal["keep", "drop"] = Field(
@@ -248,12 +267,98 @@ class FleetConfig(_Section):
         return self
 
 
+#: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
+#: so the whole command is configuration, not code. With an API key set, ``--api-key {api_key}`` is
+#: added (see ``FleetResource.command``): SGLang reads its key from that flag only.
+SGLANG_LAUNCH_COMMAND = (
+    "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port} "
+    "--context-length {context_length} --stream-interval {stream_interval}"
+)
+#: The simulator takes the same flags, plus its own time model, so launch mode is exercised as is.
+SIMULATOR_LAUNCH_COMMAND = (
+    "{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
+    "--context-length {context_length} --max-running-requests {max_running_requests} "
+    "--stream-interval {stream_interval} --token-latency-ms 1 "
+    "--output-median-tokens 160 --warmup-s 0.5"
+)
+
+
+class FleetSettings(BaseModel):
+    """The fleet as a run uses it, resolved from the ``fleet`` section (``simulate`` is ``launch``
+    with the simulator's command): the fields of the Dagster fleet resource, validated here."""
+
+    mode: Literal["launch", "attach"] = Field(default="launch", description="'launch' starts one server per GPU; 'attach' uses `urls`.")
+    urls: list[str] = Field(default=[], description="Attach mode: base URLs, one per shard, in shard order.")
+    backend: Literal["sglang", "vllm"] = Field(default="sglang", description="'sglang' or 'vllm' (OpenAI-compatible server).")
+    launch_command: str = Field(
+        default=SGLANG_LAUNCH_COMMAND,
+        description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
+        "{context_length} {max_running_requests} {stream_interval} {tool_call_parser} {python} {api_key}. With an API "
+        "key set and no {api_key} in it, '--api-key {api_key}' is appended.",
+    )
+    model_path: str = "Qwen/Qwen3-8B"
+    context_length: int = Field(
+        default=8192, description="Launch parameter only; budgets always use the probed context length."
+    )
+    max_running_requests: int = Field(
+        default=16, description="Launch parameter {max_running_requests}; requests in flight follow the probed slots."
+    )
+    stream_interval: int = Field(
+        default=DEFAULT_STREAM_INTERVAL,
+        ge=1,
+        description="Tokens per streamed event: vLLM requests ask for it, launched SGLang servers get "
+        "it as --stream-interval {stream_interval}; an attached SGLang server streams at its own.",
+    )
+    tool_call_parser: Optional[str] = Field(
+        default=None,
+        description="The servers' tool-call parser (e.g. SGLang 'qwen25', vLLM 'hermes' for Qwen3), so that "
+        "tool calls come back parsed in message.tool_calls; None: raw <tool_call> text in the content. "
+        "Launch mode adds the backend's flags to the command (SGLang --tool-call-parser, vLLM "
+        "--enable-auto-tool-choice --tool-call-parser) unless it names {tool_call_parser}; attach mode "
+        "states what the vLLM servers were started with (SGLang reports its own).",
+    )
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    gpus: list[int] = Field(default=[], description="Launch mode: one server per GPU; default 0..shards-1.")
+    launch_scope: Literal["fleet", "run"] = Field(
+        default="fleet",
+        description="Launch mode: 'fleet' starts every server on this machine; 'run' starts one "
+        "server on this run's own GPU (a GPU pod per shard run on Kubernetes).",
+    )
+    num_servers: int = Field(default=2, description="Launch mode, when `gpus` is empty.")
+    api_key_env: str = Field(
+        default="SGLANG_API_KEY", description="Name of the environment variable holding the API key, if any."
+    )
+    startup_timeout_s: float = 900.0
+    slots_override: Optional[int] = None
+    fallback_to_healthy: bool = Field(
+        default=True, description="Run a shard on a healthy server when its own server is down."
+    )
+    state_dir: str = Field(default="", description="Logs and pid files of launched servers.")
+
+
 class ModelConfig(_Section):
     path: str = Field(default="Qwen/Qwen3-8B", min_length=1)
     tokenizer: str = Field(default=DEFAULT_TOKENIZER, min_length=1)
 
 
-class StorageConfig(_Section):
+class LeaseSettings(BaseModel):
+    """How a run holds a shard's lease (``expansion_dag/lease.py``): the ``storage`` section's and
+    the storage resource's, validated here once."""
+
+    lease_timeout_s: float = Field(
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        ge=1.0,
+        le=86400.0,
+        description="A shard's lease whose holder has not renewed it for this long is taken over.",
+    )
+    when_shard_busy: Literal["wait", "fail"] = Field(
+        default="wait",
+        description="When another run holds the shard's lease: wait for it, then send what is still missing, or fail.",
+    )
+
+
+class StorageConfig(_Section, LeaseSettings):
     root: str = Field(default="./storage", min_length=1)
     local_dir: Optional[str] = None
 

@@ -21,10 +21,10 @@ from expansion_dag.assets.prompts import build_prompts_asset
 from expansion_dag.assets.raw_datasets import build_raw_dataset_assets
 from expansion_dag.assets.training_set import training_set
 from expansion_dag.catalog import load_catalog
-from expansion_dag.config import RunConfig, current_config
+from expansion_dag.config import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, RunConfig, current_config
 from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.resources.configured import with_field_defaults
-from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, FleetResource
+from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import ParquetIOManager, StorageResource
 from expansion_dag.schedules import build_nightly_schedule, build_nightly_sensors
@@ -72,7 +72,12 @@ def fleet_for(config: RunConfig) -> FleetResource:
 def resources_for(config: RunConfig) -> dict[str, object]:
     """The resources of a configuration; launchpad run config for one overrides only the fields it names."""
     root = config.storage_root()
-    storage = {"root": root, **({"local_dir": config.storage.local_dir} if config.storage.local_dir else {})}
+    storage = {
+        "root": root,
+        **({"local_dir": config.storage.local_dir} if config.storage.local_dir else {}),
+        "lease_timeout_s": config.storage.lease_timeout_s,
+        "when_shard_busy": config.storage.when_shard_busy,
+    }
     resources = {
         "fleet": fleet_for(config),
         "settings": GenerationSettings(tokenizer=config.model.tokenizer, **config.generation.model_dump()),

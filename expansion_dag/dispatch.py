@@ -1,8 +1,10 @@
 """Which prompt goes next, and how many of another server's idle slots a shard may take.
 
-:class:`PromptQueue` orders a shard's prompts longest expected answer first, the expectation learned
+:class:`PromptQueue` orders a shard's prompts longest expected work first, the expectation learned
 (``expansion_dag.answer_lengths``) from the store and from each answer that returns, and re-orders
-itself as the estimates settle. :func:`claim_share` splits a server's idle slots between the shards
+itself as the estimates settle. A conversation's work is its whole remaining chain (each turn waits
+for the answer before it), so its short first turn is not left to the end, where its later turns
+would run alone past everything else. :func:`claim_share` splits a server's idle slots between the shards
 that may borrow them, the same way in every shard's process, so that together they never send it
 more than it has idle: piled on, a server with a bounded queue answers 503 to the surplus.
 """
@@ -69,7 +71,7 @@ class WorkItem:
 
 
 class PromptQueue:
-    """A shard's prompts still to send, longest expected answer first."""
+    """A shard's prompts still to send, longest expected remaining work first (:meth:`remaining`)."""
 
     def __init__(self, items: Iterable[WorkItem], lengths: AnswerLengths | None = None):
         #: Learned from the store when given, and from this run's answers as they return.
@@ -133,12 +135,21 @@ class PromptQueue:
         """The expectation the queue's order rested on when ``item`` was taken."""
         return self._ordered_on[item.key]
 
+    def remaining(self, item: WorkItem) -> int:
+        """The expected work of ``item``'s conversation from this turn on (its answer alone for a
+        single prompt): this answer, and each later turn at its source's learned answer length."""
+        expected = self.expected(item)
+        if item.turn is None or item.turn.last:
+            return expected
+        later = self.lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens).tokens
+        return expected + (item.turn.turns - item.turn.turn) * min(item.max_tokens, later)
+
     def _order(self, item: WorkItem) -> tuple[int, str]:
-        expected = self._ordered_on[item.key] = self.expected(item)
-        return (-expected, item.prompt_id)
+        self._ordered_on[item.key] = self.expected(item)
+        return (-self.remaining(item), item.prompt_id)
 
     def take(self, *, shortest: bool = False) -> WorkItem:
-        """The longest expected answer (``shortest``: the other end, for a canary)."""
+        """The longest expected work (``shortest``: the other end, for a canary)."""
         item = self._items.pop() if shortest else self._items.popleft()
         if not self._items:
             self.drained.set()

@@ -20,7 +20,9 @@ Outcomes (``expansion_dag.outcomes``): what a server says, and how often a promp
 is ``server_api``'s business; which outcome is whose fault is the taxonomy's. Here a canary per
 server runs before the rest and fails only on the server's fault, a circuit breaker aborts the
 shard when most recent requests failed the same way, and a model's answer (a loop included) is
-never held against a server.
+never held against a server. The yield gate (``expansion_dag.answer_yield``) stops a shard whose first
+answers (borrowed servers' too) the training set would mostly leave out: a verdict on the answers,
+judged where the breaker is, that benches and blames no server.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ import httpx
 
 from expansion_dag import event_loop, outcomes, server_api
 from expansion_dag.answer_lengths import AnswerLengths
+from expansion_dag.answer_yield import YieldGate
 from expansion_dag.conversations import Ended, TurnPlanner
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.dispatch import PromptQueue, WorkItem, claim_share
 from expansion_dag.errors import QueueFullError, RequestError, ShardAborted
 from expansion_dag.http_client import HttpClient, make_client
-from expansion_dag.recorder import Recorder
+from expansion_dag.recorder import Judge, Recorder
 from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import SGLANG, Dialect, RetryPolicy
 from expansion_dag.shard_report import Progress, ServerStats, ShardReport
@@ -74,6 +77,12 @@ class EngineConfig:
     progress_interval_s: float = 30.0
     #: How often the other servers' loads are read while this shard has queued prompts.
     spill_poll_s: float = 1.0
+    #: How long another server's own shard has to show itself (from this shard's start, then from
+    #: its first request seen there) before its idle slots are borrowed without having seen it fill
+    #: them: a shard done before this one started, absent, or with fewer prompts than slots. Shards
+    #: of one run start seconds apart; a server borrowed before its shard starts refuses that
+    #: shard's first requests once its queue is bounded (``Borrowing``).
+    owner_wait_s: float = 60.0
     #: How long a prompt may wait in all on its server's full queue (backpressure) before the
     #: queue-full answer is its failure; such waits use none of its attempts.
     backpressure_wait_s: float = 600.0
@@ -90,6 +99,9 @@ class EngineConfig:
     #: While streamed events come often, read every stream once a tick instead of waking up for
     #: each event (``expansion_dag.event_loop``); an event is read at most this late. 0: never.
     client_tick_s: float = 0.1
+    #: Stops a shard whose first answers the training set would mostly leave out (a content
+    #: verdict, only with a ``judge``: ``expansion_dag.answer_yield``).
+    yield_gate: YieldGate = YieldGate()
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -100,6 +112,8 @@ class EngineConfig:
             raise ValueError("breaker_failure_fraction must be within (0, 1]")
         if self.spill_poll_s <= 0:
             raise ValueError(f"spill_poll_s must be positive, got {self.spill_poll_s}")
+        if self.owner_wait_s < 0:
+            raise ValueError(f"owner_wait_s must be at least 0, got {self.owner_wait_s}")
         if self.client_tick_s < 0:
             raise ValueError(f"client_tick_s must be at least 0, got {self.client_tick_s}")
         self.loop_thresholds()  # validates the loop fields
@@ -151,6 +165,15 @@ class Server:
 #: Load readings in a row that must show a server idle before its slots are claimed.
 STEADY_READINGS = 3
 
+#: Why a helper's load reading did or did not lead to a claim: counted per helper, in the shard's metadata.
+OWNER_NOT_STARTED = "its shard not started"
+OWNER_STARTING = "its shard starting"
+OWNER_BUSY = "its shard using its slots"
+NOT_STEADY = f"idle, not yet in {STEADY_READINGS} readings in a row"
+BORROWED = "idle slots borrowed"
+LOAD_UNREADABLE = "load unreadable"
+BENCHED = "benched: failed through its own fault"
+
 
 class Borrowing:
     """This shard's use of other shards' servers while they are idle and it still has prompts queued.
@@ -160,9 +183,24 @@ class Borrowing:
     says: its idle slots, less this shard's workers between two requests (which it does not see); or,
     when it queues, its excess, given back. So the borrowers together follow the server's load from
     both sides, and never pile on: a pile-on answers 503 once the server's queue is bounded.
+
+    However late a reading is acted on (a loaded machine), a shard never holds more of a helper than
+    its fixed share of the helper's slots: together the borrowers can fill a server, never queue on it.
+
+    A helper's own shard has first claim on it. Shards share only the servers and the storage root,
+    and start seconds apart, so a borrower reads the owner's presence off the server's load: work on
+    it that is not this shard's can only be the owner's before anyone borrows (every borrower waits
+    the same way). A helper is left alone until its owner has been seen filling it (its canary alone
+    does not: the flood follows), or ``owner_wait_s`` has passed with no sign of it (a shard already
+    done, or absent) or since its first request (a shard with fewer prompts than slots). From then on
+    only its idle slots are borrowed, and given back as soon as it queues. An owner that starts later
+    than ``owner_wait_s`` finds its server borrowed, and its first requests may be refused (503, waited
+    out as backpressure) until the borrowers have given back.
     """
 
-    def __init__(self, own: Server, helpers: Sequence[Server], fleet_urls: Sequence[str], poll_s: float):
+    def __init__(
+        self, own: Server, helpers: Sequence[Server], fleet_urls: Sequence[str], poll_s: float, owner_wait_s: float
+    ):
         # A server that cannot say its load cannot be seen idle (vLLM).
         self.helpers = [h for h in helpers if h.url != own.url and h.dialect.has_loads]
         fleet = sorted({own.url, *fleet_urls, *(h.url for h in self.helpers)})
@@ -170,6 +208,9 @@ class Borrowing:
         self._split = {h.url: (len(fleet) - 1, [u for u in fleet if u != h.url].index(own.url)) for h in self.helpers}
         self._poll_s = poll_s
         self._claimed = dict.fromkeys(self._split, 0)
+        #: The most of a helper this shard may hold: a share of its slots split by a fixed turn, so
+        #: the borrowers' shares add up to the slots even when their readings are of different turns.
+        self._cap = {h.url: claim_share(h.slots, *self._split[h.url]) for h in self.helpers}
         self._working = dict.fromkeys(self._split, 0)
         #: Per helper, its last readings of idle slots: a claim needs idle slots in each, and takes a
         #: share of the fewest, so a server whose own shard is only starting (its canary alone) or
@@ -177,6 +218,15 @@ class Borrowing:
         self._readings = {url: collections.deque(maxlen=STEADY_READINGS) for url in self._split}
         #: Helpers that failed a request through their own fault: not used again in this run.
         self._benched: set[str] = set()
+        self._owner_wait_s = owner_wait_s
+        #: Per helper, since when its owner has had to show itself: this shard's start, then the first
+        #: work seen on it that is not this shard's (``owner_seen``).
+        self._waiting_since: dict[str, float] = {}
+        self._owner_seen: set[str] = set()
+        #: Helpers whose owner has filled them or let ``owner_wait_s`` pass: their idle slots may be borrowed.
+        self._open: set[str] = set()
+        #: Per helper, why each load reading did or did not lead to a claim.
+        self.reasons: dict[str, collections.Counter[str]] = {url: collections.Counter() for url in self._split}
 
     def keep(self, helper: Server) -> bool:
         """Whether a worker on ``helper`` may send another prompt; one that may not leaves (``left``)."""
@@ -192,6 +242,24 @@ class Borrowing:
     def bench(self, helper: Server) -> None:
         self._benched.add(helper.url)
 
+    def _owner_lets(self, helper: Server, idle: int, mine: int, now: float) -> str | None:
+        """None once ``helper``'s own shard leaves its idle slots to borrowers; else why not yet."""
+        url = helper.url
+        if url in self._open:
+            return None
+        if helper.slots - idle > mine:  # running or queued requests that are not this shard's
+            if url not in self._owner_seen:
+                self._owner_seen.add(url)
+                self._waiting_since[url] = now
+                self._readings[url].clear()  # readings from before its owner came say nothing of its use
+            if idle <= 0:
+                self._open.add(url)
+                return None
+        if now - self._waiting_since[url] >= self._owner_wait_s:
+            self._open.add(url)
+            return None
+        return OWNER_STARTING if url in self._owner_seen else OWNER_NOT_STARTED
+
     async def run(
         self,
         queue: PromptQueue,
@@ -205,6 +273,7 @@ class Borrowing:
             # A client a helper: one client for all of them would reconnect on every poll, each
             # helper being another origin to its one connection.
             clients = {h.url: await stack.enter_async_context(client()) for h in self.helpers}
+            self._waiting_since = dict.fromkeys(self._split, time.monotonic())
             while len(queue) and not stopped():
                 try:
                     await asyncio.wait_for(queue.drained.wait(), timeout=self._poll_s)
@@ -213,29 +282,42 @@ class Borrowing:
                     pass
                 turn = int(time.time() / self._poll_s)  # the same in every shard's process
                 for helper in self.helpers:
-                    if helper.url in self._benched:
-                        continue
-                    idle = await server_api.read_idle_slots(
-                        clients[helper.url], helper.url, helper.dialect, slots=helper.slots, timeout_s=self._poll_s * 10
-                    )
-                    if idle is None:
-                        continue
-                    borrowers, rank = self._split[helper.url]
-                    working = self._working[helper.url]
-                    readings = self._readings[helper.url]
-                    readings.append(idle)
-                    if idle < 0:
-                        self._claimed[helper.url] = max(0, working - claim_share(-idle, borrowers, rank, turn))
-                        continue
-                    if len(readings) < STEADY_READINGS:
-                        continue
-                    between = working - in_flight(helper)
-                    steady = min(readings) - between
-                    claimed = working + min(claim_share(steady, borrowers, rank, turn), len(queue))
-                    self._claimed[helper.url] = claimed
-                    for _ in range(claimed - working):
-                        self._working[helper.url] += 1
-                        start(helper)
+                    reason = await self._poll(helper, clients[helper.url], queue, start, in_flight, turn)
+                    self.reasons[helper.url][reason] += 1
+
+    async def _poll(
+        self, helper: Server, client: HttpClient, queue: PromptQueue, start: Callable[[Server], None],
+        in_flight: Callable[[Server], int], turn: int,
+    ) -> str:
+        """One reading of ``helper``'s load, and the claim it moves; why it did or did not borrow."""
+        if helper.url in self._benched:
+            return BENCHED
+        idle = await server_api.read_idle_slots(
+            client, helper.url, helper.dialect, slots=helper.slots, timeout_s=self._poll_s * 10
+        )
+        if idle is None:
+            return LOAD_UNREADABLE
+        borrowers, rank = self._split[helper.url]
+        working = self._working[helper.url]
+        readings = self._readings[helper.url]
+        readings.append(idle)
+        waiting = self._owner_lets(helper, idle, in_flight(helper), time.monotonic())
+        if idle < 0:
+            self._claimed[helper.url] = max(0, working - claim_share(-idle, borrowers, rank, turn))
+            return OWNER_BUSY
+        if waiting is not None:
+            return waiting
+        if len(readings) < STEADY_READINGS:
+            return NOT_STEADY
+        between = working - in_flight(helper)
+        steady = min(readings) - between
+        share = min(claim_share(steady, borrowers, rank, turn), len(queue))
+        claimed = min(self._cap[helper.url], working + share)
+        self._claimed[helper.url] = claimed
+        for _ in range(claimed - working):
+            self._working[helper.url] += 1
+            start(helper)
+        return BORROWED if claimed else OWNER_BUSY
 
 
 class Sender:
@@ -345,12 +427,13 @@ class ShardRun:
         on_progress: Callable[[Progress], None] | None = None,
         lengths: AnswerLengths | None = None,
         planner: TurnPlanner | None = None,
+        judge: Judge | None = None,
     ):
         if not servers:
             raise ValueError("a shard needs at least one server")
         self.queue = PromptQueue(items, lengths)
         self._servers = list(servers)
-        self._borrowing = Borrowing(self._servers[0], helpers, fleet_urls, config.spill_poll_s)
+        self._borrowing = Borrowing(self._servers[0], helpers, fleet_urls, config.spill_poll_s, config.owner_wait_s)
         self._api_key = api_key
         self._transport = transport
         self._config = config
@@ -359,11 +442,11 @@ class ShardRun:
         self.report = ShardReport(
             total=len(self.queue),
             servers={s.url: ServerStats(s.slots) for s in self._servers},
-            helpers={h.url: ServerStats(h.slots) for h in self._borrowing.helpers},
+            helpers={h.url: ServerStats(h.slots, borrowing=self._borrowing.reasons[h.url]) for h in self._borrowing.helpers},
         )
         self._send = Sender(
-            model=model, sampling=sampling, config=config, queue=self.queue, recorder=Recorder(writer, self.report),
-            planner=planner,
+            model=model, sampling=sampling, config=config, queue=self.queue,
+            recorder=Recorder(writer, self.report, judge), planner=planner,
         ).send
         self._start = time.monotonic()
         self._cpu_start = time.process_time()
@@ -509,9 +592,10 @@ class ShardRun:
 
     def _judge(self, server: Server, error: RequestError | None) -> None:
         reason = self._breaker.record(error)
+        reason = f"{server.url}: {reason}" if reason else self.report.answer_yield.gate(self._config.yield_gate)
         if reason and not self.report.aborted:
-            self.report.aborted = f"{server.url}: {reason}"
-            # Stop the other workers now: their requests would fail the same way.
+            self.report.aborted = reason
+            # Stop the other workers now: their requests would fail, or be wasted, the same way.
             for task in self._workers:
                 if task is not asyncio.current_task():
                     task.cancel()
@@ -541,6 +625,7 @@ def generate_shard(
     on_progress: Callable[[Progress], None] | None = None,
     lengths: AnswerLengths | None = None,
     planner: TurnPlanner | None = None,
+    judge: Judge | None = None,
 ) -> ShardReport:
     """Run a shard to the end (or to its abort) on a fresh event loop (``config.client_tick_s``);
     the synchronous entry point.
@@ -549,7 +634,9 @@ def generate_shard(
     fleet, so that every shard splits a helper's idle slots alike (default: this shard's servers and
     its helpers). ``lengths``: answer lengths learned from the store (``answer_lengths.learn``); the
     run refines them in place, so the caller can show what they became. ``planner``: builds each
-    conversation's next turn when an answer arrives (``expansion_dag.conversations``).
+    conversation's next turn when an answer arrives (``expansion_dag.conversations``). ``judge``:
+    the training set's verdict on each answer (``training_set.AnswerJudge``), counted in the report's
+    ``answer_yield`` and gated by ``config.yield_gate``.
     """
 
     async def main() -> ShardReport:
@@ -567,6 +654,7 @@ def generate_shard(
             on_progress=on_progress,
             lengths=lengths,
             planner=planner,
+            judge=judge,
         )
         return await run.run()
 

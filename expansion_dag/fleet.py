@@ -165,6 +165,23 @@ def probe_server(
     )
 
 
+def read_throughputs(servers: Sequence[ServerInfo], *, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, float | None]:
+    """Each server's output tokens a second now (``server_api.parse_gen_throughput``); None where it
+    does not say or does not answer."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    found: dict[str, float | None] = {}
+    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context()) as client:
+        for server in servers:
+            path = server.dialect.loads_path
+            try:
+                response = client.get(server.url + path) if path else None
+                ok = response is not None and response.status_code == 200
+                found[server.url] = server_api.parse_gen_throughput(response.json(), server.dialect) if ok else None
+            except (httpx.HTTPError, ValueError):
+                found[server.url] = None
+    return found
+
+
 def probe_fleet(
     urls: Sequence[str],
     *,

@@ -31,6 +31,7 @@ import httpx
 
 from expansion_dag.errors import FleetError, ServerStartError
 from expansion_dag.http_client import tls_context
+from expansion_dag.processes import pid_alive
 
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
 SIMULATOR_MODULE = "expansion_dag.sim"
@@ -124,7 +125,7 @@ def wait_ready(
             last = "connection refused (loading)"
         except httpx.HTTPError as exc:
             last = f"{type(exc).__name__}"
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             raise ServerStartError(
                 f"{url}: the server process {pid} exited before it was ready. Last log lines "
                 f"({log_path}):\n{tail(log_path, secret=secret)}"
@@ -153,21 +154,6 @@ def _describe(url: str) -> str:
         return "it does not answer /server_info"
     kind = "a simulator" if info.get("simulator") else f"server version {info.get('version')}"
     return f"{kind} serving {info.get('model_path')}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours still answers kill(0); reap it to tell.
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +222,7 @@ class Launcher:
             pid = int(self._pid_path(spec).read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     def ensure_running(self, *, timeout_s: float) -> list[str]:
         """Start what is not running, then wait until every server is ready. Returns the URLs."""
@@ -324,7 +310,7 @@ def _stop_group(pid: int, timeout_s: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)

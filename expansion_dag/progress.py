@@ -32,6 +32,8 @@ class ShardProgress:
     output_tokens_per_s: float
     eta_s: float | None
     elapsed_s: float
+    #: What the answers so far will yield: ``rows 96%; truncated 3%`` (``AnswerYield.summary``).
+    answer_yield: str = ""
 
     @classmethod
     def from_engine(cls, progress: Progress) -> ShardProgress:
@@ -44,6 +46,7 @@ class ShardProgress:
             output_tokens_per_s=round(progress.output_tokens_per_s, 1),
             eta_s=None if progress.eta_s is None else round(progress.eta_s, 1),
             elapsed_s=round(progress.elapsed_s, 1),
+            answer_yield=progress.answer_yield,
         )
 
     def as_metadata(self) -> dict[str, Any]:
@@ -52,6 +55,38 @@ class ShardProgress:
     @classmethod
     def from_metadata(cls, values: Mapping[str, Any]) -> ShardProgress:
         return cls(**{name: values.get(name) for name in cls.__dataclass_fields__})
+
+
+class ObservationThrottle:
+    """Which of a shard's progress reports are kept as observations in the Dagster UI.
+
+    The engine reports every few seconds (``progress_interval_s``): ~17,000 reports over a day-long
+    shard, a wall in the asset's history. Kept: the first, then one each ``every_s`` or on each
+    whole percent of progress, whichever comes first (at most ``86,400 / every_s + 100`` a day),
+    and, through :meth:`last`, the final one: the latest observation is always current.
+    """
+
+    def __init__(self, every_s: float = 60.0, clock: Any = time.monotonic):
+        self._every_s = every_s
+        self._clock = clock
+        self._kept_at: float | None = None
+        self._kept_percent = -1
+        self._held: ShardProgress | None = None
+
+    def keep(self, figures: ShardProgress) -> bool:
+        """Whether to observe ``figures`` now; if not, they are held for :meth:`last`."""
+        now = self._clock()
+        percent = 100 * figures.done // figures.total if figures.total else 100
+        if self._kept_at is None or now - self._kept_at >= self._every_s or percent > self._kept_percent:
+            self._kept_at, self._kept_percent, self._held = now, percent, None
+            return True
+        self._held = figures
+        return False
+
+    def last(self) -> ShardProgress | None:
+        """The latest report not yet observed, if any: observed at the end of the run."""
+        held, self._held = self._held, None
+        return held
 
 
 def _duration(seconds: float | None) -> str:
@@ -64,7 +99,7 @@ def _duration(seconds: float | None) -> str:
 
 def _cells(shard: str, state: str, p: ShardProgress | None) -> list[str]:
     if p is None:
-        return [shard, state, "-", "-", "-", "-", "-", "-"]
+        return [shard, state, "-", "-", "-", "-", "-", "-", "-"]
     share = f"{p.done:,}/{p.total:,} ({p.done / p.total:.0%})" if p.total else f"{p.done:,}/0"
     return [
         shard,
@@ -75,10 +110,11 @@ def _cells(shard: str, state: str, p: ShardProgress | None) -> list[str]:
         _duration(p.eta_s) if state == "running" else "-",
         f"{p.failed:,}",
         f"{p.retries:,}",
+        p.answer_yield or "-",  # observations written before the yield was counted have none
     ]
 
 
-HEADER = ["shard", "state", "done", "rate", "tok/s", "ETA", "failed", "retries"]
+HEADER = ["shard", "state", "done", "rate", "tok/s", "ETA", "failed", "retries", "yield"]
 
 
 def render_table(states: Mapping[str, str], figures: Mapping[str, ShardProgress | None]) -> list[str]:
@@ -98,7 +134,10 @@ def render_line(states: Mapping[str, str], figures: Mapping[str, ShardProgress |
             continue
         cells = dict(zip(HEADER, _cells(shard, state, p)))
         eta = f" ETA {cells['ETA']}" if state == "running" else f" {state}"
-        parts.append(f"{shard} {cells['done']} {cells['rate']}{eta} failed {cells['failed']} retries {cells['retries']}")
+        parts.append(
+            f"{shard} {cells['done']} {cells['rate']}{eta} failed {cells['failed']} retries {cells['retries']}"
+            f" yield {cells['yield']}"
+        )
     return "progress: " + " | ".join(parts)
 
 

@@ -7,8 +7,7 @@ server, the budget); a failure record says what failed and whose fault it was (`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from expansion_dag.conversations import Ended
@@ -20,12 +19,24 @@ from expansion_dag.shard_report import ShardReport
 from expansion_dag.store import FAILED, OK, SegmentWriter
 
 
-class Recorder:
-    """Writes one shard run's records and keeps its report."""
+#: The training set's verdict on a record (``training_set.AnswerJudge``): ``row`` or why not.
+Judge = Callable[[Mapping[str, Any]], str]
 
-    def __init__(self, writer: SegmentWriter, report: ShardReport):
+
+class Recorder:
+    """Writes one shard run's records and keeps its report; ``judge`` counts what answers will yield."""
+
+    def __init__(self, writer: SegmentWriter, report: ShardReport, judge: Judge | None = None):
         self._writer = writer
         self.report = report
+        self._judge = judge
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._writer.append(record)
+        # Only answers are judged (a loop and an ended conversation included): a server's or a
+        # request's failure says nothing of what the model writes.
+        if self._judge is not None and (record["status"] == OK or record.get("outcome") == CONTENT):
+            self.report.answer_yield.count(self._judge(record))
 
     def answer(
         self,
@@ -39,7 +50,7 @@ class Recorder:
         features: Sequence[int],
     ) -> None:
         finish = answer.finish_reason
-        self._writer.append(
+        self._write(
             {
                 "key": item.key,
                 "status": OK,
@@ -105,7 +116,7 @@ class Recorder:
                 "streamed_tokens": error.tokens,
             }
             self.report.output_tokens_by_outcome[error.kind] += error.tokens
-        self._writer.append(record)
+        self._write(record)
         self.report.failed += 1
         self.report.failures_by_kind[error.kind] += 1
         self.report.slot_seconds_by_outcome[error.kind] += latency
@@ -113,7 +124,7 @@ class Recorder:
 
     def ended(self, ended: Ended, item: WorkItem, server_url: str) -> None:
         """A conversation stopped before its last turn: final, under the key of the turn not asked."""
-        self._writer.append(ended_record(ended, item, server_url))
+        self._write(ended_record(ended, item, server_url))
         self.report.failures_by_kind[ended.reason] += 1
 
     def _stats(self, url: str):

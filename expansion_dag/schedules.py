@@ -10,6 +10,19 @@
    after a backfill of failed partitions.
 Run keys carry the night, so a re-evaluated tick never launches the same night twice. The jobs
 are the ones ``definitions.py`` defines, passed in.
+
+Why these are written here rather than as Dagster's declarative automation (``AutomationCondition``,
+read in dagster 1.13):
+
+- the prepare run carries run configuration, the night and its quota (``NightConfig``); runs that
+  automation conditions request carry none;
+- a night's shard runs belong to that night's prepare run alone: ``eager()`` on the shards would
+  also send eight GPU runs after any prepare a person materializes by hand, and their run keys
+  (the night) are what keep a re-evaluated tick from launching a night twice;
+- the training set waits for every shard of *the night*, however long it runs: ``on_cron`` counts
+  updates since the latest cron tick, so a night that runs longer than a day (the reference run
+  takes one) would be forgotten at the next tick, and ``all_deps_match`` holds when *one*
+  partition of the shards matches, not all eight.
 """
 
 from collections.abc import Sequence
@@ -32,6 +45,20 @@ def stale_raw_assets(instance: dg.DagsterInstance, raw_assets: Sequence[dg.Asset
         if loaded != assets_def.code_versions_by_key[key]:
             stale.append(key)
     return stale
+
+
+def latest_nightly_prepare(instance: dg.DagsterInstance, job_name: str) -> dg.DagsterRun | None:
+    """The latest night's successful prepare run. Prepare runs a person starts carry no night, and
+    one that succeeds after the night's must not hide the night from the training set's sensor."""
+    nights = sorted(value for key, values in instance.get_run_tags(tag_keys=[NIGHT_TAG]) for value in values)
+    for night in reversed(nights):
+        runs = instance.get_runs(
+            filters=dg.RunsFilter(job_name=job_name, statuses=[dg.DagsterRunStatus.SUCCESS], tags={NIGHT_TAG: night}),
+            limit=1,
+        )
+        if runs:
+            return runs[0]
+    return None
 
 
 def build_nightly_schedule(
@@ -93,13 +120,11 @@ def build_nightly_sensors(
         description="Once every shard of the night is generated, rebuild the training set.",
     )
     def nightly_training_set(context: dg.SensorEvaluationContext):
-        prepared = context.instance.get_runs(
-            filters=dg.RunsFilter(job_name=prepare_job.name, statuses=[dg.DagsterRunStatus.SUCCESS]), limit=1
-        )
-        if not prepared or NIGHT_TAG not in prepared[0].tags:
+        prepared = latest_nightly_prepare(context.instance, prepare_job.name)
+        if prepared is None:
             return dg.SkipReason("no nightly prepare run yet")
-        night = prepared[0].tags[NIGHT_TAG]
-        stats = context.instance.get_run_stats(prepared[0].run_id)
+        night = prepared.tags[NIGHT_TAG]
+        stats = context.instance.get_run_stats(prepared.run_id)
         waiting = [
             shard
             for shard in SHARD_KEYS

@@ -605,6 +605,17 @@ def parse_idle_slots(body: object, dialect: Dialect, slots: int | None = None) -
         return None
 
 
+def parse_gen_throughput(body: object, dialect: Dialect) -> float | None:
+    """Output tokens a second the server generates now (``/v1/loads``' ``gen_throughput``, summed
+    over ranks); None where it does not say (``/get_load``, vLLM)."""
+    if not dialect.loads_carry_slots:
+        return None
+    try:
+        return sum(float(r["gen_throughput"]) for r in body["loads"]) if body["loads"] else None  # type: ignore[index]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
 async def read_idle_slots(
     client: HttpClient, url: str, dialect: Dialect, *, slots: int | None, timeout_s: float
 ) -> int | None:

@@ -11,6 +11,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from expansion_dag.answer_yield import AnswerYield
+
 
 @dataclass
 class ServerStats:
@@ -19,6 +21,9 @@ class ServerStats:
     output_tokens: int = 0
     in_flight: int = 0
     busy_slot_seconds: float = 0.0
+    #: Another shard's server only: why each reading of its load did or did not lead to borrowing it
+    #: (``engine.Borrowing``), e.g. its own shard not started yet.
+    borrowing: collections.Counter = field(default_factory=collections.Counter)
     _since: float = field(default_factory=time.monotonic)
 
     def _account(self, now: float) -> None:
@@ -73,6 +78,8 @@ class ShardReport:
     #: (expected tokens when dispatched, actual tokens, seconds from send to answer) of each answer:
     #: how well the queue foresaw the long ones (``length_rank_correlation``, ``clairvoyant_makespan_s``).
     answers: list[tuple[int, int, float]] = field(default_factory=list)
+    #: This run's answers judged by the training set's rules as they arrived: rows, and why not.
+    answer_yield: AnswerYield = field(default_factory=AnswerYield)
 
     @property
     def done(self) -> int:
@@ -137,6 +144,7 @@ class ShardReport:
             eta_s=(self.total - self.done) / rate if rate > 0 else None,
             failed=self.failed,
             retries=dict(self.retries_by_kind),
+            answer_yield=self.answer_yield.summary() if self.answer_yield.judged else "",
         )
 
     def utilization(self) -> float:
@@ -158,6 +166,8 @@ class Progress:
     failed: int = 0
     #: Retries so far by kind, summed rather than logged one per line.
     retries: dict[str, int] = field(default_factory=dict)
+    #: What the answers so far will yield (``AnswerYield.summary``); empty before the first.
+    answer_yield: str = ""
 
     def __str__(self) -> str:
         eta = "unknown" if self.eta_s is None else f"{self.eta_s:,.0f} s"
@@ -166,6 +176,7 @@ class Progress:
         return (
             f"{self.done:,}/{self.total:,} done ({self.failed:,} failed), {self.output_tokens_per_s:,.0f} output tok/s, "
             f"in flight [{flight}], retries [{retries or 'none'}], ETA {eta}"
+            + (f", yield [{self.answer_yield}]" if self.answer_yield else "")
         )
 
 

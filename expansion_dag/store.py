@@ -45,11 +45,14 @@ next run retries it.
 Who wrote a store: ``<root>/identities/<fingerprint>.json``, one ``Identity`` per model-and-settings
 that wrote completions, registered by the writer before its first line. It names the identities
 that a key (a hash) cannot, and it keeps simulated and real completions apart: a writer whose
-answers are simulated is refused in a store that holds real ones, and the other way round.
+answers are simulated is refused in a store that holds real ones, and the other way round. An
+entry is created exclusively (``expansion_dag.conditional``) and the refusal checked again after,
+so two runs of different kinds starting together cannot both pass it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import fnmatch
@@ -67,6 +70,7 @@ from typing import Any
 
 import pydantic_core
 
+from expansion_dag.conditional import conditional_file
 from expansion_dag.urls import (
     as_upath,
     default_local_dir,
@@ -150,6 +154,8 @@ class ScanResult:
     done: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
     duplicates: int = 0
+    #: The duplicates by the shard folder that holds the second answer of a key.
+    duplicates_by_shard: collections.Counter[str] = field(default_factory=collections.Counter)
     torn_lines: int = 0
 
 
@@ -175,7 +181,11 @@ class IdentityRegistry:
             return {}
         found = {}
         for path in sorted(folder.glob("*.json"), key=lambda p: p.name):
-            identity = Identity.from_dict(json.loads(path.read_text()))
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue  # withdrawn since the listing: a registration refused (``register``)
+            identity = Identity.from_dict(json.loads(text))
             found[identity.fingerprint] = identity
         return found
 
@@ -201,11 +211,17 @@ class IdentityRegistry:
     def register(self, identity: Identity) -> None:
         """Record that completions of ``identity`` are written here; refused for the other kind."""
         self.refuse_other_kind(identity)
-        path = self._folder / f"{identity.fingerprint}.json"
-        if path.exists():
-            return
-        with write_atomically(path) as staged:
-            staged.write_text(json.dumps(identity.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        entry = conditional_file(self._folder / f"{identity.fingerprint}.json")
+        body = json.dumps(identity.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
+        created = entry.create(body.encode())  # None: registered already
+        # A run of the other kind may have registered between the check and the create: look
+        # again, and withdraw this registration if so (both may withdraw; neither writes).
+        try:
+            self.refuse_other_kind(identity)
+        except MixedStoreError:
+            if created is not None:
+                entry.delete(created)
+            raise
 
 
 class CompletionStore:
@@ -292,6 +308,7 @@ class CompletionStore:
                 elif status == OK:
                     if key in result.done:
                         result.duplicates += 1
+                        result.duplicates_by_shard[one] += 1
                     result.done.add(key)
                 elif status == FAILED:
                     result.failed.add(key)
@@ -356,20 +373,23 @@ class CompletionStore:
         yield from failures.values()
 
     def writer(
-        self, shard: str, *, identities: Sequence[Identity] = (), fsync_interval_s: float = 2.0
+        self, shard: str, *, identities: Sequence[Identity] = (), fsync_interval_s: float = 2.0,
+        check: Callable[[], None] | None = None,
     ) -> SegmentWriter:
         """The one writer of a run of ``shard``; its ``identities`` (the pipeline always gives them: one
-        per generation mode) are registered first."""
+        per generation mode) are registered first. ``check`` runs after each line is written: what it
+        raises (a lost shard lease) stops the sender, the line kept."""
         if shard == IDENTITIES:
             raise ValueError(f"{IDENTITIES!r} is the identity registry, not a shard")
         for identity in identities:
             self.registry.register(identity)
         if self.local:
-            return SegmentWriter(local_path(self.root / shard), fsync_interval_s=fsync_interval_s)
+            return SegmentWriter(local_path(self.root / shard), fsync_interval_s=fsync_interval_s, check=check)
         self._recover()
         return SegmentWriter(
             self.spool / shard,
             fsync_interval_s=fsync_interval_s,
+            check=check,
             publish=lambda path: self._publish(shard, path),
             segment_records=self._segment_records,
             segment_interval_s=self._segment_interval_s,
@@ -506,9 +526,13 @@ class _Segment:
 
     def __init__(self, path: Path):
         self.path = path
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
+        # Created under a name that no reader and no spool recovery looks at, locked, then named:
+        # a segment is never seen unlocked while its writer lives.
+        opening = path.with_name(f".{path.name}.opening")
+        self._fd = os.open(opening, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
         # Held until the segment is closed: spool recovery takes only segments whose writer died.
         fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.rename(opening, path)
         self.opened = time.monotonic()
         self.lines = 0
         self._last_fsync = self.opened
@@ -545,9 +569,11 @@ class SegmentWriter:
         publish: Callable[[Path], None] | None = None,
         segment_records: int = DEFAULT_SEGMENT_RECORDS,
         segment_interval_s: float = DEFAULT_SEGMENT_INTERVAL_S,
+        check: Callable[[], None] | None = None,
     ):
         folder.mkdir(parents=True, exist_ok=True)
         self._folder = folder
+        self._check = check
         self._fsync_interval_s = fsync_interval_s
         self._publish = publish
         self._segment_records = segment_records
@@ -582,6 +608,8 @@ class SegmentWriter:
             if self._publish is not None and self._segment.lines >= self._segment_records:
                 self._seal()
         self._raise_publish_error()
+        if self._check is not None:
+            self._check()
 
     def _next_path(self) -> Path:
         # Names sort in the order a writer wrote its segments: readers keep the first ok line

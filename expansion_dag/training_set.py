@@ -77,6 +77,7 @@ import pyarrow.parquet as pq
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from expansion_dag.conversations import ENDINGS
 from expansion_dag.dataset_card import dataset_card, mode_table
 from expansion_dag.histogram import bar_chart_png, png_data_uri
 from expansion_dag.manifest import MANIFEST_NAME, Manifest
@@ -91,13 +92,19 @@ DEFAULT_CHUNK_ROWS = 512  # peak memory: about 250 bytes per token of a chunk (3
 DEFAULT_ROWS_PER_FILE = 50_000  # about 100M tokens, a few hundred MB, per shard
 REASONING_POLICIES = ("keep", "drop")
 LEFT_OUT_REASONS = (
-    "other_identity", "other_mode", "failed", "unfinished", "truncated",
+    "other_identity", "other_mode",
+    # No answer: the server's or the request's failure; a loop the client stopped (the model's
+    # doing, never the server's); a conversation the engine ended before its last turn.
+    "failed", "degenerate", "conversation_ended",
+    "unfinished", "truncated",
     # The quality gates on the answer itself.
     "empty", "think_tag_in_content", "reasoning_missing", "reasoning_unexpected",
     "render_mismatch", "too_long", "too_short",
 )
 #: An earlier turn of a conversation: its answer is in the row of the conversation's last turn.
-_FOLDED = "folded"
+FOLDED = "folded"
+#: ``AnswerJudge``'s verdict on an answer that becomes a training row.
+ROW = "row"
 #: Stands in for an earlier assistant turn's content, to find that turn in the render.
 _MARKER = "\ue000expansion-dag-turn\ue000"
 THINK_TAGS = ("<think>", "</think>")
@@ -343,7 +350,7 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
 def _screen(
     record: Mapping[str, Any], config: TrainingSetConfig, identities: ModeIdentities, rules: Mapping[str, _ModeRules]
 ) -> _Sample | str:
-    """The sample a record gives, or the reason it is left out (``_FOLDED`` for an earlier turn)."""
+    """The sample a record gives, or the reason it is left out (``FOLDED`` for an earlier turn)."""
     mode = identities.mode_of(record)
     if mode is None:
         return "other_identity"
@@ -351,7 +358,7 @@ def _screen(
         return "other_mode"
     answered = record.get("status") == OK
     if answered and int(record.get("turn") or 1) < int(record.get("turns") or 1):
-        return _FOLDED
+        return FOLDED
     # A conversation is as finished as its least finished turn; one the engine stopped for such a
     # turn has a failed record for the next, which counts for that reason.
     finishes = [*(record.get("prior_finish_reasons") or ()), *([record.get("finish_reason")] if answered else [])]
@@ -360,7 +367,7 @@ def _screen(
     if config.drop_truncated and "length" in finishes:
         return "truncated"
     if not answered:
-        return "failed"
+        return _unanswered(record)
     reasoning, answer = _split_reasoning(record.get("reasoning_content"), record.get("content"))
     tool_calls = list(record.get("tool_calls") or ()) or None
     if not answer.strip() and not tool_calls:
@@ -386,6 +393,33 @@ def _screen(
     )
 
 
+def _unanswered(record: Mapping[str, Any]) -> str:
+    """Why a failure record is no row, named for what happened (a loop is not a server's failure)."""
+    if record.get("error") == "degenerate":
+        return "degenerate"
+    if record.get("error") in ENDINGS:
+        return "conversation_ended"
+    return "failed"
+
+
+class AnswerJudge:
+    """The training set's rules on one answer of the run's modes, as it arrives: ``ROW``, ``FOLDED``
+    (an earlier turn of a conversation, in its last turn's row) or the reason it is left out.
+
+    The same function the build screens each record with (``_screen``); what only the build can see
+    (the render splitting, the row's token length) is not judged here.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig, identities: ModeIdentities):
+        self._config = config
+        self._identities = identities
+        self._rules = _mode_rules(tokenizer, identities)
+
+    def __call__(self, record: Mapping[str, Any]) -> str:
+        screened = _screen(record, self._config, self._identities, self._rules)
+        return screened if isinstance(screened, str) else ROW
+
+
 def _screened_chunks(
     records: Iterable[Mapping[str, Any]], config: TrainingSetConfig, tally: _Tally, rules: Mapping[str, _ModeRules]
 ) -> Iterator[list[_Sample]]:
@@ -404,7 +438,7 @@ def _screened_chunks(
                 tally.reasons[screened] += 1
             else:
                 tally.own(record)
-                if screened == _FOLDED:
+                if screened == FOLDED:
                     tally.fold(record)
                 elif isinstance(screened, str):
                     tally.reasons[screened] += 1

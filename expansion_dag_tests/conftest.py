@@ -1,7 +1,13 @@
-"""Shared fixtures: an isolated Dagster instance; no test may reach a hub. And how the suite is
-split between pytest-xdist's two workers (pyproject.toml's addopts)."""
+"""Shared fixtures: an isolated Dagster instance, an S3-compatible server (moto) and a fresh bucket
+on it; no test may reach a hub. And how the suite is split between pytest-xdist's two workers
+(pyproject.toml's addopts)."""
 
 import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,6 +15,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import dagster as dg  # noqa: E402
 import pytest  # noqa: E402
+
+from expansion_dag_tests.ports import free_port  # noqa: E402
 
 TESTS = Path(__file__).parent
 #: The longest groups, measured (`--durations`), go out first: each worker starts on one of the
@@ -47,3 +55,41 @@ def instance(tmp_path):
     home.mkdir()
     with dg.instance_for_test(temp_dir=str(home)) as inst:
         yield inst
+
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+# Here, once: a second definition (a module's own) would start a second server, and s3fs's cached
+# filesystem of one module would then talk to the other's.
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto in server mode, on 127.0.0.1 only; its URL."""
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, "moto_server did not start"
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture
+def bucket(s3_endpoint, monkeypatch):
+    """A fresh bucket; the endpoint reaches s3fs (and every child process) as AWS_ENDPOINT_URL."""
+    for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    import s3fs
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem().mkdir(name)
+    return name

@@ -3,7 +3,8 @@
 import collections
 import json
 import ssl
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import httpx
@@ -41,6 +42,16 @@ def resources(urls: list[str], root, *, fleet: dict | None = None, **settings) -
         "storage": StorageResource(root=str(root)),
         "parquet_io": ParquetIOManager(root=str(root)),
     }
+
+
+def wait_for(predicate: Callable[[], Any], what: str = "the condition", timeout_s: float = 60.0) -> Any:
+    """Poll ``predicate`` until it returns a true value, and return it. The deadline is for a hang
+    only: generous enough that no loaded machine reaches it, so a test waits on the event itself."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:.0f} s"
+        time.sleep(0.01)
+    return value
 
 
 def mock_client(handler) -> HttpClient:

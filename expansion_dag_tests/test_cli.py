@@ -198,9 +198,9 @@ def test_a_fleet_whose_model_loops_on_a_tenth_of_prompts_finishes_and_asks_no_an
     store = CompletionStore(tmp_path / "storage" / "completions")
     latest = list(store.latest_records())
     assert sum(r["status"] == "failed" and r["error"] == "degenerate" for r in latest) == loops
-    # The training set holds every other answer; the loops are counted and left out.
+    # The training set holds every other answer; the loops are counted and left out, as what they are.
     manifest = json.loads((tmp_path / "storage" / "training_set" / "manifest.json").read_text())
-    assert manifest["left_out"]["failed"] == loops
+    assert manifest["left_out"]["degenerate"] == loops and manifest["left_out"]["failed"] == 0
     # (A conversation's earlier turns are in its one row, folded.)
     folded = manifest["conversation_turns_folded"]
     assert manifest["samples"] == len(latest) - sum(manifest["left_out"].values()) - folded > 0
@@ -281,6 +281,8 @@ def test_a_signalled_run_stops_the_servers_it_launched(tmp_path, signum):
     assert f"interrupted by {signal.Signals(signum).name}" in output
     assert "stopped 2 launched server(s)" in output
     assert not [pid for pid in pids if alive(pid)]
+    # The shards' leases went with their runs: the next run starts at once.
+    assert not list((tmp_path / "storage" / "leases").glob("*.json"))
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
 

@@ -70,6 +70,8 @@ def test_a_file_sets_the_generation_settings_and_the_fleet(tmp_path):
         ({"fleet": {"urls": ["gpu-node:30000"]}}, r"fleet\.urls: 'gpu-node:30000' is not an http\(s\) URL"),
         ({"schedule": {"timezone": "Mars/Olympus"}}, r"schedule\.timezone: unknown time zone"),
         ({"schedule": {"cron": "every night"}}, r"schedule\.cron: must be a cron expression"),
+        ({"storage": {"lease_timeout_s": 0.1}}, r"storage\.lease_timeout_s: Input should be greater than or equal to 1"),
+        ({"storage": {"when_shard_busy": "skip"}}, r"storage\.when_shard_busy: Input should be 'wait' or 'fail'"),
     ],
 )
 def test_a_bad_file_is_an_error_naming_the_key_and_the_file(tmp_path, document, expected):

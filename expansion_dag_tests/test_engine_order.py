@@ -3,6 +3,7 @@ and from the run's own answers as they return. Against the simulator over real H
 so the store's order is the dispatch order."""
 
 from expansion_dag.answer_lengths import learn
+from expansion_dag.dispatch import Turn
 from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
 from expansion_dag.sampling import SamplingSettings
 from expansion_dag.sim.config import SimServerConfig
@@ -70,3 +71,21 @@ def test_answers_of_other_settings_teach_nothing(tmp_path):
     lengths = learn((r for shard in store.shards() for r in store.records(shard)),
                     lambda r: r["key"] == other.key(r["prompt_id"], MODEL))
     assert lengths.answers == 0
+
+
+def test_a_long_conversations_first_turn_goes_before_short_single_prompts(tmp_path):
+    """A conversation's turns wait on each other: what it holds the fleet is its whole chain, so its
+    short first turn starts before single prompts with longer answers (and a short chain after them)."""
+
+    def item(source, prompt_id, prior, turns=None):
+        return WorkItem(
+            key=SAMPLING.key(prompt_id, MODEL), prompt_id=prompt_id, source=source,
+            messages=[{"role": "user", "content": f"[{source}] {prompt_id}"}], prompt_tokens=20, max_tokens=2000,
+            expected_output_tokens=prior, turn=None if turns is None else Turn(prompt_id, 1, turns, ()),
+        )
+
+    singles = [item("B", f"single-{i}", prior=100) for i in range(6)]
+    long_chain = item("L", "long-conversation", prior=60, turns=6)  # 6 x 60 expected: 360 > 100
+    short_chain = item("S", "short-conversation", prior=30, turns=2)  # 2 x 30 expected: 60 < 100
+    _, order = run(CompletionStore(tmp_path), "shard-00", [*singles, short_chain, long_chain])
+    assert order == ["L"] + ["B"] * 6 + ["S"]

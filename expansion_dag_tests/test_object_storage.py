@@ -1,12 +1,11 @@
-"""Every asset on object storage: S3 (moto's server on 127.0.0.1) as the storage root."""
+"""Every asset on object storage: S3 (moto's server on 127.0.0.1, the ``bucket`` fixture of conftest.py) as
+the storage root."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import dagster as dg
@@ -27,41 +26,6 @@ from expansion_dag.training_set import Manifest, data_files
 from expansion_dag.urls import as_upath, upload
 from expansion_dag_tests.assets.test_completions import prompts_asset, small_frame
 from expansion_dag_tests.helpers import resources
-from expansion_dag_tests.ports import free_port
-
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto in server mode, on 127.0.0.1 only; its URL."""
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
-    server.terminate()
-    server.wait(timeout=10)
-
-
-@pytest.fixture
-def bucket(s3_endpoint, monkeypatch):
-    """A fresh bucket; the endpoint reaches s3fs (and every child process) as AWS_ENDPOINT_URL."""
-    for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": s3_endpoint}.items():
-        monkeypatch.setenv(name, value)
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem().mkdir(name)
-    return name
-
 
 def ok(key):
     return {"key": key, "status": OK, "prompt_id": key, "content": f"answer {key}"}

@@ -3,16 +3,18 @@ against simulated servers over real HTTP whose looping prompts loop every time t
 whose queues are bounded."""
 
 import collections
-import concurrent.futures
-import multiprocessing
+import json
 import random
-import time
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from expansion_dag import outcomes
 from expansion_dag.dispatch import claim_share
-from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.engine import OWNER_NOT_STARTED, EngineConfig, Server, WorkItem, generate_shard
 from expansion_dag.errors import (
     AuthError,
     BadResponseError,
@@ -29,12 +31,14 @@ from expansion_dag.server_api import DegenerateError, error_from_status
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import FAILED, OK, CompletionStore
+from expansion_dag_tests.helpers import wait_for
 
 MODEL = SimServerConfig().model_name
 SAMPLING = SamplingSettings()
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600,
-            spill_poll_s=0.05)
+            spill_poll_s=0.05, owner_wait_s=0)  # the idle helpers here have no shard of their own to wait for
 SIM = dict(port=0, max_running_requests=4, ttft_s=0.001, token_latency_s=0.0003, output_median_tokens=40)
+BORROWING = Path(__file__).resolve().parent.parent / "bench" / "bench_borrowing.py"
 
 
 def work(n, shard="s0", prefix="Tell me fact"):
@@ -149,36 +153,62 @@ def test_a_loop_on_a_borrowed_server_is_recorded_there_and_the_server_stays_in_u
     assert report.ok + report.failed == 120
 
 
-def _borrowing_shard(root, index, size, urls):
-    """One shard in its own process, as Dagster runs them: it borrows the fleet's idle servers."""
-    store = CompletionStore(root)
-    servers = [Server(url, 8) for url in urls]
-    with store.writer(f"shard-{index:02d}") as writer:
-        return generate_shard(
-            work(size, shard=f"s{index}"), [servers[index]], writer=writer, model=MODEL, sampling=SAMPLING,
-            config=EngineConfig(**{**FAST, "spill_poll_s": 0.2}, max_attempts=2), helpers=servers, fleet_urls=urls,
-        )
-
-
-def test_shards_borrowing_bounded_queues_lose_no_prompt_and_cause_almost_no_503s(tmp_path):
+def test_shards_borrowing_bounded_queues_lose_no_prompt_and_never_hold_more_than_a_server_has(tmp_path):
     """Four shards, one per server and each in its own process, each server's queue bounded at two:
-    shard 0 ends early and the other three borrow its slots at once."""
-    # Answers of about 0.1 s: a worker's time between two requests is small beside them, as on GPUs.
-    sims = [SimServerConfig(**{**SIM, "max_running_requests": 8, "token_latency_s": 0.002}, max_queued_requests=2)] * 4
-    sizes = [5, 150, 150, 150]
-    # The processes are forked before the fleet's thread starts, and are all up before any shard
-    # starts: the shards start together, as a backfill of four partitions does.
-    with concurrent.futures.ProcessPoolExecutor(4, mp_context=multiprocessing.get_context("fork")) as pool:
-        list(pool.map(time.sleep, [0.2] * 4))
-        with SimulatedFleet(sims) as fleet:
-            reports = list(pool.map(_borrowing_shard, [tmp_path] * 4, range(4), sizes, [fleet.urls] * 4))
-            refused = sum(fleet.stats(i)["chat_requests_by_status"].get("503", 0) for i in range(4))
-    attempts = sum(r.attempts for r in reports)
-    assert sum(r.ok for r in reports) == sum(sizes) and not any(r.failed for r in reports)
-    borrowed = sum(stats.requests for r in reports[1:] for url, stats in r.helpers.items() if url == fleet.urls[0])
-    assert borrowed > 30, "shard 0's server was not borrowed: the test proves nothing"
-    assert refused == sum(r.backpressure for r in reports)
-    assert refused < 0.01 * attempts, (refused, attempts)
+    shard 0 ends early and the other three borrow its slots at once (bench/bench_borrowing.py, one
+    run). How many attempts a full queue refuses depends on the machine's speed: the benchmark
+    measures it. What must hold on any machine is asserted here, from the simulator's own record."""
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(BORROWING), "--runs", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["ok"] == run["prompts"] and run["prompts_failed"] == 0
+    assert run["borrowed_from_shard_0_server"] > 30, "shard 0's server was not borrowed: the test proves nothing"
+    # Every refusal the servers made was waited out as backpressure, never spent as a failure.
+    assert run["refused_503"] == run["backpressure_counted"]
+    # Together the borrowers may fill a server, never make it queue: they never hold more of it at
+    # once than the slots its /v1/loads reports (all of them idle, for shard 0's server).
+    assert run["servers"][0]["idle_reported_max"] == run["servers"][0]["slots"] > 0
+    assert run["servers"][0]["borrowed_in_flight_max"] > 0
+    assert all(server["borrowed_in_flight_max"] <= server["slots"] for server in run["servers"]), run["servers"]
+
+
+def test_a_shard_does_not_borrow_a_server_before_its_own_shard_has_started(tmp_path):
+    """Shards start apart: the owner of server 1 starts only once shard 0 has read server 1 idle
+    eight times (the event, not a delay). Server 1's queue is bounded so that the owner's first
+    flood (slots + headroom) just fits: a slot borrowed before it started would refuse one of them."""
+    sim = SimServerConfig(**{**SIM, "token_latency_s": 0.002}, max_queued_requests=2, keep_timeline=True)
+    config = EngineConfig(**{**FAST, "owner_wait_s": 600})  # only a hang waits so long for an owner
+    store = CompletionStore(tmp_path)
+    reports = {}
+
+    def shard(index, size, urls):
+        servers = [Server(url, 4) for url in urls]
+        with store.writer(f"shard-{index:02d}") as writer:
+            reports[index] = generate_shard(work(size, shard=f"s{index}"), [servers[index]], writer=writer, model=MODEL,
+                                            sampling=SAMPLING, config=config, helpers=servers, fleet_urls=urls)
+
+    with SimulatedFleet([sim, sim]) as fleet:
+        borrower = threading.Thread(target=shard, args=(0, 300, fleet.urls))
+        borrower.start()
+        wait_for(lambda: len(fleet.stats(1)["timeline"]["loads"]) >= 8, "shard 0 reading server 1's load")
+        owner = threading.Thread(target=shard, args=(1, 40, fleet.urls))
+        owner.start()
+        owner.join()
+        borrower.join()
+        timeline = fleet.stats(1)["timeline"]
+    assert reports[0].ok == 300 and reports[1].ok == 40
+    mine = [r for r in timeline["requests"] if r["instruction"] and r["instruction"].endswith(" of s1.")]
+    borrowed = [r for r in timeline["requests"] if r["instruction"] and r["instruction"].endswith(" of s0.")]
+    owner_first = min(r["arrived"] for r in mine)
+    # Shard 0 saw server 1 idle, again and again, before its owner came, and did not borrow it.
+    assert sum(t < owner_first and idle == 4 for t, idle in timeline["loads"]) >= 8
+    assert all(r["arrived"] > owner_first for r in borrowed)
+    assert reports[0].helpers[fleet.urls[1]].borrowing[OWNER_NOT_STARTED] >= 8
+    # The owner's first requests (and every other) were taken, none refused by a full queue.
+    assert len(mine) == 40 and {r["status"] for r in mine} == {200}
+    assert all(r["status"] != 503 for r in timeline["requests"]) and reports[1].backpressure == 0
 
 
 def test_a_rerun_with_retry_outcomes_asks_only_the_loops_again(tmp_path):

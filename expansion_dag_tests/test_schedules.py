@@ -11,7 +11,7 @@ from expansion_dag.definitions import build_definitions
 from expansion_dag.ledger import nights
 from expansion_dag.modes import base_prompt_id
 from expansion_dag.partitions import SHARD_KEYS
-from expansion_dag.schedules import NIGHT_TAG
+from expansion_dag.schedules import NIGHT_TAG, build_nightly_sensors
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import CompletionStore
@@ -128,3 +128,27 @@ def test_nights_take_fresh_quotas_with_the_files_settings_and_a_rerun_generates_
     assert len(nightly) == 1 + len(SHARD_KEYS) + 1
     event = instance.get_latest_materialization_event(dg.AssetKey("training_set"))
     assert "2026-11-28" in event.asset_materialization.metadata["nights"].value
+
+
+def test_a_prepare_run_by_hand_after_the_nights_does_not_stall_the_nightly_training_set(instance):
+    """The sensor judges the night by the night's own prepare run, whatever ran after it."""
+
+    @dg.op
+    def step():
+        pass
+
+    jobs = {name: dg.GraphDefinition(name=name, node_defs=[step]).to_job() for name in
+            ("prepare_job", "generate_job", "training_set_job")}  # fmt: skip
+    [_, sensor] = build_nightly_sensors(**jobs)
+    night = "2026-11-28"
+    assert jobs["prepare_job"].execute_in_process(instance=instance, tags={NIGHT_TAG: night}).success
+    for shard in SHARD_KEYS[:-1]:
+        instance.report_runless_asset_event(dg.AssetMaterialization("completions", partition=shard))
+    # A person re-prepares by hand (no night) while the last shard still runs.
+    assert jobs["prepare_job"].execute_in_process(instance=instance).success
+
+    waiting = sensor.evaluate_tick(dg.build_sensor_context(instance=instance))
+    assert not waiting.run_requests and waiting.skip_message == f"night {night}: waiting for {SHARD_KEYS[-1]}"
+    instance.report_runless_asset_event(dg.AssetMaterialization("completions", partition=SHARD_KEYS[-1]))
+    [request] = sensor.evaluate_tick(dg.build_sensor_context(instance=instance)).run_requests
+    assert request.run_key == f"{night}:training_set"

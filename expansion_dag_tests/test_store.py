@@ -1,7 +1,6 @@
 """The completion store keeps every finished completion once, whatever a crash left behind."""
 
 import os
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from expansion_dag.store import (
     MixedStoreError,
     completion_key,
 )
+from expansion_dag_tests.helpers import wait_for
 
 
 def ok(key, **extra):
@@ -273,10 +273,7 @@ def test_a_quiet_writer_uploads_its_segment_once_the_interval_has_passed(tmp_pat
     elsewhere = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "b")
     with store.writer("shard-00") as w:
         w.append(ok("a"))
-        deadline = time.monotonic() + 5
-        while elsewhere.scan("shard-00").done != {"a"} and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert elsewhere.scan("shard-00").done == {"a"}, "not uploaded while the writer was open"
+        wait_for(lambda: elsewhere.scan("shard-00").done == {"a"}, "the upload while the writer was open")
 
 
 def test_spool_recovery_uploads_what_dead_writers_left_and_never_a_live_segment(tmp_path):

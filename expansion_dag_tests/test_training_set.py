@@ -225,7 +225,8 @@ def test_left_out_records_are_counted_by_reason(qwen3, tmp_path):
     manifest, rows = build(records, qwen3, tmp_path, max_length=200, min_length=20)
     assert [r["id"] for r in rows] == ["p0000", "p0009"]
     assert manifest.left_out == {
-        "other_identity": 0, "other_mode": 0, "failed": 1, "unfinished": 0, "truncated": 1, "empty": 4,
+        "other_identity": 0, "other_mode": 0, "failed": 1, "degenerate": 0, "conversation_ended": 0,
+        "unfinished": 0, "truncated": 1, "empty": 4,
         "too_long": 1, "too_short": 1, "think_tag_in_content": 0, "reasoning_missing": 0,
         "reasoning_unexpected": 0, "render_mismatch": 0,
     }

@@ -11,6 +11,7 @@ import polars as pl
 from pydantic import Field
 
 from expansion_dag.assets.metadata import markdown_table
+from expansion_dag.assets.plan import budget_plan, plan_metadata
 from expansion_dag.budget import BudgetConfig, budget_prompts, count_all_prompt_tokens
 from expansion_dag.ledger import take_night
 from expansion_dag.partitions import SHARD_KEYS, shard_partitions
@@ -44,7 +45,7 @@ def budgeted_prompts(
     storage: StorageResource,
 ) -> pl.DataFrame:
     """Every prompt (or the night's quota) with its exact token count, its own max_tokens and its shard."""
-    fleet_info = fleet.provision(context.log)
+    fleet_info = fleet.info  # provisioned and probed as the run started
     context.log.info(
         f"probed context length {fleet_info.context_length} and model {fleet_info.model_path} "
         f"from {len(fleet_info.servers)} {'simulated ' if fleet_info.simulated else ''}server(s)"
@@ -94,6 +95,9 @@ def budgeted_prompts(
     )
     set_aside_path = storage.write_parquet(result.set_aside.drop("messages"), "set_aside", "budgeted_prompts.parquet")
     shards = result.shard_stats()
+    # What the run will send, cost and yield, before any GPU time (`expansion-dag plan` prints it).
+    plan = budget_plan(result.prompts, storage.completion_store(), identities, fleet, fleet_info, settings)
+    context.log.info("\n".join(plan.lines()))
     context.add_output_metadata(
         {
             "prompts": result.prompts.height,
@@ -114,6 +118,7 @@ def budgeted_prompts(
             "shard_balance_largest_over_mean": round(result.balance(), 4),
             "shards": dg.MetadataValue.md(markdown_table(shards)),
             **night_metadata,
+            **plan_metadata(plan),
             **(
                 {"prompts_by_mode": dg.MetadataValue.json(dict(result.prompts.group_by("mode").len().sort("mode").iter_rows())),
                  "modes": dg.MetadataValue.json(mix.describe())}
@@ -122,7 +127,13 @@ def budgeted_prompts(
             ),
         }
     )
-    return result.prompts.with_columns(pl.lit(result.context_length, pl.Int64).alias("context_length"))
+    # What a prompt was budgeted for travels with it: the context length, and the model (simulated
+    # or not) whose completions the training set takes (it reads these columns alone).
+    return result.prompts.with_columns(
+        pl.lit(result.context_length, pl.Int64).alias("context_length"),
+        pl.lit(fleet_info.identity, pl.String).alias(FLEET_IDENTITY),
+        pl.lit(fleet_info.simulated, pl.Boolean).alias(SIMULATED_FLEET),
+    )
 
 
 CHECK_IDS_UNIQUE = "ids_unique"

@@ -11,6 +11,7 @@ written; the next run sends only what is missing.
 """
 
 import json
+import warnings
 from typing import Any
 
 import dagster as dg
@@ -21,7 +22,8 @@ from collections.abc import Callable, Mapping
 from expansion_dag.answer_lengths import Estimate, bucket_label, cell_estimates, learn
 from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.assets.configuration import resource_fields, run_configuration_file
-from expansion_dag.assets.progress import shard_progress_reporter
+from expansion_dag.assets.plan import plan_against_actual, planned_throughput
+from expansion_dag.assets.progress import ShardProgressReporter
 from expansion_dag.engine import Server, generate_shard
 from expansion_dag.modes import DEFAULT_MODE, ModeIdentities
 from expansion_dag.recorder import ended_record
@@ -29,11 +31,14 @@ from expansion_dag.shard_work import ShardWork
 from expansion_dag.shard_report import ShardReport
 from expansion_dag.errors import ShardAborted
 from expansion_dag.partitions import shard_index, shard_partitions
+from expansion_dag.plan import Observed
 from expansion_dag.resources.fleet import FleetResource
 from expansion_dag.resources.settings import GenerationSettings
 from expansion_dag.resources.storage import StorageResource
 from expansion_dag.shard_figures import ShardFigures, shard_figures
+from expansion_dag.lease import ShardLease
 from expansion_dag.store import CompletionStore
+from expansion_dag.training_set import AnswerJudge
 
 GROUP = "generation"
 CHECK_FAILURE_RATE = "failure_rate"
@@ -41,10 +46,23 @@ CHECK_CONTEXT_REJECTIONS = "no_context_length_rejections"
 CHECK_TRUNCATION = "truncation_rate"
 CHECK_DRIFT = "budget_drift"
 CHECK_CONFIG = "configuration_unchanged"
+CHECK_DUPLICATES = "no_duplicate_completions"
 
 
-def _spec(name: str, description: str, blocking: bool = False) -> dg.AssetCheckSpec:
-    return dg.AssetCheckSpec(name, asset="completions", description=description, blocking=blocking)
+#: A shard that fails one of these must not reach the training set (``assets/training_set.py``).
+BLOCKING_CHECKS = (CHECK_FAILURE_RATE, CHECK_CONTEXT_REJECTIONS)
+
+
+def _spec(name: str, description: str) -> dg.AssetCheckSpec:
+    """A check of each shard on its own: one status per partition, judged with its materialization."""
+    with warnings.catch_warnings():
+        # Partitioned checks are a preview in Dagster 1.13; the pinned version is what the tests
+        # (GraphQL and the UI in Chromium) prove them on.
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return dg.AssetCheckSpec(
+            name, asset="completions", description=description, blocking=name in BLOCKING_CHECKS,
+            partitions_def=shard_partitions,
+        )
 
 
 @dg.asset(
@@ -56,6 +74,7 @@ def _spec(name: str, description: str, blocking: bool = False) -> dg.AssetCheckS
         _spec(CHECK_TRUNCATION, "Answers cut at max_tokens stay under settings.max_truncation_rate (warning)."),
         _spec(CHECK_DRIFT, "The server counts prompt tokens as this project does (warning)."),
         _spec(CHECK_CONFIG, "Fleet and generation settings match this shard's previous run (warning)."),
+        _spec(CHECK_DUPLICATES, "No request of this shard's folder was answered twice (warning)."),
     ],
 )
 def completions(
@@ -66,8 +85,22 @@ def completions(
     storage: StorageResource,
 ):
     """Model-written answers for one shard's prompts, kept in the completion store as they arrive."""
+    # One sender per shard, whoever starts it (the CLI, the UI, a schedule, another host): what to
+    # send is chosen, and sent, under the shard's lease (expansion_dag.lease).
+    with storage.shard_lease(context.partition_key, run_id=context.run.run_id, log=context.log) as lease:
+        yield from _generate(context, shard_prompts, fleet, settings, storage, lease)
+
+
+def _generate(
+    context: dg.AssetExecutionContext,
+    shard_prompts: pl.DataFrame,
+    fleet: FleetResource,
+    settings: GenerationSettings,
+    storage: StorageResource,
+    lease: ShardLease,
+):
     shard = context.partition_key
-    fleet_info = fleet.provision(context.log)
+    fleet_info = fleet.info  # provisioned and probed as the run started
     url, fell_back = fleet.server_for_shard(shard_index(shard))
     if fell_back:
         context.log.warning(f"{shard}: its own server is down; running on healthy server {url}")
@@ -104,7 +137,9 @@ def completions(
     # run: they order the queue, the typed priors only where nothing was learned. The same pass
     # finds what is done and what is final: prompts the model answered (a loop included) are not
     # asked again unless the user names their outcome.
-    lengths = learn(work.reading(store.latest_records(digest=True)), identities.owns)
+    # The same pass notes what the plan would have said of this run's prompts, to put beside what they did.
+    observed = Observed(identities.owns)
+    lengths = learn(observed.reading(work.reading(store.latest_records(digest=True))), identities.owns)
     learned_from_store = lengths.answers
     items, endings = work.items(lambda keys: {r["key"]: r for r in store.latest_records() if r["key"] in keys})
     waiting = len(work.firsts) - len(items) - len(endings)
@@ -117,9 +152,10 @@ def completions(
     estimates_before = cell_estimates(lengths, cells)
     aborted: str | None = None
     # Registering the identity refuses a simulated run in a real store (and the reverse) before any request.
-    with store.writer(shard, identities=identities.identities) as writer:
+    with store.writer(shard, identities=identities.identities, check=lease.check) as writer:
         for ended, item in endings:  # resumed conversations whose next turn no longer fits
             writer.append(ended_record(ended, item, url))
+        progress = ShardProgressReporter(context, shard)
         try:
             report = generate_shard(
                 items,
@@ -133,12 +169,17 @@ def completions(
                 fleet_urls=[s.url for s in fleet_info.servers],
                 api_key=fleet.api_key(),
                 lengths=lengths,
-                on_progress=shard_progress_reporter(context, shard),
+                on_progress=progress,
                 planner=work.planner,
+                # The training set's own rules, on each answer as it arrives: the yield and its gate.
+                judge=AnswerJudge(
+                    settings.load_tokenizer(), settings.training_set_config(fleet_info.context_length), identities
+                ),
             )
         except ShardAborted as exc:
             aborted = str(exc)
             report = exc.report if isinstance(exc.report, ShardReport) else ShardReport(total=len(items))
+        progress.close()  # the last figures, whatever the throttle held back
 
     # The shard's standing across every run and every shard folder, not only this one.
     final = store.scan()
@@ -160,11 +201,16 @@ def completions(
     }
     previous = _previous_effective_config(context, shard)
 
-    yield from stored_checks(figures, settings, context_retries=report.context_retries)
-    yield _config_check(effective, previous)
+    checks = [
+        *stored_checks(figures, settings, context_retries=report.context_retries),
+        _config_check(effective, previous),
+        _duplicates_check(final.duplicates_by_shard[shard]),
+    ]
     metadata = _metadata(report, shard, url, fell_back, done, failed, missing, shard_keys & work.done, final, effective)
     metadata |= _mode_metadata(identities, shard_prompts)
     metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": figures.degenerate}
+    metadata |= _yield_metadata(report)
+    metadata |= plan_against_actual(items, observed, settings, planned_throughput(context.instance), report)
     if work.conversations:
         metadata |= {"conversations": work.conversations, "conversations_ended_early": figures.ended}
     metadata |= _order_metadata(learned_from_store, estimates_before, cell_estimates(lengths, cells))
@@ -177,11 +223,13 @@ def completions(
             else f"{missing} prompts have neither a completion nor a failure record"
         )
         _log_failures(context, store, shard)
+        # No materialization to carry them: the failed step records the shard's checks itself.
+        yield from checks
         raise dg.Failure(
             description=f"{shard}: {reason}. {done} completions are kept; re-materialize to send only the rest.",
             metadata=metadata,
         )
-    yield dg.MaterializeResult(metadata=metadata)
+    yield dg.MaterializeResult(metadata=metadata, check_results=checks)
 
 
 def _mode_metadata(identities: ModeIdentities, prompts: pl.DataFrame) -> dict[str, Any]:
@@ -300,6 +348,16 @@ def _config_check(effective: dict[str, Any], previous: dict[str, Any] | None) ->
     )
 
 
+def _duplicates_check(duplicates: int) -> dg.AssetCheckResult:
+    # A second answer of a key costs its GPU time and is dropped on read; the shard lease makes it 0.
+    return dg.AssetCheckResult(
+        check_name=CHECK_DUPLICATES,
+        passed=duplicates == 0,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={"duplicate_completions": duplicates},
+    )
+
+
 def _waste_metadata(report: ShardReport, drop_truncated: bool) -> dict[str, Any]:
     """What this run generated that the training set will not hold (``drop_truncated``: its setting)."""
     return {
@@ -308,6 +366,18 @@ def _waste_metadata(report: ShardReport, drop_truncated: bool) -> dict[str, Any]
         "useful_token_share": round(report.useful_token_share(drop_truncated), 4),
         # Send to outcome, queueing at the server included; keyed by finish reason or failure kind.
         "dropped_slot_seconds_by_reason": dg.MetadataValue.json(report.dropped_slot_seconds(drop_truncated)),
+    }
+
+
+def _yield_metadata(report: ShardReport) -> dict[str, Any]:
+    """This run's answers as the training set will judge them, and the yield gate's state."""
+    answers = report.answer_yield
+    return {
+        "answer_yield": answers.summary(),
+        "answers_judged": answers.judged,
+        "answers_to_rows": answers.rows,
+        "answers_left_out_by_reason": dg.MetadataValue.json(answers.left_out()),
+        "yield_gate": answers.gate_state,
     }
 
 
@@ -405,6 +475,11 @@ def _metadata(
             )
         ),
         "requests_on_idle_servers": sum(s.requests for s in report.helpers.values()),
+        # Per other server, why its load readings did or did not lead to borrowing it (its own
+        # shard not started, using its slots, ...): readings counted by reason.
+        "borrowing_by_server": dg.MetadataValue.json(
+            {url: dict(s.borrowing) for url, s in report.helpers.items() if s.borrowing}
+        ),
         "context_retries": report.context_retries,
         "queue_reorders": report.reorders,
         # Whose fault the failures were is the taxonomy's (expansion_dag.outcomes): a full queue is

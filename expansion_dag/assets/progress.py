@@ -1,26 +1,39 @@
 """A running shard's progress in the Dagster UI: asset observations of ``completions``, per shard.
 
-Each report of the engine becomes an observation of the shard's partition carrying the figures of
-``expansion_dag.progress.ShardProgress`` (done, total, rate, ETA, failures, retries), so the UI
-shows them while the shard runs, and ``expansion-dag run`` reads them back for its table.
+Each report of the engine that ``expansion_dag.progress.ObservationThrottle`` keeps becomes an
+observation of the shard's partition carrying the figures of ``ShardProgress`` (done, total, rate,
+ETA, failures, retries, yield): a bounded number over a day-long shard, the last one always
+current, so the UI shows them while the shard runs, and ``expansion-dag run`` reads them back for
+its table.
 """
-
-from collections.abc import Callable
 
 import dagster as dg
 
 from expansion_dag.shard_report import Progress
-from expansion_dag.progress import ShardProgress, silence_retry_logging
+from expansion_dag.progress import ObservationThrottle, ShardProgress, silence_retry_logging
 
 
-def shard_progress_reporter(context: dg.AssetExecutionContext, shard: str) -> Callable[[Progress], None]:
-    """The engine's ``on_progress`` for one shard's materialization."""
-    silence_retry_logging()  # the observations count retries; one log line per retry drowns them
+class ShardProgressReporter:
+    """The engine's ``on_progress`` for one shard's materialization; :meth:`close` observes the
+    last report the throttle held back."""
 
-    def report(progress: Progress) -> None:
+    def __init__(self, context: dg.AssetExecutionContext, shard: str, throttle: ObservationThrottle | None = None):
+        silence_retry_logging()  # the observations count retries; one log line per retry drowns them
+        self._context = context
+        self._shard = shard
+        self._throttle = throttle or ObservationThrottle()
+
+    def __call__(self, progress: Progress) -> None:
         figures = ShardProgress.from_engine(progress)
-        context.log_event(
-            dg.AssetObservation(asset_key=context.asset_key, partition=shard, metadata=figures.as_metadata())
-        )
+        if self._throttle.keep(figures):
+            self._observe(figures)
 
-    return report
+    def close(self) -> None:
+        held = self._throttle.last()
+        if held is not None:
+            self._observe(held)
+
+    def _observe(self, figures: ShardProgress) -> None:
+        self._context.log_event(
+            dg.AssetObservation(asset_key=self._context.asset_key, partition=self._shard, metadata=figures.as_metadata())
+        )

@@ -1,8 +1,10 @@
 """Stage 5: the tokenized training set, from the completions of the current identity in the store.
 
 The current identity is the model the budget was probed from (simulated or not, as recorded in
-``budgeted_prompts``' metadata) with the current sampling settings and cap; every other record is
-counted and left out. The store is read once, in file order: the build writes, from that pass,
+``budgeted_prompts``' own columns, read as an input) with the current sampling settings and cap;
+every other record is counted and left out. A shard whose blocking check failed (its failure rate
+over the limit, requests rejected for the context) blocks the set, which names it, until a
+backfill of that shard passes. The store is read once, in file order: the build writes, from that pass,
 every output the ``training_formats`` setting names (the trainers' files beside the Parquet set),
 the manifest and the dataset card, and keeps what the round trip (a digest of each row's render)
 and the nightly table (each prompt's outcome) need. The checks read the written Parquet files back
@@ -17,6 +19,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from expansion_dag.assets.budget import FLEET_IDENTITY, SIMULATED_FLEET
+from expansion_dag.assets.completions import BLOCKING_CHECKS
 from expansion_dag.assets.metadata import markdown_table
 from expansion_dag.dataset_card import dataset_card
 from expansion_dag.ledger import nights
@@ -45,25 +48,29 @@ ROUND_TRIP_SAMPLE = 64
 FIGURES_BATCH_ROWS = 1024
 
 
-def _budget_facts(context: dg.AssetExecutionContext) -> tuple[int, str, bool]:
+#: What the training set reads of ``budgeted_prompts``: what its prompts were budgeted for.
+BUDGET_FACTS = ["context_length", FLEET_IDENTITY, SIMULATED_FLEET]
+
+
+def _budget_facts(budget: pl.DataFrame) -> tuple[int, str, bool]:
     """The context length and the model (simulated or not) the prompts were budgeted for."""
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("budgeted_prompts"))
-    metadata = event.asset_materialization.metadata if event and event.asset_materialization else {}
-    missing = [name for name in ("context_length", FLEET_IDENTITY, SIMULATED_FLEET) if name not in metadata]
-    if missing:
-        raise dg.Failure(
-            f"budgeted_prompts has no recorded {', '.join(missing)}: materialize budgeted_prompts (prepare_job) first"
-        )
-    return (
-        int(metadata["context_length"].value),
-        str(metadata[FLEET_IDENTITY].value),
-        bool(metadata[SIMULATED_FLEET].value),
-    )
+    if budget.is_empty():
+        raise dg.Failure("budgeted_prompts holds no prompt: materialize budgeted_prompts (prepare_job) with prompts first")
+    row = budget.row(0, named=True)
+    return int(row["context_length"]), str(row[FLEET_IDENTITY]), bool(row[SIMULATED_FLEET])
+
+
+def blocking_failures(instance: dg.DagsterInstance) -> list[str]:
+    """Each shard whose latest run of a blocking check of ``completions`` failed, and the check."""
+    keys = [dg.AssetCheckKey(dg.AssetKey("completions"), name) for name in BLOCKING_CHECKS]
+    infos = instance.event_log_storage.get_asset_check_partition_info(keys)
+    return sorted(f"{i.partition_key}: {i.check_key.name}" for i in infos if i.latest_execution_status.value == "FAILED")
 
 
 @dg.asset(
     group_name=GROUP,
     deps=["completions"],
+    ins={"budgeted_prompts": dg.AssetIn(metadata={"columns": BUDGET_FACTS})},
     check_specs=[
         dg.AssetCheckSpec(CHECK_NOT_EMPTY, asset="training_set", description="The set has samples."),
         dg.AssetCheckSpec(CHECK_LOSS_MASK, asset="training_set", description="Every row trains on some tokens."),
@@ -77,11 +84,21 @@ def _budget_facts(context: dg.AssetExecutionContext) -> tuple[int, str, bool]:
         ),
     ],
 )
-def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings, storage: StorageResource):
+def training_set(
+    context: dg.AssetExecutionContext, budgeted_prompts: pl.DataFrame, settings: GenerationSettings,
+    storage: StorageResource,
+):
     """Parquet shards of input_ids and loss_mask, one row per kept completion, plus a manifest."""
+    blocked = blocking_failures(context.instance)
+    if blocked:
+        raise dg.Failure(
+            description=f"blocked by the failed checks of {', '.join(blocked)}: backfill the failed "
+            "partitions of completions, then build the training set again",
+            metadata={"blocked_by": dg.MetadataValue.json(blocked)},
+        )
     store = storage.completion_store()
     tokenizer = settings.load_tokenizer()
-    context_length, model, simulated = _budget_facts(context)
+    context_length, model, simulated = _budget_facts(budgeted_prompts)
     identities = ModeIdentities(settings.mix(), model, simulated)
     config = settings.training_set_config(context_length)
     out_dir = storage.path("training_set")
@@ -94,13 +111,15 @@ def training_set(context: dg.AssetExecutionContext, settings: GenerationSettings
             trace=trace,
         )
 
-    yield from training_set_checks(out_dir, trace.renders, tokenizer, config)
+    checks = training_set_checks(out_dir, trace.renders, tokenizer, config)
     if manifest.samples == 0:
+        yield from checks  # no materialization to carry them
         raise dg.Failure(
             description=f"the training set has no samples: {_left_out_text(manifest)}",
             metadata=_left_out_metadata(manifest),
         )
     yield dg.MaterializeResult(
+        check_results=checks,
         metadata={
             "samples": manifest.samples,
             "tokens": manifest.tokens,

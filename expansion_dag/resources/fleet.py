@@ -7,80 +7,42 @@ import sys
 from typing import Any, Optional
 
 import dagster as dg
-from pydantic import Field
+from pydantic import PrivateAttr
 
+from expansion_dag.config import FleetSettings
 from expansion_dag.errors import FleetError
 from expansion_dag.fleet import FleetInfo, probe_fleet
 from expansion_dag.launcher import Launcher, LaunchSpec, is_healthy, tool_call_flags
-from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
-
-#: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
-#: so the whole command is configuration, not code. With an API key set, ``--api-key {api_key}`` is
-#: added (see ``FleetResource.command``): SGLang reads its key from that flag only.
-SGLANG_LAUNCH_COMMAND = (
-    "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port} "
-    "--context-length {context_length} --stream-interval {stream_interval}"
-)
-#: The simulator takes the same flags, plus its own time model, so launch mode is exercised as is.
-SIMULATOR_LAUNCH_COMMAND = (
-    "{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
-    "--context-length {context_length} --max-running-requests {max_running_requests} "
-    "--stream-interval {stream_interval} --token-latency-ms 1 "
-    "--output-median-tokens 160 --warmup-s 0.5"
-)
 
 
-class FleetResource(dg.ConfigurableResource):
-    """SGLang servers, one per GPU: launched (``launch``) or already running (``attach``)."""
+class FleetResource(dg.ConfigurableResource, FleetSettings):
+    """SGLang servers, one per GPU: launched (``launch``) or already running (``attach``).
 
-    mode: str = Field(default="launch", description="'launch' starts one server per GPU; 'attach' uses `urls`.")
-    urls: list[str] = Field(default=[], description="Attach mode: base URLs, one per shard, in shard order.")
-    backend: str = Field(default="sglang", description="'sglang' or 'vllm' (OpenAI-compatible server).")
-    launch_command: str = Field(
-        default=SGLANG_LAUNCH_COMMAND,
-        description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
-        "{context_length} {max_running_requests} {stream_interval} {tool_call_parser} {python} {api_key}. With an API "
-        "key set and no {api_key} in it, '--api-key {api_key}' is appended.",
-    )
-    model_path: str = "Qwen/Qwen3-8B"
-    context_length: int = Field(
-        default=8192, description="Launch parameter only; budgets always use the probed context length."
-    )
-    max_running_requests: int = Field(
-        default=16, description="Launch parameter {max_running_requests}; requests in flight follow the probed slots."
-    )
-    stream_interval: int = Field(
-        default=DEFAULT_STREAM_INTERVAL,
-        ge=1,
-        description="Tokens per streamed event: vLLM requests ask for it, launched SGLang servers get "
-        "it as --stream-interval {stream_interval}; an attached SGLang server streams at its own.",
-    )
-    tool_call_parser: Optional[str] = Field(
-        default=None,
-        description="The servers' tool-call parser (e.g. SGLang 'qwen25', vLLM 'hermes' for Qwen3), so that "
-        "tool calls come back parsed in message.tool_calls; None: raw <tool_call> text in the content. "
-        "Launch mode adds the backend's flags to the command (SGLang --tool-call-parser, vLLM "
-        "--enable-auto-tool-choice --tool-call-parser) unless it names {tool_call_parser}; attach mode "
-        "states what the vLLM servers were started with (SGLang reports its own).",
-    )
-    host: str = "127.0.0.1"
-    base_port: int = 30000
-    gpus: list[int] = Field(default=[], description="Launch mode: one server per GPU; default 0..shards-1.")
-    launch_scope: str = Field(
-        default="fleet",
-        description="Launch mode: 'fleet' starts every server on this machine; 'run' starts one "
-        "server on this run's own GPU (a GPU pod per shard run on Kubernetes).",
-    )
-    num_servers: int = Field(default=2, description="Launch mode, when `gpus` is empty.")
-    api_key_env: str = Field(
-        default="SGLANG_API_KEY", description="Name of the environment variable holding the API key, if any."
-    )
-    startup_timeout_s: float = 900.0
-    slots_override: Optional[int] = None
-    fallback_to_healthy: bool = Field(
-        default=True, description="Run a shard on a healthy server when its own server is down."
-    )
-    state_dir: str = Field(default="", description="Logs and pid files of launched servers.")
+    A run that uses the fleet provisions it when the run starts (``setup_for_execution``: servers
+    launched if need be, then every one probed) and its assets read what was probed (``info``).
+    Servers a run launched for itself alone (``launch_scope: run``, a GPU pod per shard run) stop
+    when it ends; a fleet launched for all shards (``fleet``) is shared by their runs and outlives
+    each, stopped by ``expansion-dag fleet stop`` or at the end of ``expansion-dag run``.
+    """
+
+    _info: Optional[FleetInfo] = PrivateAttr(default=None)
+    _launched_here: bool = PrivateAttr(default=False)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self._info = self.provision(context.log)
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._launched_here and self.launch_scope == "run":
+            stopped = self.stop()
+            if stopped and context.log is not None:
+                context.log.info(f"stopped the {len(stopped)} server(s) this run launched")
+
+    @property
+    def info(self) -> FleetInfo:
+        """The fleet as probed when this run started."""
+        if self._info is None:
+            raise FleetError("the fleet was not provisioned: the resource is read outside a Dagster run")
+        return self._info
 
     def api_key(self) -> Optional[str]:
         return os.environ.get(self.api_key_env) or None
@@ -96,8 +58,6 @@ class FleetResource(dg.ConfigurableResource):
         return command
 
     def launcher(self) -> Launcher:
-        if self.launch_scope not in ("fleet", "run"):
-            raise FleetError(f"launch_scope must be 'fleet' or 'run', got {self.launch_scope!r}")
         gpus = self.gpus or list(range(self.num_servers))
         if self.launch_scope == "run":
             gpus = gpus[:1]  # the one GPU this run's pod was given
@@ -122,14 +82,13 @@ class FleetResource(dg.ConfigurableResource):
             if not self.urls:
                 raise FleetError("attach mode needs `urls`")
             return [u.rstrip("/") for u in self.urls]
-        if self.mode == "launch":
-            return self.launcher().urls
-        raise FleetError(f"fleet mode must be 'launch' or 'attach', got {self.mode!r}")
+        return self.launcher().urls
 
     def provision(self, log: Any = None) -> FleetInfo:
         """Ensure every server runs and is ready, then probe them all."""
         if self.mode == "launch":
             started = self.launcher().ensure_running(timeout_s=self.startup_timeout_s)
+            self._launched_here = self._launched_here or bool(started)
             if started and log is not None:
                 log.info(f"launched {len(started)} server(s): {', '.join(started)}")
         return self.probe()

@@ -13,6 +13,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from expansion_dag.answer_yield import YieldGate
 from expansion_dag.budget import BudgetConfig
 from expansion_dag.config import GenerationConfig
 from expansion_dag.conversations import TurnPlanner
@@ -24,7 +25,8 @@ from expansion_dag.training_set import TrainingSetConfig
 #: Settings that change how fast a shard runs and reports, never what it generates: left out of
 #: the record the configuration drift check compares.
 _NOT_RECORDED = frozenset(
-    {"progress_interval_s", "client_tick_s", "training_formats", "train_newline_after_end_of_turn"}
+    {"progress_interval_s", "client_tick_s", "training_formats", "train_newline_after_end_of_turn",
+     "plan_output_tokens_per_s", "owner_wait_s"}
 )
 
 
@@ -82,6 +84,8 @@ class GenerationSettings(dg.ConfigurableResource, GenerationConfig):
             loop_min_chars=self.loop_min_chars,
             loop_window_chars=self.loop_window_chars,
             client_tick_s=self.client_tick_s,
+            owner_wait_s=self.owner_wait_s,
+            yield_gate=YieldGate(self.min_yield, self.yield_gate_answers, self.max_output_tokens),
         )
 
     def training_set_config(self, context_length: int) -> TrainingSetConfig:

@@ -18,6 +18,8 @@ from pydantic import Field
 from upath import UPath
 
 from expansion_dag.assets.configuration import run_configuration_metadata
+from expansion_dag.config import LeaseSettings
+from expansion_dag.lease import Log, ShardLease
 from expansion_dag.store import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, CompletionStore
 from expansion_dag.urls import as_upath, default_local_dir, is_local, local_path, upload_after, write_atomically
 
@@ -25,11 +27,11 @@ from expansion_dag.urls import as_upath, default_local_dir, is_local, local_path
 ASSETS = "assets"  # where the IO manager keeps asset files: <root>/assets/<asset>[/<partition>].parquet
 
 
-def _read_parquet(path: UPath) -> pl.DataFrame:
+def _read_parquet(path: UPath, columns: list[str] | None = None) -> pl.DataFrame:
     # Through pyarrow: raw rows may hold invalid UTF-8 on purpose (extraction quarantines them),
     # which polars' own reader refuses outright.
     with path.open("rb") as fh:
-        return pl.from_arrow(pq.read_table(fh))
+        return pl.from_arrow(pq.read_table(fh, columns=columns))
 
 
 def default_storage_root() -> str:
@@ -40,7 +42,7 @@ def default_storage_root() -> str:
     return os.environ.get("EXPANSION_STORAGE") or os.path.abspath("storage")
 
 
-class StorageResource(dg.ConfigurableResource):
+class StorageResource(dg.ConfigurableResource, LeaseSettings):
     """Side files of the assets: quarantine, set-aside prompts, the completion store, the training set."""
 
     root: str = Field(
@@ -90,6 +92,11 @@ class StorageResource(dg.ConfigurableResource):
             frame.write_parquet(path)
         return target
 
+    def shard_lease(self, shard: str, *, run_id: str, log: Log) -> ShardLease:
+        """The lease a run holds while it chooses and sends ``shard``'s prompts (``expansion_dag.lease``)."""
+        return ShardLease(as_upath(self.root), shard, run_id=run_id, log=log, timeout_s=self.lease_timeout_s,
+                          wait=self.when_shard_busy == "wait")
+
     def completion_store(self) -> CompletionStore:
         return CompletionStore(
             self.path("completions"),
@@ -117,8 +124,10 @@ class _PolarsParquetIOManager(dg.UPathIOManager):
             obj.write_parquet(staged)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pl.DataFrame:
+        # An input that names its ``columns`` (``AssetIn`` metadata) reads only those.
+        columns = (context.definition_metadata or {}).get("columns")
         try:
-            return _read_parquet(path)
+            return _read_parquet(path, columns)
         except FileNotFoundError as exc:
             missing = f"{path} is missing: materialize {context.asset_key.to_user_string()} first"
             raise FileNotFoundError(missing) from exc

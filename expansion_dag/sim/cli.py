@@ -15,6 +15,7 @@ import signal
 import sys
 
 from expansion_dag.sim.config import (
+    ANSWER_DEFECTS,
     BACKENDS,
     OLDEST_SGLANG_VERSION,
     REASONING_PARSERS,
@@ -168,10 +169,23 @@ def _parser() -> argparse.ArgumentParser:
         help="share of prompts (chosen by their text) that loop every time they are asked, as real models do",
     )
     sim.add_argument(
+        "--answer-defect",
+        choices=ANSWER_DEFECTS,
+        default=None,
+        help="give every answer a misconfigured fleet's defect (answers the training set leaves out)",
+    )
+    sim.add_argument(
         "--output-word-sigma",
         type=float,
         default=_DEFAULTS.output_word_sigma,
         help="spread of the per-word effects on answer lengths: lengths follow what the prompt says (0: off)",
+    )
+    sim.add_argument(
+        "--output-phrase-sigma",
+        type=float,
+        default=_DEFAULTS.output_phrase_sigma,
+        help="spread of the per-phrase (adjacent word pair) effects on answer lengths: what single words "
+        "do not tell (0: off)",
     )
     sim.add_argument("--prompt-token-skew", type=int, default=_DEFAULTS.prompt_token_skew)
     sim.add_argument(
@@ -227,9 +241,11 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         hang_rate=args.hang_rate,
         looping_prompt_share=args.looping_prompt_share,
         output_word_sigma=args.output_word_sigma,
+        output_phrase_sigma=args.output_phrase_sigma,
         abort_rate=args.abort_rate,
         loop_rate=args.loop_rate,
         prompt_token_skew=args.prompt_token_skew,
+        answer_defect=args.answer_defect,
     )
     return [dataclasses.replace(base, port=port) for port in ports]
 

@@ -24,6 +24,12 @@ DEFAULT_TOOL_CALL_SHARE = 0.3
 
 BACKENDS = ("sglang", "vllm")
 REASONING_PARSERS = ("qwen3",)
+#: Misconfigurations whose answers the training set throws away, as a real fleet can have them:
+#: ``no_reasoning`` answers without thinking whatever the template asks (a server whose model or
+#: template ignores ``enable_thinking``); ``think_tag_in_content`` takes the reasoning out but leaves
+#: ``</think>`` in the content (a reasoning parser that is not the model's); ``empty`` puts the whole
+#: answer in ``reasoning_content`` and leaves the content empty (a parser forcing reasoning).
+ANSWER_DEFECTS = ("no_reasoning", "think_tag_in_content", "empty")
 
 #: The server versions whose surfaces are simulated, read from their PyPI wheels (see
 #: expansion_dag_tests/contract/fixtures). SGLang can be emulated back to OLDEST_SGLANG_VERSION.
@@ -64,7 +70,8 @@ class SimServerConfig:
     by the prompt's text, loops every time it is asked. ``output_word_sigma`` makes lengths follow
     what the prompt says: each word of the user's instruction (its first and last words) moves the
     log-median by an effect drawn per word (a tenth of words have one, of this spread), as "in
-    detail" and "in one word" do.
+    detail" and "in one word" do. ``output_phrase_sigma`` does the same per pair of adjacent words,
+    anywhere in the instruction: a rule that a client learning from single words cannot read off them.
 
     ``version`` is the server version whose HTTP surface is emulated (None: the newest read,
     :data:`SGLANG_VERSION` or :data:`VLLM_VERSION`). ``max_total_tokens`` is the KV cache in tokens
@@ -114,7 +121,12 @@ class SimServerConfig:
     loop_rate: float = 0.0
     looping_prompt_share: float = 0.0
     output_word_sigma: float = 0.0
+    output_phrase_sigma: float = 0.0
     prompt_token_skew: int = 0
+    answer_defect: str | None = None  # one of ANSWER_DEFECTS: every answer has it
+    #: Keep a record of every load answer and chat request (``expansion_dag.sim.timeline``), for
+    #: tests and benchmarks; off by default, since it grows with every request.
+    keep_timeline: bool = False
 
     def __post_init__(self) -> None:
         problems = list(_problems(self))
@@ -166,6 +178,8 @@ def _problems(c: SimServerConfig):
         yield f"max_queued_requests must be None or >= 0, got {c.max_queued_requests}"
     if c.api_key == "":
         yield "api_key must be None or non-empty"
+    if c.answer_defect is not None and c.answer_defect not in ANSWER_DEFECTS:
+        yield f"answer_defect must be None or one of {ANSWER_DEFECTS}, got {c.answer_defect!r}"
     if c.reasoning_parser is not None and c.reasoning_parser not in REASONING_PARSERS:
         yield f"reasoning_parser must be None or one of {REASONING_PARSERS}, got {c.reasoning_parser!r}"
     if c.tool_call_parser == "":
@@ -195,8 +209,10 @@ def _problems(c: SimServerConfig):
         yield f"output_prompt_exponent must be within [-4, 4], got {c.output_prompt_exponent}"
     if not 0 < c.reasoning_share < 1:
         yield f"reasoning_share must be strictly between 0 and 1, got {c.reasoning_share}"
-    if not (math.isfinite(c.output_word_sigma) and 0 <= c.output_word_sigma <= 3):
-        yield f"output_word_sigma must be within [0, 3], got {c.output_word_sigma}"
+    for name in ("output_word_sigma", "output_phrase_sigma"):
+        value = getattr(c, name)
+        if not (math.isfinite(value) and 0 <= value <= 3):
+            yield f"{name} must be within [0, 3], got {value}"
     for name in ("fail_rate", "hang_rate", "abort_rate", "loop_rate", "looping_prompt_share", "tool_call_share"):
         value = getattr(c, name)
         if not 0 <= value <= 1:

@@ -46,6 +46,10 @@ class Endpoints:
         #: Load reads answered: how a client's polling treats a server.
         self.load_reads = 0
 
+    def _record_load(self, idle: int) -> None:
+        if self._scheduler.timeline is not None:
+            self._scheduler.timeline.load(idle)
+
     def models(self, request: HttpRequest, conn: HttpConnection) -> None:
         card = self._dialect.model_card(self._created)
         conn.respond(200, dumps({"object": "list", "data": [card]}))
@@ -144,6 +148,7 @@ class Endpoints:
         self.load_reads += 1
         used = self._used_tokens(time.monotonic())
         running = len(self._scheduler.running)
+        self._record_load(self._scheduler.slots - running - self._scheduler.num_waiting)
         load = {
             "timestamp": time.time(),
             "dp_rank": 0,
@@ -194,6 +199,7 @@ class Endpoints:
         """``/get_load`` (before 0.5.21): per DP rank, requests running or waiting, and their tokens."""
         self.load_reads += 1
         used = self._used_tokens(time.monotonic())
+        self._record_load(self._scheduler.slots - len(self._scheduler.running) - self._scheduler.num_waiting)
         load: dict[str, Any] = {
             "rid": None,
             "http_worker_ipc": None,

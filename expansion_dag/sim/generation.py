@@ -121,6 +121,7 @@ class OutputModel:
         median_by_marker: Sequence[tuple[str, int]] = (),
         prompt_exponent: float = 0.0,
         word_sigma: float = 0.0,
+        phrase_sigma: float = 0.0,
     ) -> None:
         self._stream = word_stream(tokenizer_spec, _STREAM_PERIOD_WORDS + max_length)
         self._max_length = max_length
@@ -131,6 +132,7 @@ class OutputModel:
         self._reasoning_share = reasoning_share
         self._key = seed.to_bytes(16, "little", signed=True)
         self._word_sigma = word_sigma
+        self._phrase_sigma = phrase_sigma
 
     def _uniform(self, *parts: str) -> float:
         """A number in (0, 1) drawn from ``parts`` and the seed: the same every time they are the same."""
@@ -154,6 +156,20 @@ class OutputModel:
                 effect += self._word_sigma * _NORMAL.inv_cdf(self._uniform("effect", word))
         return max(-_WORD_EFFECT_LIMIT, min(_WORD_EFFECT_LIMIT, effect))
 
+    def phrase_effect(self, instruction: str) -> float:
+        """How far the instruction's phrases move the log-median: a tenth of all pairs of adjacent
+        words carry an effect (normal, ``phrase_sigma``), anywhere in the text. "one word" is not
+        "one" and "word": a client that learns from single words (``answer_lengths.prompt_features``)
+        sees only what a phrase's words tell on average, so this rule does not mirror it."""
+        if not self._phrase_sigma:
+            return 0.0
+        words = _INSTRUCTION_WORD.findall(instruction.lower())
+        effect = 0.0
+        for pair in {f"{a} {b}" for a, b in zip(words, words[1:])}:
+            if self._uniform("phrase", pair) < _WORDS_WITH_EFFECT:
+                effect += self._phrase_sigma * _NORMAL.inv_cdf(self._uniform("phrase effect", pair))
+        return max(-_WORD_EFFECT_LIMIT, min(_WORD_EFFECT_LIMIT, effect))
+
     def generate(
         self,
         rendered_prompt: str,
@@ -170,7 +186,8 @@ class OutputModel:
         Its length is lognormal around a median that depends on the prompt, as real answers do:
         the median of the first marker of ``median_by_marker`` found in the prompt (e.g. a
         source's instruction), else ``median_tokens``, scaled by ``(prompt_tokens / 64) **
-        prompt_exponent``, moved by the instruction's words (:meth:`word_effect`).
+        prompt_exponent``, moved by the instruction's words (:meth:`word_effect`) and phrases
+        (:meth:`phrase_effect`).
 
         An answer of ``cap`` tokens or more finishes with ``length``: its end-of-sequence token
         would be one more. ``split_reasoning`` is the reasoning parser at work: thinking goes to
@@ -185,7 +202,7 @@ class OutputModel:
         log_median = next((m for marker, m in self._log_medians if marker in rendered_prompt), self._log_median)
         if self._prompt_exponent:
             log_median += self._prompt_exponent * math.log(max(1, prompt_tokens) / PROMPT_REFERENCE_TOKENS)
-        log_median += self.word_effect(instruction)
+        log_median += self.word_effect(instruction) + self.phrase_effect(instruction)
         length = min(self._max_length, max(1, round(math.exp(log_median + self._sigma * z))))
         if not thinking:
             n = min(length, cap)

@@ -62,6 +62,16 @@ def _evenly_spaced_hit(n: int, rate: float) -> bool:
     return math.floor((n + 1) * rate + 1e-9) > math.floor(n * rate + 1e-9)
 
 
+def _with_defect(completion: Completion, defect: str | None) -> Completion:
+    """The answer as a misconfigured server returns it (``SimServerConfig.answer_defect``)."""
+    if defect == "think_tag_in_content":
+        return dataclasses.replace(completion, content="</think>\n\n" + completion.content)
+    if defect == "empty":
+        text = "\n\n".join(t for t in (completion.reasoning_content, completion.content) if t)
+        return dataclasses.replace(completion, content="", reasoning_content=text)
+    return completion
+
+
 def _looping(config: SimServerConfig, rendered: str, cap: int, *, split: bool) -> Completion:
     """A degenerate answer: a few words, then one span repeated until the cap (one token a word)."""
     words = word_stream(config.tokenizer, 4096 + config.context_length)
@@ -101,6 +111,7 @@ class ChatIntake:
             median_by_marker=config.output_median_by_marker,
             prompt_exponent=config.output_prompt_exponent,
             word_sigma=config.output_word_sigma,
+            phrase_sigma=config.output_phrase_sigma,
         )
         self.last_chat_request: dict[str, Any] | None = None  # what a test checks the client sent
         self.max_requested_tokens = 0
@@ -223,14 +234,15 @@ class ChatIntake:
                 rendered,
                 request_seed=request_seed if type(request_seed) is int else None,
                 cap=limit,
-                thinking=self._thinking_model and kwargs.get("enable_thinking", True) is not False,
-                split_reasoning=c.reasoning_parser is not None
-                and body.get("separate_reasoning", True) is not False,
+                thinking=self._thinking_model and kwargs.get("enable_thinking", True) is not False
+                and c.answer_defect != "no_reasoning",
+                split_reasoning=c.answer_defect is not None
+                or (c.reasoning_parser is not None and body.get("separate_reasoning", True) is not False),
                 prompt_tokens=prompt_tokens,
                 instruction=instruction,
             )
 
-        completion = generate(cap)
+        completion = _with_defect(generate(cap), c.answer_defect)
         if _evenly_spaced_hit(survivor, c.loop_rate) or self._output.loops(instruction, c.looping_prompt_share):
             completion = _looping(c, rendered, cap, split=c.reasoning_parser is not None)
             self.loops += 1
@@ -240,6 +252,7 @@ class ChatIntake:
         elif tools and calls_tool(tools, rendered, c.tool_call_share, c.seed):
             completion = self._tools.answer(completion, tools, rendered, cap, tool_choice, self._tokenizer)
         rid = body.get("rid")
+        timeline = self._scheduler.timeline
         job = Job(
             conn,
             request_id=rid if isinstance(rid, str) else None,
@@ -248,6 +261,8 @@ class ChatIntake:
             completion=completion,
             duration_s=None if hang else c.ttft_s + completion.completion_tokens * c.token_latency_s,
         )
+        if timeline is not None:
+            job.trace = timeline.arrived(instruction)
         if body.get("stream"):
             # Both servers send the usage chunk only when asked (should_include_usage).
             options = body.get("stream_options")

@@ -36,6 +36,7 @@ class Job:
         "continuous_usage",
         "chunk_id",
         "created",
+        "trace",
     )
 
     def __init__(
@@ -67,3 +68,5 @@ class Job:
         self.continuous_usage = False
         self.chunk_id = uuid.uuid4().hex
         self.created = int(time.time())
+        #: Its entry in the server's timeline, when one is kept.
+        self.trace: list | None = None

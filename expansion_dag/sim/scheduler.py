@@ -16,6 +16,7 @@ from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.dialects import Dialect, RequestError, dumps
 from expansion_dag.sim.http import HttpConnection
 from expansion_dag.sim.job import DONE, RUNNING, WAITING, Job
+from expansion_dag.sim.timeline import Timeline
 
 #: Tokens a streamed answer sends per timer tick: the events the stream interval makes, written in
 #: batches so that a simulated fleet costs few timers.
@@ -69,6 +70,7 @@ class Scheduler:
         self.hung = 0
         self.prompt_tokens_total = 0
         self.completion_tokens_total = 0
+        self.timeline = Timeline() if config.keep_timeline else None
 
     @property
     def full(self) -> bool:
@@ -96,6 +98,8 @@ class Scheduler:
     def reject(self, conn: HttpConnection, error: RequestError) -> None:
         """Answer a request refused before it was queued, counted with the other answers."""
         self.by_status[error.status] += 1
+        if self.timeline is not None:
+            self.timeline.refused(error.status)
         conn.respond(error.status, error.body)
 
     def submit(self, job: Job) -> None:
@@ -113,9 +117,9 @@ class Scheduler:
         for job in self.running:
             if job.timer is not None:
                 job.timer.cancel()
-            job.state = DONE
+            self._end(job, "dropped")
         for job in self._waiting:
-            job.state = DONE
+            self._end(job, "dropped")
         self.running.clear()
         self._waiting.clear()
         self.num_waiting = 0
@@ -159,11 +163,17 @@ class Scheduler:
         then = self._stream_tick if job.sent < len(job.pieces) else self._finish
         job.timer = self.loop.call_later(delay, then, job)
 
-    def _release(self, job: Job) -> None:
+    @staticmethod
+    def _end(job: Job, status: int | str) -> None:
+        job.state = DONE
+        if job.trace is not None:
+            Timeline.ended(job.trace, status)
+
+    def _release(self, job: Job, status: int | str) -> None:
         """Free the job's slot and hand it to the next waiting request."""
         self._account_busy(time.monotonic())
         self.running.discard(job)
-        job.state = DONE
+        self._end(job, status)
         while self._waiting and len(self.running) < self.slots:
             nxt = self._waiting.popleft()
             if nxt.state == WAITING:
@@ -173,7 +183,7 @@ class Scheduler:
 
     def _finish(self, job: Job) -> None:
         self._longest_request_s = max(self._longest_request_s, time.monotonic() - job.started_at)
-        self._release(job)
+        self._release(job, 200)
         self.completed += 1
         self.by_status[200] += 1
         if job.completion.finish_reason == "abort":
@@ -200,10 +210,10 @@ class Scheduler:
             return
         self.aborted += 1
         if job.state == WAITING:
-            job.state = DONE
+            self._end(job, "aborted")
             self.num_waiting -= 1
             self.waiting_prompt_tokens -= job.prompt_tokens
             return
         if job.timer is not None:
             job.timer.cancel()
-        self._release(job)
+        self._release(job, "aborted")

@@ -192,6 +192,7 @@ class SimServer:
             "max_requested_total_tokens": intake.max_requested_tokens,
             "context_exceeded": intake.context_exceeded,
             "time_model": {"ttft_s": c.ttft_s, "token_latency_s": c.token_latency_s},
+            **({"timeline": scheduler.timeline.to_dict()} if scheduler.timeline is not None else {}),
         }
 
     def _sim_stats(self, request: HttpRequest, conn: HttpConnection) -> None:

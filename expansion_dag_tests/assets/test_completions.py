@@ -212,7 +212,8 @@ def test_a_shard_still_queued_borrows_idle_servers_and_lists_them(tmp_path, inst
     with SimulatedFleet([SimServerConfig(**slow)] * len(SHARD_KEYS)) as fleet:
         served = {}
         for spill in (True, False):
-            res = resources(fleet.urls, tmp_path / str(spill), spill_to_idle_servers=spill)
+            # The other servers' shards are not in this run: no owner to wait for before borrowing.
+            res = resources(fleet.urls, tmp_path / str(spill), spill_to_idle_servers=spill, owner_wait_s=0)
             assets = [prompts_asset(frame), budgeted_prompts, shard_prompts, completions]
             assert dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"]).success
             result = dg.materialize(assets, resources=res, instance=instance, partition_key="shard-00",

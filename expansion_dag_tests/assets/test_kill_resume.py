@@ -128,3 +128,5 @@ def test_interrupting_a_run_cancels_in_flight_requests_and_keeps_what_finished(t
     assert stats["num_running"] == 0
     assert len(scan.done) >= 10 and scan.torn_lines == 0 and scan.duplicates == 0
     assert len(list(store.records(SHARD))) == len(scan.done)
+    # The shard's lease went with the run: the next run of the shard starts at once.
+    assert not (tmp_path / "storage" / "leases" / f"{SHARD}.json").exists()

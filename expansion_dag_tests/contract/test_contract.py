@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 from collections.abc import Callable
 
 import httpx
@@ -34,7 +33,7 @@ from expansion_dag.server_api import (
 from expansion_dag.sim.dialects import VllmDialect
 from expansion_dag_tests.contract.conftest import VLLM_NAME, Provider, Simulators
 from expansion_dag_tests.contract.shapes import Fixture, all_fixtures, load_fixture, shape_differences
-from expansion_dag_tests.helpers import WEATHER_TOOL
+from expansion_dag_tests.helpers import WEATHER_TOOL, wait_for
 
 #: Keys only the simulator sends, each a path into one response: nothing else may be added.
 SIM_ONLY_KEYS = frozenset({"$.simulator"})
@@ -43,13 +42,6 @@ POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
 THINKING_OFF = {"enable_thinking": False}
 WEATHER = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
 TOOLS = [WEATHER_TOOL]
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 # --- the simulator's side: one request per fixture --------------------------------------------

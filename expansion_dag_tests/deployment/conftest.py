@@ -57,8 +57,11 @@ class UIPipeline:
     done_at_kill: int  # completions of the killed shard when its server died
     first_backfill: dict[str, Any]
     after_first: dict[str, list[str]]  # completions' partition statuses
+    checks_after_first: dict[str, dict[str, list[str]]]  # completions' checks, partitions by status
+    blocked_training: tuple[str, list[str]]  # a training_set_job run between the backfills: status, step errors
     second_backfill: dict[str, Any]
     after_second: dict[str, list[str]]
+    checks_after_second: dict[str, dict[str, list[str]]]
     training_run: str  # status of the training_set_job run launched afterwards
 
 
@@ -103,6 +106,10 @@ def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
             fleet.kill(KILLED)
             first = wait_for("the backfill to finish", lambda: _finished(dev, first_id), BACKFILL_TIMEOUT_S, 1)
             after_first = dev.partition_statuses("completions")
+            checks_after_first = dev.check_statuses("completions")
+            # The training set, asked for while shard-01's checks stand failed: it must refuse.
+            blocked = dev.launch_run("training_set_job")
+            blocked_status = wait_for("the blocked training_set_job to finish", lambda: _run_finished(dev, blocked), 180)
 
             fleet.restart(KILLED)
             second_id = dev.reexecute_backfill_from_failure(first_id)
@@ -125,8 +132,11 @@ def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
                 done_at_kill=done_at_kill,
                 first_backfill=first,
                 after_first=after_first,
+                checks_after_first=checks_after_first,
+                blocked_training=(blocked_status, dev.step_failures(blocked)),
                 second_backfill=second,
                 after_second=dev.partition_statuses("completions"),
+                checks_after_second=dev.check_statuses("completions"),
                 training_run=training_status,
             )
         except BaseException:

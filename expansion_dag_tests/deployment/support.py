@@ -271,6 +271,37 @@ class DagsterDev:
         )
         return self._ok(data["partitionBackfillOrError"], "PartitionBackfill")
 
+    def check_statuses(self, asset: str) -> dict[str, dict[str, list[str]]]:
+        """Each check of a partitioned asset: its partitions by status, as the asset's Checks tab shows."""
+        data = self.graphql(
+            "query($k: AssetKeyInput!) { assetNodeOrError(assetKey: $k) { ... on AssetNode { "
+            "assetChecksOrError { ... on AssetChecks { checks { name blocking partitionStatuses { "
+            "... on AssetCheckDefaultPartitionStatuses { succeededPartitions failedPartitions "
+            "executionFailedPartitions inProgressPartitions } } } } } } } }",
+            k={"path": [asset]},
+        )
+        checks = data["assetNodeOrError"]["assetChecksOrError"]["checks"]
+        return {c["name"]: {**c["partitionStatuses"], "blocking": c["blocking"]} for c in checks}
+
+    def check_executions(self, asset: str, check: str) -> list[dict[str, Any]]:
+        """A check's executions, newest first: run, partition, whether it passed."""
+        data = self.graphql(
+            "query($k: AssetKeyInput!, $c: String!) { assetCheckExecutions(assetKey: $k, checkName: $c, limit: 50) "
+            "{ runId partition evaluation { success } } }",
+            k={"path": [asset]}, c=check,
+        )
+        return data["assetCheckExecutions"]
+
+    def step_failures(self, run_id: str) -> list[str]:
+        """The error messages of a run's failed steps, as its run page shows them."""
+        data = self.graphql(
+            "query($id: ID!) { runOrError(runId: $id) { ... on Run { eventConnection { events { __typename "
+            "... on ExecutionStepFailureEvent { error { message } } } } } } }",
+            id=run_id,
+        )
+        events = data["runOrError"]["eventConnection"]["events"]
+        return [e["error"]["message"] for e in events if e["__typename"] == "ExecutionStepFailureEvent"]
+
     def partition_statuses(self, asset: str) -> dict[str, list[str]]:
         """What the asset's Partitions tab counts: materialized, failed, materializing, missing."""
         data = self.graphql(

@@ -78,3 +78,33 @@ def test_the_re_execution_reused_the_completions_of_the_failed_run(ui_pipeline):
     assert metadata["completed_before_this_run"] >= ui_pipeline.done_at_kill
     assert metadata["completions_total"] == len(shard_01_prompts(ui_pipeline.storage))
     assert metadata["duplicate_lines_ignored"] == 0
+
+
+def test_each_shard_shows_its_own_checks_on_its_own_partition(ui_pipeline):
+    """As the UI reads them: shard-01's failure rate failed on its failed step, shard-00's passed."""
+    checks = ui_pipeline.checks_after_first
+    assert checks["failure_rate"]["blocking"] and checks["no_context_length_rejections"]["blocking"]
+    assert checks["failure_rate"]["failedPartitions"] == ["shard-01"]
+    assert checks["failure_rate"]["succeededPartitions"] == ["shard-00"]
+    # Each partition's result came from that shard's own run of the first backfill.
+    runs = {run["runId"]: next(t["value"] for t in run["tags"] if t["key"] == "dagster/partition")
+            for run in ui_pipeline.first_backfill["runs"]}  # fmt: skip
+    first = [e for e in ui_pipeline.dev.check_executions("completions", "failure_rate") if e["runId"] in runs]
+    assert sorted((e["partition"], runs[e["runId"]], e["evaluation"]["success"]) for e in first) == [
+        ("shard-00", "shard-00", True), ("shard-01", "shard-01", False),
+    ]
+
+
+def test_the_training_set_is_blocked_by_the_failed_shard_and_says_which(ui_pipeline):
+    status, errors = ui_pipeline.blocked_training
+    assert status == "FAILURE"
+    assert any("blocked by the failed checks of shard-01: failure_rate" in message for message in errors), errors
+
+
+def test_the_backfill_of_the_failed_partition_turns_its_check_green_on_its_new_materialization(ui_pipeline):
+    checks = ui_pipeline.checks_after_second
+    assert sorted(checks["failure_rate"]["succeededPartitions"]) == ["shard-00", "shard-01"]
+    assert checks["failure_rate"]["failedPartitions"] == []
+    [rerun] = [run["runId"] for run in ui_pipeline.second_backfill["runs"]]
+    latest = [e for e in ui_pipeline.dev.check_executions("completions", "failure_rate") if e["partition"] == "shard-01"][0]
+    assert (latest["runId"], latest["evaluation"]["success"]) == (rerun, True)

@@ -90,6 +90,19 @@ def test_the_completions_partitions_page_shows_both_shards_materialized(page: Pa
     snap(page, "completions-partitions")
 
 
+def test_the_completions_checks_page_shows_each_shards_check_status(page: Page):
+    """A check of completions, by partition: after the re-execution, both shards passed failure_rate."""
+    page.goto("/assets/completions?view=checks")
+    page.get_by_text("failure_rate", exact=True).first.click()
+    expect(page.get_by_text("blocking", exact=True).first).to_be_visible()  # "This is a blocking asset check."
+    page.get_by_role("tab", name="Partitions").last.click()  # the check's own tab, not the asset's
+    for shard in ("shard-00", "shard-01"):
+        expect(page.get_by_text(shard, exact=True).first).to_be_visible()
+    expect(page.get_by_text("Passed (2)", exact=True)).to_be_visible()
+    expect(page.get_by_text("Failed (0)", exact=True)).to_be_visible()
+    snap(page, "completions-failure-rate-by-partition")
+
+
 def test_the_jobs_and_automation_pages_list_the_jobs_schedules_and_sensors(page: Page, ui_pipeline):
     page.goto("/jobs")
     for job in ("prepare_job", "generate_job", "training_set_job"):

@@ -26,9 +26,10 @@ import httpx
 import pytest
 import yaml
 
+from expansion_dag.asyncio_network import asyncio_transport
 from expansion_dag.degeneration import LoopThresholds
 from expansion_dag.http_client import HttpClient, make_client
-from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND
+from expansion_dag.config import SGLANG_LAUNCH_COMMAND
 from expansion_dag.sampling import SamplingSettings
 from expansion_dag.server_api import Answer, DegenerateError, Dialect, chat_request, send_chat
 from expansion_dag_tests.ports import free_port
@@ -466,6 +467,8 @@ LOOP_MESSAGES = [{"role": "user", "content": "Tell me a long story about a light
 LOOP_THRESHOLDS = LoopThresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
 #: Bound on the wait for stopped streams' slots to empty; they are expected to in well under a second.
 FREE_TIMEOUT_S = 15.0
+#: Bound on the wait to see the looping streams all running before they are read: a hang only.
+RUNNING_TIMEOUT_S = 60.0
 #: Greedy: the forced token always wins, so every answer is exactly the same loop.
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1)
 REQUEST_TIMEOUT_S = 60.0
@@ -490,9 +493,43 @@ def looping_request(
     return request
 
 
-def stream_client(server: EngineServer) -> HttpClient:
+def stream_client(server: EngineServer, transport: httpx.AsyncBaseTransport | None = None) -> HttpClient:
     return make_client(timeout_s=REQUEST_TIMEOUT_S, connect_timeout_s=5.0, tls=ssl.create_default_context(),
-                       api_key=server.api_key)
+                       api_key=server.api_key, transport=transport)
+
+
+class _HeldBody(httpx.AsyncByteStream):
+    """An answer's body, read only once ``release`` is set."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, release: asyncio.Event):
+        self._inner = inner
+        self._release = release
+
+    async def __aiter__(self):
+        await self._release.wait()
+        async for chunk in self._inner:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _HeldBodies(httpx.AsyncBaseTransport):
+    """The client's own transport, each answer's body held back until ``release``: the streams stay
+    open at the server, generating, until the poller has seen them running. Racing the seconds a
+    detector takes to stop them, a poller on a busy machine could miss them all."""
+
+    def __init__(self, release: asyncio.Event):
+        self._inner = asyncio_transport(tls=ssl.create_default_context())
+        self._release = release
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        response.stream = _HeldBody(response.stream, self._release)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def stop_looping_streams(
@@ -506,8 +543,8 @@ def stop_looping_streams(
     requests seen running at the server.
     """
 
-    async def stop_one() -> DegenerateError:
-        async with stream_client(server) as c:
+    async def stop_one(release: asyncio.Event) -> DegenerateError:
+        async with stream_client(server, _HeldBodies(release)) as c:
             with pytest.raises(DegenerateError) as caught:
                 await asyncio.wait_for(
                     send_chat(c, server.url, request, dialect, thresholds, stream_interval=stream_interval),
@@ -521,16 +558,22 @@ def stop_looping_streams(
         # machine busy with other tests.
         most_running = server.running(http)
         polling = True
+        release = asyncio.Event()
 
         async def poll() -> None:
             nonlocal most_running
+            deadline = time.monotonic() + RUNNING_TIMEOUT_S
             while polling:
                 most_running = max(most_running, await asyncio.to_thread(server.running, http))
+                # Every stream seen running (or, should the server never run them all, the
+                # deadline): the clients read on, and their detectors stop them.
+                if most_running >= count or time.monotonic() > deadline:
+                    release.set()
                 await asyncio.sleep(0.01)
 
         poller = asyncio.create_task(poll())
         try:
-            stopped = await asyncio.gather(*(stop_one() for _ in range(count)))
+            stopped = await asyncio.gather(*(stop_one(release) for _ in range(count)))
             closed_at = time.monotonic()
         finally:
             polling = False

@@ -127,19 +127,18 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(roomy_vll
         assert e.loop.span == LOOP_TEXT and 0 < e.tokens < max_tokens // 4
         # The client's count of a stopped answer's tokens (the server's own, per chunk) is exact.
         assert e.tokens * len(LOOP_TEXT) == len(e.content)
-    assert freed_s < 5.0, measured
-    # The engine decoded only about what the clients read before they stopped, not the answers asked
-    # for; and nothing more once the slots were free.
-    assert sum(client_tokens) <= generated < max_tokens * SLOTS // 4, measured
+    # The engine decoded at least what the clients read, none of the answers to its cap, and nothing
+    # more once the slots were free. How much more than was read, and how soon the slots were free,
+    # depend on the machine's speed: figures (``measured``), not bounds.
+    assert sum(client_tokens) <= generated, measured
     assert generated_later == 0, measured
     assert free(settled) and settled.get("vllm:num_requests_waiting", 0) == 0
     assert delta(before, settled, "vllm:request_success_total:length") == 0  # none ran to its cap
 
-    # The slots are free: SLOTS fresh requests are all admitted and answered at once.
+    # The slots are free: SLOTS fresh requests are all admitted and answered.
     answers, fresh_s = answer_at_once(server, LOOP_MESSAGES, 8, VLLM, count=SLOTS)
     measured["s_fresh_requests_after_free"] = round(fresh_s, 2)
     assert [a.completion_tokens for a in answers] == [8] * SLOTS
-    assert measured["s_fresh_requests_after_free"] < 10.0, measured
 
 
 def read_stream(server: VllmServer, request: dict[str, Any]) -> tuple[ChatStream, int]:

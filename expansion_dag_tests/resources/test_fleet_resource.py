@@ -4,7 +4,8 @@ import ssl
 import sys
 
 from expansion_dag.fleet import SLOTS_FROM_SERVER
-from expansion_dag.resources.fleet import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, FleetResource
+from expansion_dag.config import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND
+from expansion_dag.resources.fleet import FleetResource
 from expansion_dag_tests.ports import free_ports
 
 

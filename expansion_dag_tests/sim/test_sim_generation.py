@@ -4,6 +4,7 @@ import statistics
 
 import pytest
 
+from expansion_dag.answer_lengths import prompt_features
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.tokenizer import DEFAULT_TOKENIZER, count_tokens
@@ -101,6 +102,27 @@ def test_answer_lengths_depend_on_the_source_marker_and_the_prompt_length():
     assert median("[other]") == pytest.approx(100, rel=0.1)
     # Twice the prompt, twice the answer at exponent 1.
     assert median("[chat]", prompt_tokens=128) == pytest.approx(100, rel=0.1)
+
+
+def test_phrase_effects_move_lengths_that_the_clients_word_features_cannot_tell_apart():
+    """The same words in another order: the client's length features are the same, the answer
+    lengths are not (phrases carry them); with word effects alone the order changes nothing."""
+    words = [f"w{i}" for i in range(40)]
+    by_phrases, by_words = model(phrase_sigma=0.8), model(word_sigma=0.8)
+    moved = 0
+    for i in range(0, 40, 4):
+        text = " ".join(words[i:i + 4] + words[(i + 20) % 40:(i + 20) % 40 + 4])
+        reordered = " ".join(reversed(text.split()))
+        assert prompt_features([{"role": "user", "content": text}]) == prompt_features(
+            [{"role": "user", "content": reordered}])
+
+        def length(m, instruction):
+            return m.generate(instruction, request_seed=None, cap=4096, thinking=False, split_reasoning=False,
+                              instruction=instruction).completion_tokens
+
+        assert length(by_words, text) == length(by_words, reordered)
+        moved += length(by_phrases, text) != length(by_phrases, reordered)
+    assert moved >= 5
 
 
 def test_a_bad_output_bound_is_refused():

@@ -12,18 +12,9 @@ import pytest
 
 from expansion_dag.sim import READY_LINE
 from expansion_dag.tokenizer import count_tokens
+from expansion_dag_tests.helpers import wait_for
 
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
-
-
-def wait_for(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 def loads(client, url):
@@ -344,6 +335,7 @@ def test_without_reasoning_parser_thinking_stays_in_content(start_fleet, fast, c
 
 
 def test_slots_run_and_the_rest_wait_in_fifo_order(start_fleet, fast, client, chat):
+    # Requests of 1 s: the five arrive within it on any machine (each is sent once the last is seen).
     fleet = start_fleet(
         fast(
             max_running_requests=2,
@@ -351,36 +343,33 @@ def test_slots_run_and_the_rest_wait_in_fifo_order(start_fleet, fast, client, ch
             token_latency_s=0.01,
             output_median_tokens=1000,
             output_sigma=0.0,
+            keep_timeline=True,
         )
     )
     url = fleet.urls[0]
 
-    def timed_chat(i):
-        response = chat(url, [{"role": "user", "content": f"job {i}"}], max_tokens=40)
-        return response.status_code, time.monotonic()
-
     futures = []
     for i in range(5):
-        futures.append(in_background(timed_chat, i))
+        futures.append(in_background(chat, url, [{"role": "user", "content": f"job {i}"}], max_tokens=100))
         wait_for(
             lambda arrived=i + 1: fleet.stats(0)["num_running"] + fleet.stats(0)["num_waiting"] == arrived
         )
     load = loads(client, url)
     assert (load["num_running_reqs"], load["num_waiting_reqs"], load["queues"]["waiting"]) == (2, 3, 3)
     assert load["utilization"] == 1.0 and load["num_used_tokens"] > 0
-    results = [future.result(timeout=10) for future in futures]
-    assert [status for status, _ in results] == [200] * 5
-    order = sorted(range(5), key=lambda i: results[i][1])
-    assert (
-        set(order[:2]) == {0, 1} and set(order[2:4]) == {2, 3} and order[4] == 4
-    )  # first come, first served
+    assert [future.result(timeout=30).status_code for future in futures] == [200] * 5
     stats = fleet.stats(0)
-    # 5 requests of 0.4 s on 2 slots: 2.0 slot-seconds of work
-    assert 2.0 <= stats["busy_slot_seconds"] <= 2.5  # timers may fire late on a busy machine, never early
+    requests = stats["timeline"]["requests"]
+    # First come, first served: of requests of equal length, they end in the order they arrived.
+    assert [r["instruction"] for r in sorted(requests, key=lambda r: r["ended"])] == [f"job {i}" for i in range(5)]
+    # 5 requests of 1 s on 2 slots: 5 slot-seconds of work. Timers may fire late on a busy machine,
+    # never early: the margin is a second over five requests, far beyond any scheduling delay.
+    assert 5.0 <= stats["busy_slot_seconds"] <= 6.0
     assert (stats["completed"], stats["chat_requests_by_status"], stats["num_running"]) == (5, {"200": 5}, 0)
     # Both slots were busy until the fourth answer; the fifth ran alone (the tail a benchmark reports).
-    assert abs(stats["last_full_at_monotonic_s"] - results[order[3]][1]) < 0.2
-    assert 0.4 <= stats["longest_request_s"] < 0.6
+    ends = sorted(r["ended"] for r in requests)
+    assert ends[2] <= stats["last_full_at_monotonic_s"] <= ends[3]
+    assert 1.0 <= stats["longest_request_s"] < 2.0
 
 
 def test_a_full_queue_answers_503(start_fleet, fast, chat):
@@ -423,7 +412,8 @@ def test_a_client_that_gives_up_frees_its_slot(start_fleet, fast, chat):
     assert fleet.stats(0)["num_running"] == 0
     started = time.monotonic()
     assert chat(url, max_tokens=2).status_code == 200  # gets the slot at once
-    assert time.monotonic() - started < 2
+    # Half the 10 s the aborted request would have held it: a margin no loaded machine reaches.
+    assert time.monotonic() - started < 5
 
 
 def test_stats_report_context_pressure(start_fleet, fast, client, chat, prompt_tokens):
