@@ -137,8 +137,8 @@ def test_a_holder_whose_lease_is_taken_over_stops_and_leaves_the_new_holder_alon
     holder.acquire()
     try:
         path = conditional_file(root / LEASES / f"{SHARD}.json")
-        current = path.read()
-        assert path.swap(foreign(heartbeat=time.time() + 3600), current.version)  # as a taker does
+        # As a taker does; retried if the holder's heartbeat renewed the lease in between.
+        wait_for(lambda: path.swap(foreign(heartbeat=time.time() + 3600), path.read().version), "the take-over")
         wait_for(lambda: said.saying("was taken over by"), "the holder's heartbeat to find the lease taken")
         with pytest.raises(LeaseLost, match="taken over by run 1c2f-other on host gpu-a"):
             holder.check()
@@ -157,7 +157,8 @@ def test_a_lease_removed_by_hand_stops_its_holder_at_its_next_heartbeat(root):
     holder.acquire()
     try:
         path = conditional_file(root / LEASES / f"{SHARD}.json")
-        assert path.delete(path.read().version)  # as `rm leases/shard-03.json` does
+        # As `rm leases/shard-03.json` does; retried if a heartbeat renewed the lease in between.
+        wait_for(lambda: path.delete(path.read().version), "the removal")
         wait_for(lambda: said.saying("was taken over by nobody (it was removed)"), "the holder to notice")
         with pytest.raises(LeaseLost):
             holder.check()
