@@ -217,12 +217,15 @@ class Launcher:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _pid(self, spec: LaunchSpec) -> int | None:
+    def _recorded_pid(self, spec: LaunchSpec) -> int | None:
         try:
-            pid = int(self._pid_path(spec).read_text().strip())
+            return int(self._pid_path(spec).read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        return pid if pid_alive(pid) else None
+
+    def _pid(self, spec: LaunchSpec) -> int | None:
+        pid = self._recorded_pid(spec)
+        return pid if pid is not None and pid_alive(pid) else None
 
     def ensure_running(self, *, timeout_s: float) -> list[str]:
         """Start what is not running, then wait until every server is ready. Returns the URLs."""
@@ -235,7 +238,9 @@ class Launcher:
                 self._start(spec)
                 started.append(self.url(spec))
         for spec in self.specs:
-            pid = self._pid(spec)
+            # The recorded pid, alive or not: a server that died at once is then told apart from
+            # one still loading, and reported now rather than after the whole timeout.
+            pid = self._recorded_pid(spec)
             try:
                 wait_ready(
                     self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid, secret=self._api_key
