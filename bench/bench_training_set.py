@@ -232,6 +232,8 @@ def run_build(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_d
         "assistant_tokens": manifest.assistant_tokens,
         "left_out": manifest.left_out,
         "tokens_per_sample": manifest.tokens_per_sample,
+        "ids_from": manifest.ids_from,
+        "retokenization": manifest.retokenization,
         "peak_rss_mib": window_peak_mib(),
     }
 
@@ -340,9 +342,10 @@ def run_child(args: argparse.Namespace) -> None:
     run_phase_here(PHASES[args.phase], args, preload=preload)
 
 
-def spawn(phase: str, args: argparse.Namespace, **extra: int) -> dict[str, Any]:
+def spawn(phase: str, args: argparse.Namespace, *, script: str = __file__, **extra: Any) -> dict[str, Any]:
+    """One phase of ``script`` (this benchmark, or one that shares its options) in its own process."""
     command = [
-        sys.executable, __file__, "--phase", phase, "--records", str(args.records), "--seed", str(args.seed),
+        sys.executable, script, "--phase", phase, "--records", str(args.records), "--seed", str(args.seed),
         "--data-dir", str(args.data_dir), "--work-dir", str(args.work_dir), "--slices", str(args.slices),
     ]  # fmt: skip
     for key, value in extra.items():

@@ -38,7 +38,8 @@ CONSUMER_NOTES = {
 
 _LOADING = {
     "parquet": (
-        "The tokenized set, Parquet shards of `id`, `source`, `input_ids`, `loss_mask`, `length`.",
+        "The tokenized set, Parquet shards of `id`, `source`, `input_ids`, `loss_mask`, `length`, `ids_from`, "
+        "`ids_match_text`.",
         'python -c \'import datasets; print(datasets.load_dataset("parquet", data_files="part-*.parquet", '
         'split="train"))\'\n'
         "python -c 'import polars as pl; print(pl.read_parquet(\"part-*.parquet\"))'",
@@ -92,6 +93,46 @@ def mode_table(manifest: Manifest) -> list[str]:
         lines.append(
             f"| {name} | {mode['share']:.3f} | {mode['sample_share']:.3f} | {mode['samples']:,} | "
             f"{mode['assistant_tokens']:,} | `{json.dumps(_kwargs(mode), sort_keys=True)}` | `{mode['fingerprint']}` |"
+        )
+    return lines
+
+
+#: What the measured difference means, where no source says how often a real model's ids differ.
+DIFFERENCE_MEANING = (
+    "A random model (CI's) samples far from the tokenizer's canonical split of its own text, so there "
+    "the difference is large. How often a real model's sampled ids differ from re-tokenizing its text "
+    "is not known from any source this project has: these counts are how a run finds out."
+)
+
+
+def token_ids_lines(manifest: Manifest) -> list[str]:
+    """Where the rows' ids come from, and the difference re-tokenizing them would have made."""
+    server, retokenized = manifest.ids_from.get("server", 0), manifest.ids_from.get("retokenized", 0)
+    measured = manifest.retokenization
+    why = ", ".join(f"`{reason}` {count:,}" for reason, count in manifest.retokenized_because.items())
+    lines = [
+        f"{server:,} of {server + retokenized:,} rows are the ids the server ran and sampled (`ids_from: server`): "
+        "its prompt ids, then the sampled ids closed by the end-of-turn token (the template's, where the "
+        f"answer was cut before one). {manifest.ids_text_differs:,} of them do not decode to the text the "
+        "server returned (compared without whitespace and think tags, which reasoning parsers move): the ids "
+        "win, and the row says so (`ids_match_text: false`).",
+        f"{retokenized:,} rows are the text rendered with the chat template and tokenized again "
+        f"(`ids_from: retokenized`){': ' + why if why else ''}. A record whose ids are not whole is never "
+        "trained from them.",
+    ]
+    if measured.get("rows_measured"):
+        lines.append(
+            f"Measured on {measured['sample']}: {measured['rows_differing']:,} of {measured['rows_measured']:,} "
+            f"rows differ from their re-tokenization, by {measured['tokens_differing_sum']:,} tokens in all "
+            f"(at most {measured['tokens_differing_max']:,} in a row); the prompt ids of "
+            f"{measured['prompt_rows_differing']:,} differ from the client's own render of the prompt "
+            f"({measured['prompt_tokens_differing_sum']:,} tokens, at most {measured['prompt_tokens_differing_max']:,}). "
+            + DIFFERENCE_MEANING
+        )
+    if "specforge-conversations" in manifest.outputs:
+        lines.append(
+            "`conversations.jsonl` is text: a trainer that renders it tokenizes the text again and does not "
+            "get the sampled ids, which `pretokenized.jsonl` and the Parquet rows carry."
         )
     return lines
 
@@ -164,6 +205,9 @@ def dataset_card(manifest: Manifest) -> str:
         "",
         manifest.mask_convention,
         "",
+        "## Token ids",
+        "",
+        *(line + "\n" for line in token_ids_lines(manifest)),
         "## Files and how to load them",
         "",
         "Run the commands from this folder.",

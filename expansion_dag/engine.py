@@ -371,6 +371,7 @@ class Sender:
             continuous_usage=server.dialect.continuous_usage,
             tools=item.tools,
             tool_choice=server.tool_choice,
+            token_ids=server.dialect.token_ids,
         )
         started = time.monotonic()
         stats.started(started)

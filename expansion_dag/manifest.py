@@ -44,6 +44,14 @@ class Manifest:
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
     conversations: int = 0  # rows that are whole regenerated conversations
     conversation_turns_folded: int = 0  # records of their earlier turns: in those rows, not rows themselves
+    # Rows by where their ids come from ({"server", "retokenized"}: training_set.FROM_SERVER, RETOKENIZED),
+    # and why each re-tokenized row is (training_set.NO_IDS...).
+    ids_from: dict[str, int] = field(default_factory=dict)
+    retokenized_because: dict[str, int] = field(default_factory=dict)
+    ids_text_differs: int = 0  # rows from ids that do not decode to the server's text: the ids won
+    # Rows from ids re-tokenized too, on a stated sample: how many, and how many of them differ in
+    # their whole ids and in their prompt ids (the client's render against the server's), in tokens.
+    retokenization: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"

@@ -3,6 +3,7 @@
 A completion record carries everything a trainer and a reader need (the answer, the counts, the
 server, the budget); a failure record says what failed and whose fault it was (``outcome``, see
 ``expansion_dag.outcomes``), and a stopped loop keeps its text for inspection, never for training.
+Token ids the server returned are kept packed, by ``expansion_dag.token_ids``' rule.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from expansion_dag.outcomes import CONTENT
 from expansion_dag.server_api import Answer, DegenerateError, Exchange
 from expansion_dag.shard_report import ShardReport
 from expansion_dag.store import FAILED, OK, SegmentWriter
+from expansion_dag.token_ids import OUTPUT_IDS, PROMPT_IDS, pack, record_fields
 
 
 #: The training set's verdict on a record (``training_set.AnswerJudge``): ``row`` or why not.
@@ -70,6 +72,7 @@ class Recorder:
                 "latency_s": round(latency, 4),
                 "attempts": exchange.attempts,
                 "length_features": list(features),
+                **record_fields(answer.prompt_ids, answer.output_ids, answer.completion_tokens),
             }
         )
         report = self.report
@@ -115,6 +118,10 @@ class Recorder:
                 "streamed_chunks": error.chunks,
                 "streamed_tokens": error.tokens,
             }
+            if error.prompt_ids is not None:
+                record[PROMPT_IDS] = pack(error.prompt_ids)
+            if error.output_ids is not None:
+                record[OUTPUT_IDS] = pack(error.output_ids)
             self.report.output_tokens_by_outcome[error.kind] += error.tokens
         self._write(record)
         self.report.failed += 1

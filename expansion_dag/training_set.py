@@ -32,6 +32,33 @@ as Qwen3's have no ``{% generation %}`` markers, so the assistant's part is foun
   on the final turn. A mode with ``chat_template_kwargs={"enable_thinking": False}`` has it as
   prompt, as the server renders it in non-thinking mode; otherwise it counts as written by the assistant.
 
+Rows from the server's ids (issue 38). A record that carries the ids the server ran and sampled
+(``token_ids``) is its row: the prompt ids, the sampled ids (closed by the end-of-turn token they
+end with, or the template's where the answer was cut before one) and the trailer's ids; the mask
+is 0 on the prompt and 1 on the sampled ids, the trailer by the convention. No render and no
+tokenization: that is what makes the build fast. A row says where its ids come from (``ids_from``):
+
+* ``server``: as above. Ids that do not decode to the text the server returned (compared without
+  whitespace and think tags, which reasoning parsers strip and move) win: the text is what a
+  parser made of them, the ids are what the target model sampled; the row says so
+  (``ids_match_text``), counted in the manifest.
+* ``retokenized``: the path above, for a record without ids (an older server), one whose ids are not
+  whole (fewer or more than ``completion_tokens``: never trained from), or one whose row is not a
+  sequence the model sampled (``reasoning="drop"`` on an answer with reasoning). The manifest
+  counts each reason.
+
+A conversation's earlier turns are the server's own rendering of them in its last turn's prompt,
+not their own sampled ids: that prompt is the context the model answered the last turn in (Qwen3's
+template drops earlier turns' reasoning, so their sampled ids, reasoning first, are in no context
+the model ran), and a drafter learns to predict the target in the contexts it runs. They are found
+where the client's render puts them, by each token's bytes; a conversation whose server prompt does
+not decode to the client's render is re-tokenized (``prompt_not_located``).
+
+What re-tokenizing would have changed is measured on a sample of the rows from ids (the first
+``MEASURED_PER_CHUNK`` of each chunk: the measurement re-tokenizes, the cost the ids save): rows
+whose ids differ and by how many tokens, and prompts whose server ids differ from the client's own
+render, id by id (``Manifest.retokenization``).
+
 Which records: exactly those of the run's modes (``ModeIdentities``: each mode is an ``Identity``,
 the model as served, simulated or not, the mode's sampling settings and the cap), each prompt's
 only under the mode the mix draws it into now (another mode's answer to it is ``other_mode``: a
@@ -57,6 +84,7 @@ are: decoding the ids must give back the render character for character.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -78,11 +106,12 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.conversations import ENDINGS
-from expansion_dag.dataset_card import dataset_card, mode_table
+from expansion_dag.dataset_card import dataset_card, mode_table, token_ids_lines
 from expansion_dag.histogram import bar_chart_png, png_data_uri
 from expansion_dag.manifest import MANIFEST_NAME, Manifest
 from expansion_dag.modes import ModeIdentities, base_prompt_id
 from expansion_dag.store import OK, Identity
+from expansion_dag.token_ids import IDS_LEFT_OUT, OUTPUT_IDS, PROMPT_IDS, unpack
 from expansion_dag.tokenizer import render_prompts
 from expansion_dag.urls import as_upath
 
@@ -135,6 +164,19 @@ MASK_CONVENTION = (
     "system, user and tool turns are 0. The newline the template writes after the end-of-turn "
     "token is {newline}."
 )
+#: Where a row's ids come from (its ``ids_from`` column): the ids the server ran and sampled, or the
+#: text rendered and tokenized again (a record without ids, or a row that is not what was sampled).
+FROM_SERVER, RETOKENIZED = "server", "retokenized"
+#: Why a row is re-tokenized (``Manifest.retokenized_because``).
+NO_IDS = "no_ids"  # the server returned none (an older version)
+IDS_INCOMPLETE = "ids_incomplete"  # the record's ids were left out, or fewer than the tokens it counted
+REASONING_DROPPED = "reasoning_dropped"  # reasoning="drop": the row without it is no sequence the model sampled
+END_OF_TURN_UNKNOWN = "end_of_turn_unknown"  # a template whose turn end could not be found
+NOT_BYTE_LEVEL = "not_byte_level"  # a conversation's earlier turns are located by byte offsets
+PROMPT_NOT_LOCATED = "prompt_not_located"  # a conversation's server prompt is not the client's render
+#: Rows from ids also re-tokenized, to measure the difference (``Manifest.retokenization``): the first
+#: this many of each chunk. A sample, since re-tokenizing is the cost the ids save.
+MEASURED_PER_CHUNK = 32
 HISTOGRAM_BINS = 40
 MAX_FAILING_IDS = 10
 
@@ -145,6 +187,9 @@ SCHEMA = pa.schema(
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.uint8())),
         ("length", pa.int32()),
+        ("ids_from", pa.string()),  # FROM_SERVER or RETOKENIZED
+        # A row from ids: whether they decode to the text the server returned (the ids win either way).
+        ("ids_match_text", pa.bool_()),
     ]
 )
 # Spelled out so that a pyarrow upgrade changing its defaults cannot silently change the bytes.
@@ -152,7 +197,7 @@ _PARQUET_OPTIONS: dict[str, Any] = {
     "version": "2.6",
     "compression": "zstd",
     "compression_level": 3,
-    "use_dictionary": ["source"],
+    "use_dictionary": ["source", "ids_from"],
     "write_statistics": False,
     "data_page_size": 1 << 20,
 }
@@ -284,6 +329,11 @@ class _Sample:
     tools: list[dict[str, Any]] | None  # the tool definitions the template renders
     conversation: bool  # a regenerated conversation's row
     output_tokens: int  # the server's count for the answer
+    # The server's ids, packed (``token_ids``), when the row is built from them; otherwise why not.
+    prompt_ids: str | None = None
+    output_ids: str | None = None
+    retokenized: str = ""
+    said: str = ""  # the text the server returned, think block inline: what the sampled ids must decode to
 
 
 @dataclass(frozen=True)
@@ -293,29 +343,55 @@ class _ModeRules:
     kwargs: Mapping[str, Any]  # chat_template_kwargs, as at generation
     thinking: bool | None  # thinking_mode
     end_of_turn: str | None  # what the template closes an assistant turn with; None if unknown
+    # For rows from ids: the end of turn's ids, the whitespace after it (Qwen3's newline) as ids,
+    # the special tokens (a sampled one ends the turn itself), each token's bytes (None unless byte-level).
+    end_of_turn_ids: list[int] = field(default_factory=list)
+    trailer_ids: list[int] = field(default_factory=list)
+    special_ids: frozenset[int] = frozenset()
+    token_bytes: np.ndarray | None = None
 
 
 def _mode_rules(tokenizer: PreTrainedTokenizerBase, identities: ModeIdentities) -> dict[str, _ModeRules]:
-    return {
-        mode.name: _ModeRules(
+    rules = {}
+    for mode in identities.mix.modes:
+        tail = _turn_tail(tokenizer, mode.chat_template_kwargs)
+        end_of_turn = tail.rstrip() or None
+        ids = _encode([end_of_turn or "", tail[len(end_of_turn or "") :]], tokenizer)
+        rules[mode.name] = _ModeRules(
             kwargs=mode.chat_template_kwargs,
             thinking=thinking_mode(tokenizer, mode.chat_template_kwargs),
-            end_of_turn=_end_of_turn(tokenizer, mode.chat_template_kwargs),
+            end_of_turn=end_of_turn,
+            end_of_turn_ids=ids[0],
+            trailer_ids=ids[1],
+            special_ids=frozenset(tokenizer.all_special_ids),
+            token_bytes=_token_bytes(tokenizer),
         )
-        for mode in identities.mix.modes
-    }
+    return rules
 
 
-def _end_of_turn(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, Any]) -> str | None:
-    """The text after an assistant's content, less the whitespace after it (Qwen3's ``<|im_end|>``)."""
+def _turn_tail(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, Any]) -> str:
+    """The text after the last assistant's content (Qwen3's ``<|im_end|>\\n``); "" if not found."""
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}]
     try:
         [text] = _render(tokenizer, [probe], kwargs)
     except TemplateError:
+        return ""
+    return text.partition(_MARKER)[2] if text.count(_MARKER) == 1 else ""
+
+
+@functools.lru_cache(maxsize=4)
+def _token_bytes(tokenizer: PreTrainedTokenizerBase) -> np.ndarray | None:
+    """Each token id's length in bytes, for a byte-level tokenizer (Qwen's, Llama 3's); else None."""
+    backend = tokenizer.backend_tokenizer
+    if type(backend.decoder).__name__ != "ByteLevel":
         return None
-    if text.count(_MARKER) != 1:
-        return None
-    return text.partition(_MARKER)[2].rstrip() or None
+    added = backend.get_added_tokens_decoder()
+    vocab = backend.get_vocab(with_added_tokens=True)
+    lengths = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
+    for token, index in vocab.items():
+        # A byte-level token spells one byte a character; an added token is its own text.
+        lengths[index] = len(added[index].content.encode()) if index in added else len(token)
+    return lengths
 
 
 def _split_reasoning(reasoning_content: str | None, content: str | None) -> tuple[str, str]:
@@ -379,6 +455,7 @@ def _screen(
         return "reasoning_missing"
     if thinking is False and reasoning.strip():
         return "reasoning_unexpected"
+    retokenized = _why_retokenized(record, reasoning, config, rules[mode])
     return _Sample(
         id=record.get("conversation_id") or record["prompt_id"],
         source=record["source"],
@@ -390,7 +467,45 @@ def _screen(
         tools=list(record.get("tools") or ()) or None,
         conversation=bool(record.get("conversation_id")),
         output_tokens=_output_tokens(record),
+        prompt_ids=None if retokenized else record[PROMPT_IDS],
+        output_ids=None if retokenized else record[OUTPUT_IDS],
+        retokenized=retokenized,
+        said="" if retokenized else _said(record),
     )
+
+
+def _why_retokenized(record: Mapping[str, Any], reasoning: str, config: TrainingSetConfig, rules: _ModeRules) -> str:
+    """Why an answer's row cannot be its server's ids ("" when it is).
+
+    The rule for ids that disagree with the text: ids that are not whole (the client left them out,
+    or ``_prepared`` counts fewer or more than ``completion_tokens``) are never trained, and the row
+    falls back to the text; whole ids win over the text they should decode to, and the row says
+    whether they do (``ids_match_text``).
+    """
+    if record.get(PROMPT_IDS) is None or record.get(OUTPUT_IDS) is None:
+        return IDS_INCOMPLETE if record.get(IDS_LEFT_OUT) else NO_IDS
+    if config.reasoning == "drop" and reasoning.strip():
+        return REASONING_DROPPED
+    if rules.end_of_turn is None:
+        return END_OF_TURN_UNKNOWN
+    if record.get("conversation_id") and rules.token_bytes is None:
+        return NOT_BYTE_LEVEL
+    return ""
+
+
+def _said(record: Mapping[str, Any]) -> str:
+    """The answer as the server returned it, its reasoning inline as Qwen3 writes it."""
+    reasoning, content = record.get("reasoning_content"), record.get("content") or ""
+    return f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content
+
+
+def _squashed(text: str) -> str:
+    """Text as the ids and the server's text are compared: without whitespace and think tags, which
+    reasoning parsers strip and move at the ``</think>`` boundary."""
+    text = "".join(text.split())
+    for tag in THINK_TAGS:
+        text = text.replace(tag, "")
+    return text
 
 
 def _unanswered(record: Mapping[str, Any]) -> str:
@@ -570,28 +685,185 @@ def render_digest(full: str, written: str) -> bytes:
     return hashlib.blake2b(f"{full}\0{written}".encode(), digest_size=16).digest()
 
 
+def ids_digest(input_ids: np.ndarray, loss_mask: np.ndarray) -> bytes:
+    """What a row built from a server's ids must be, hashed: its ids and mask themselves."""
+    data = input_ids.astype("<i4").tobytes() + b"\0" + loss_mask.astype(np.uint8).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _trained(config: TrainingSetConfig) -> tuple[int, ...]:
+    """Which of a turn's three segments (before it, the turn, its trailer) the mask trains."""
+    return (1, 2) if config.train_newline_after_end_of_turn else (1,)
+
+
 def _digest(texts: Sequence[str], config: TrainingSetConfig) -> bytes:
-    # Texts come in threes, (before, turn, trailer): the turns are trained, the trailers by convention.
-    trained = (1, 2) if config.train_newline_after_end_of_turn else (1,)
-    return render_digest("".join(texts), "".join(t for i, t in enumerate(texts) if i % 3 in trained))
+    return render_digest("".join(texts), "".join(t for i, t in enumerate(texts) if i % 3 in _trained(config)))
 
 
-def _tokenize(
-    texts: Sequence[Sequence[str]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig
-) -> tuple[list[list[int]], list[bytes]]:
-    """Segment ids, flat, and each sample's render digest (hashed here, beside the tokenizer, off the main thread)."""
-    return _encode([t for sample in texts for t in sample], tokenizer), [_digest(t, config) for t in texts]
+@dataclass
+class _Row:
+    """A sample on its way to a row: its segments from the server's ids (three per assistant turn),
+    and the texts of the re-tokenizing path, rendered for a row without ids or to measure one."""
+
+    sample: _Sample
+    output: list[int] | None = None  # the sampled ids, unpacked
+    texts: list[str] | None = None
+    ids: list[list[int]] | None = None
+    measured: bool = False
+
+
+@dataclass(frozen=True)
+class _Difference:
+    """A measured row from ids against its re-tokenization, in tokens (0: the same ids)."""
+
+    row: int
+    prompt: int  # the server's prompt ids against the client's own render of the prompt, tokenized
+
+
+def _differing_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens of the longer sequence between the longest common prefix and suffix: 0 when equal."""
+    x, y = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    n = min(len(x), len(y))
+    unequal = np.flatnonzero(x[:n] != y[:n])
+    head = int(unequal[0]) if unequal.size else n
+    rest = n - head
+    unequal = np.flatnonzero(x[len(x) - rest :][::-1] != y[len(y) - rest :][::-1]) if rest else np.empty(0)
+    tail = int(unequal[0]) if unequal.size else rest
+    return max(len(x), len(y)) - head - tail
+
+
+def _prepared(
+    samples: Sequence[_Sample], tokenizer: PreTrainedTokenizerBase, rules: Mapping[str, _ModeRules], measure: int
+) -> tuple[list[_Row], int]:
+    """Each sample's row as far as this thread takes it (the Python work: renders, ids unpacked),
+    and how many were left out because their render does not split.
+
+    Rendered: rows without ids, conversations (their earlier turns are found in the render) and
+    the first ``measure`` rows from ids. A single answer from ids needs no render at all.
+    """
+    rows = []
+    for sample in samples:
+        output = None if sample.retokenized else unpack(sample.output_ids or "")
+        if output is not None and len(output) != sample.output_tokens:
+            # Not as many as the server counted: ids that are not whole are never trained.
+            sample, output = dataclasses.replace(sample, prompt_ids=None, output_ids=None, retokenized=IDS_INCOMPLETE), None
+        rows.append(_Row(sample, output))
+    from_ids = [r for r in rows if not r.sample.retokenized]
+    for row in from_ids[:measure]:
+        row.measured = True
+    rendered = [r for r in rows if r.sample.retokenized or r.sample.conversation or r.measured]
+    for row, texts in zip(rendered, _segments([r.sample for r in rendered], tokenizer, rules)):
+        row.texts = texts
+    kept = []
+    for row in rows:
+        if not row.sample.retokenized:
+            row.ids = _server_segments(row, rules[row.sample.mode], tokenizer)
+            if row.ids is None and row.texts is not None:
+                # A conversation whose earlier turns cannot be found in the server's prompt: its text.
+                row.sample = dataclasses.replace(row.sample, prompt_ids=None, output_ids=None, retokenized=PROMPT_NOT_LOCATED)
+            row.measured = row.measured and row.ids is not None and row.texts is not None
+        if row.ids is not None or row.texts is not None:
+            kept.append(row)
+    return kept, len(rows) - len(kept)
+
+
+def _server_segments(row: _Row, rules: _ModeRules, tokenizer: PreTrainedTokenizerBase) -> list[list[int]] | None:
+    """A row from the server's ids: its prompt ids, the sampled ids closed by the end of turn, the trailer.
+
+    A sampled end of turn (or another special token the server stopped at) closes the turn itself;
+    an answer without one (cut at ``max_tokens``) gets the template's. A conversation's earlier
+    turns are the server's own rendering of them in the last turn's prompt (the context the model
+    answered the last turn in; Qwen3's template drops their reasoning): they are found where the
+    client's render puts them, through each token's bytes, so the prompt must decode to that render
+    exactly; None where it does not (or the render does not split).
+    """
+    sample, texts = row.sample, row.texts
+    prompt, output = unpack(sample.prompt_ids or ""), row.output or []
+    eot = rules.end_of_turn_ids
+    closed = output[-len(eot) :] == eot or (output and output[-1] in rules.special_ids)
+    answer = output if closed else output + eot
+    if not sample.conversation:
+        return [prompt, answer, rules.trailer_ids]
+    if texts is None or rules.token_bytes is None:
+        return None
+    if tokenizer.backend_tokenizer.decode(prompt, skip_special_tokens=False) != "".join(texts[:-2]):
+        return None
+    ends = np.cumsum(rules.token_bytes[np.asarray(prompt, dtype=np.int64)])
+    cuts = np.cumsum([len(t.encode()) for t in texts[:-3]])
+    # A token across a boundary (a header's newline merged with the answer's first characters)
+    # goes to the segment after it.
+    bounds = [0, *np.searchsorted(ends, cuts, side="right").tolist(), len(prompt)]
+    return [prompt[a:b] for a, b in zip(bounds, bounds[1:])] + [answer, rules.trailer_ids]
+
+
+def _flat(segments: Sequence[Sequence[int]]) -> list[int]:
+    return list(itertools.chain.from_iterable(segments))
+
+
+def _agrees(decoded: str, sample: _Sample) -> bool:
+    """Whether sampled ids decode to the text the server returned: the same, or the same once
+    ``_squashed``. A tool parser moves the calls out of the content: after it, the ids must still
+    name each call."""
+    if decoded == sample.said:
+        return True
+    text, said = _squashed(decoded), _squashed(sample.said)
+    if not sample.tool_calls:
+        return text == said
+    names = [_squashed(str((call.get("function") or {}).get("name") or "")) for call in sample.tool_calls]
+    return text.startswith(said) and all(name in text for name in names)
 
 
 @dataclass
 class _Chunk:
-    """Kept samples of a chunk of records, tokenized: the segment ids of all of them, flat."""
+    """Rows of a chunk of records: their segments (three per assistant turn: before it, the turn,
+    its trailer), flat, and for each row its turns, digest, source of ids and measurement."""
 
     samples: list[_Sample] = field(default_factory=list)
-    ids: list[list[int]] = field(default_factory=list)  # 3 per turn: before it, the turn, its trailer
-    turns: list[int] = field(default_factory=list)  # each sample's assistant turns
-    digests: list[bytes] = field(default_factory=list)
-    trained: list[int] = field(default_factory=list)  # each sample's tokens of loss_mask 1
+    ids: list[Sequence[int]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    digests: list[bytes | None] = field(default_factory=list)  # a render's; None for a row from ids (``_digests``)
+    match_text: list[bool | None] = field(default_factory=list)  # None: re-tokenized
+    differences: list[_Difference | None] = field(default_factory=list)  # None: not measured
+    trained: list[int] = field(default_factory=list)  # each row's tokens of loss_mask 1
+
+    def add(self, sample: _Sample, segments: Sequence[Sequence[int]], digest: bytes | None,
+            match_text: bool | None, difference: _Difference | None) -> None:
+        self.samples.append(sample)
+        self.ids.extend(segments)
+        self.turns.append(len(segments) // 3)
+        self.digests.append(digest)
+        self.match_text.append(match_text)
+        self.differences.append(difference)
+
+
+def _tokenize(rows: Sequence[_Row], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig) -> _Chunk:
+    """The tokenizer's work on a chunk's rows, one batch each way (off the main thread: the Rust
+    backend releases the GIL): the texts of re-tokenized and measured rows encoded, each measured
+    prompt encoded whole as a server would, each sampled answer decoded to compare with its text."""
+    retokenize = [r for r in rows if r.ids is None or r.measured]
+    measured = [r for r in rows if r.measured]
+    encoded = _encode([t for r in retokenize for t in r.texts or ()] + ["".join((r.texts or ())[:-2]) for r in measured], tokenizer)
+    position, segments_of = 0, {}
+    for row in retokenize:
+        segments_of[id(row)] = encoded[position : position + len(row.texts or ())]
+        position += len(row.texts or ())
+    client_prompts = iter(encoded[position:])
+    answers = [r.ids[-2] for r in rows if r.ids is not None]
+    decoded = iter(tokenizer.backend_tokenizer.decode_batch(answers, skip_special_tokens=True))
+    chunk = _Chunk()
+    for row in rows:
+        if row.ids is None:
+            chunk.add(row.sample, segments_of[id(row)], _digest(row.texts or (), config), None, None)
+            continue
+        difference = None
+        if row.measured:
+            retokenized = segments_of[id(row)]
+            difference = _Difference(
+                row=_differing_tokens(_flat(row.ids), _flat(retokenized)),
+                prompt=_differing_tokens(_flat(row.ids[:-2]), next(client_prompts)),
+            )
+        chunk.add(row.sample, row.ids, None, _agrees(next(decoded), row.sample), difference)
+    return chunk
 
 
 def _encoded_chunks(
@@ -600,7 +872,7 @@ def _encoded_chunks(
     config: TrainingSetConfig,
     tally: _Tally,
 ) -> Iterator[_Chunk]:
-    """The kept samples of each chunk, tokenized, with their render digests, in input order.
+    """The rows of each chunk of records, tokenized, with their digests, in input order.
 
     One chunk is tokenized in a worker thread (the Rust backend releases the GIL and uses every
     core) while this thread renders the next chunk and the consumer writes the previous one, so
@@ -608,34 +880,28 @@ def _encoded_chunks(
     """
     rules = _mode_rules(tokenizer, tally.identities)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending: tuple[list[_Sample], list[int], Future[tuple[list[list[int]], list[bytes]]]] | None = None
+        pending: Future[_Chunk] | None = None
         for samples in _screened_chunks(records, config, tally, rules):
-            split = [(s, t) for s, t in zip(samples, _segments(samples, tokenizer, rules)) if t is not None]
-            tally.reasons["render_mismatch"] += len(samples) - len(split)
-            if not split:
+            rows, mismatched = _prepared(samples, tokenizer, rules, MEASURED_PER_CHUNK)
+            tally.reasons["render_mismatch"] += mismatched
+            if not rows:
                 continue
-            texts = [t for _, t in split]
-            future = pool.submit(_tokenize, texts, tokenizer, config)
+            future = pool.submit(_tokenize, rows, tokenizer, config)
             if pending is not None:
-                yield _within_length(*pending[:2], *pending[2].result(), config, tally.reasons)
-            pending = ([s for s, _ in split], [len(t) // 3 for t in texts], future)
+                yield _within_length(pending.result(), config, tally.reasons)
+            pending = future
         if pending is not None:
-            yield _within_length(*pending[:2], *pending[2].result(), config, tally.reasons)
+            yield _within_length(pending.result(), config, tally.reasons)
 
 
-def _within_length(
-    samples: list[_Sample],
-    turns: list[int],
-    ids: list[list[int]],
-    digests: list[bytes],
-    config: TrainingSetConfig,
-    left_out: Counter[str],
-) -> _Chunk:
+def _within_length(built: _Chunk, config: TrainingSetConfig, left_out: Counter[str]) -> _Chunk:
     kept = _Chunk()
-    trained = (1, 2) if config.train_newline_after_end_of_turn else (1,)
+    trained = _trained(config)
     position = 0
-    for sample, count, digest in zip(samples, turns, digests):
-        segments = ids[position : position + 3 * count]
+    for sample, count, digest, match, difference in zip(
+        built.samples, built.turns, built.digests, built.match_text, built.differences
+    ):
+        segments = built.ids[position : position + 3 * count]
         position += 3 * count
         length = sum(map(len, segments))
         if length > config.max_length:
@@ -643,10 +909,7 @@ def _within_length(
         elif length < config.min_length:
             left_out["too_short"] += 1
         else:
-            kept.samples.append(sample)
-            kept.ids.extend(segments)
-            kept.turns.append(count)
-            kept.digests.append(digest)
+            kept.add(sample, segments, digest, match, difference)
             kept.trained.append(sum(len(s) for i, s in enumerate(segments) if i % 3 in trained))
     return kept
 
@@ -658,9 +921,7 @@ def _within_length(
 def _table(chunk: _Chunk, config: TrainingSetConfig) -> pa.Table:
     ids = chunk.ids
     segment_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    values = np.fromiter(
-        itertools.chain.from_iterable(ids), dtype=np.int32, count=int(segment_lengths.sum())
-    )
+    values = np.concatenate([np.asarray(s, dtype=np.int32) for s in ids]) if ids else np.empty(0, np.int32)
     # Segments alternate before the turn, the turn, its trailer: the mask is 0, 1 and the
     # convention's over their lengths; a sample is its turns' segments.
     trailer = int(config.train_newline_after_end_of_turn)
@@ -677,9 +938,21 @@ def _table(chunk: _Chunk, config: TrainingSetConfig) -> pa.Table:
             pa.ListArray.from_arrays(offsets, pa.array(values)),
             pa.ListArray.from_arrays(offsets, pa.array(mask)),
             pa.array(lengths.astype(np.int32)),
+            pa.array([RETOKENIZED if m is None else FROM_SERVER for m in chunk.match_text], pa.string()),
+            pa.array(chunk.match_text, pa.bool_()),
         ],
         schema=SCHEMA,
     )
+
+
+def _digests(chunk: _Chunk, table: pa.Table) -> list[bytes]:
+    """Each row's digest (``BuildTrace.renders``): its render's, or for a row from ids, taken from the
+    table only when asked for (a build without a trace hashes nothing), its ids' and mask's."""
+    ids, masks = table.column("input_ids"), table.column("loss_mask")
+    return [
+        ids_digest(ids[i].values.to_numpy(), masks[i].values.to_numpy()) if digest is None else digest
+        for i, digest in enumerate(chunk.digests)
+    ]
 
 
 class _ShardWriter:
@@ -724,6 +997,11 @@ class _Stats:
         self.by_mode: Counter[tuple[str, str]] = Counter()  # (mode, "samples" | "assistant_tokens")
         self.conversations: set[str] = set()  # ids of the rows that are whole conversations
         self.output_tokens = 0  # the server's count for the answers that became rows
+        self.from_server = 0  # rows from the server's ids
+        self.text_differs = 0  # of those, rows whose sampled ids decode to other text than the server's
+        self.retokenized: Counter[str] = Counter()  # why each re-tokenized row is
+        self.measured: Counter[str] = Counter()  # rows from ids re-tokenized too: the sums
+        self.most: Counter[str] = Counter()  # and the largest differences
 
     def add(self, table: pa.Table, chunk: _Chunk) -> None:
         lengths = table.column("length").to_numpy()
@@ -739,6 +1017,27 @@ class _Stats:
             self.output_tokens += sample.output_tokens
             if sample.conversation:
                 self.conversations.add(sample.id)
+        for sample, match, difference in zip(chunk.samples, chunk.match_text, chunk.differences):
+            if match is None:
+                self.retokenized[sample.retokenized] += 1
+                continue
+            self.from_server += 1
+            self.text_differs += not match
+            if difference is not None:
+                for name, tokens in (("", difference.row), ("prompt_", difference.prompt)):
+                    self.measured[f"{name}rows_differing"] += tokens > 0
+                    self.measured[f"{name}tokens_differing_sum"] += tokens
+                    self.most[f"{name}tokens_differing_max"] = max(self.most[f"{name}tokens_differing_max"], tokens)
+                self.measured["rows_measured"] += 1
+
+    def retokenization(self, chunk_rows: int) -> dict[str, Any]:
+        """The measured difference between rows from ids and their re-tokenization (``Manifest.retokenization``)."""
+        names = ("rows_measured", "rows_differing", "tokens_differing_sum", "tokens_differing_max",
+                 "prompt_rows_differing", "prompt_tokens_differing_sum", "prompt_tokens_differing_max")
+        return {
+            "sample": f"the first {MEASURED_PER_CHUNK} rows from ids of each chunk of {chunk_rows} records",
+            **{name: self.measured[name] + self.most[name] for name in names},
+        }
 
     def modes(self, identities: ModeIdentities) -> dict[str, dict[str, Any]]:
         """Each mode: its configured share and settings, and the rows and trained tokens it got."""
@@ -871,7 +1170,7 @@ def _write_training_set(
             jsonl.write(chunk.samples, table)
             stats.add(table, chunk)
             if tally.trace is not None:
-                for sample, digest in zip(chunk.samples, chunk.digests):
+                for sample, digest in zip(chunk.samples, _digests(chunk, table)):
                     tally.trace.renders.setdefault(sample.id, []).append(digest)
     finally:
         files = writer.close() + jsonl.close()
@@ -907,6 +1206,10 @@ def _write_training_set(
         modes=stats.modes(tally.identities),
         conversations=len(stats.conversations),
         conversation_turns_folded=tally.folded,
+        ids_from={FROM_SERVER: stats.from_server, RETOKENIZED: sum(stats.retokenized.values())},
+        retokenized_because=dict(sorted(stats.retokenized.items())),
+        ids_text_differs=stats.text_differs,
+        retokenization=stats.retokenization(config.chunk_rows),
     )
     (directory / CARD_NAME).write_text(dataset_card(manifest))
     (directory / MANIFEST_NAME).write_text(manifest.to_json())
@@ -1000,7 +1303,8 @@ def expected_renders(
     """Render digests of the rows the records of ``identities`` give (those whose row id is in
     ``ids``: the prompt's, or the conversation's), rendered afresh.
 
-    What ``BuildTrace.renders`` holds, computed from records instead of by a build.
+    What ``BuildTrace.renders`` holds, computed from records instead of by a build: a row from a
+    server's ids has the digest of those ids and their mask (``ids_digest``).
     """
     candidates: list[_Sample] = []
     rules = _mode_rules(tokenizer, identities)
@@ -1010,9 +1314,10 @@ def expected_renders(
             if not isinstance(screened, str):
                 candidates.append(screened)
     expected: dict[str, list[bytes]] = {}
-    for sample, texts in zip(candidates, _segments(candidates, tokenizer, rules)):
-        if texts is not None:
-            expected.setdefault(sample.id, []).append(_digest(texts, config))
+    rows, _ = _prepared(candidates, tokenizer, rules, measure=0)
+    chunk = _tokenize(rows, tokenizer, config)
+    for sample, digest in zip(chunk.samples, _digests(chunk, _table(chunk, config)) if chunk.samples else ()):
+        expected.setdefault(sample.id, []).append(digest)
     return expected
 
 
@@ -1024,7 +1329,8 @@ def check_round_trip(
     """Check rows against the renders their records give (``expected``: a build's trace, or ``expected_renders``).
 
     A row passes when its ids decode to the conversation's render and its masked ids decode to
-    exactly the assistant's part (answer, kept reasoning and end-of-turn token). A row whose id has
+    exactly the assistant's part (answer, kept reasoning and end-of-turn token), or, for a row from
+    a server's ids, when its ids and mask are those the record's ids give. A row whose id has
     no expected render (e.g. made from another identity's answer) is missing. A prompt answered
     more than once passes if any of its renders matches.
     """
@@ -1041,7 +1347,8 @@ def check_round_trip(
         else:
             full = decode(ids, skip_special_tokens=False)
             written = decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
-            ok = len(ids) == len(mask) == row["length"] and render_digest(full, written) in expected[row["id"]]
+            digests = (render_digest(full, written), ids_digest(np.asarray(ids), np.asarray(mask)))
+            ok = len(ids) == len(mask) == row["length"] and any(d in expected[row["id"]] for d in digests)
             passed += ok
             failed += not ok
         if not ok and len(failing) < MAX_FAILING_IDS:
@@ -1114,6 +1421,7 @@ def manifest_markdown(manifest: Manifest) -> str:
     if manifest.conversations or manifest.conversation_turns_folded:
         lines += ["", f"{manifest.conversations:,} of the samples are whole conversations (every assistant "
                   f"turn trained), holding {manifest.conversation_turns_folded:,} records of earlier turns."]
+    lines += ["", *token_ids_lines(manifest)[:3]]
     lines += ["", "| left out | records |", "|---|---:|"]
     lines += [f"| {reason} | {count:,} |" for reason, count in manifest.left_out.items()]
     if manifest.other_identities:

@@ -97,3 +97,20 @@ def requests_per_prompt(budgeted: pl.DataFrame) -> dict[str, int]:
         pid: 1 if turns is None else sum(m["role"] == "assistant" for m in turns)
         for pid, turns in zip(budgeted["prompt_id"].to_list(), conversations)
     }
+
+
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """A training row's masked spans of ids, in order: the assistant turns it trains on."""
+    runs: list[list[int]] = []
+    for token, bit, before in zip(ids, mask, [0, *mask]):
+        if bit and not before:
+            runs.append([])
+        if bit:
+            runs[-1].append(token)
+    return runs
+
+
+def closed_turn(sampled: list[int], special_ids: Iterable[int], end_of_turn: int) -> list[int]:
+    """The ids a row trains on for one sampled answer: the server's own, closed by the template's
+    end of turn where the answer stopped at no special token (cut at its max_tokens)."""
+    return sampled if sampled and sampled[-1] in set(special_ids) else [*sampled, end_of_turn]

@@ -13,6 +13,7 @@ from expansion_dag.server_api import SGLANG, dialect_for
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.store import FAILED, OK, CompletionStore
+from expansion_dag.token_ids import IDS_LEFT_OUT, OUTPUT_IDS, PROMPT_IDS, unpack
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -36,7 +37,8 @@ def run_shard(tmp_path, sim, config, n=40, stream_interval=1):
     """``stream_interval``: what the probe would say of the server (its own, or what vLLM is asked)."""
     store = CompletionStore(tmp_path)
     with SimulatedFleet([SimServerConfig(**SIM, **sim)]) as fleet:
-        server = Server(fleet.urls[0], 8, dialect_for(sim.get("backend", "sglang")), stream_interval=stream_interval)
+        dialect = dialect_for(sim.get("backend", "sglang"), sim.get("version"))
+        server = Server(fleet.urls[0], 8, dialect, stream_interval=stream_interval)
         with store.writer(SHARD) as writer:
             report = generate_shard(
                 work(n), [server], writer=writer, model=MODEL, sampling=SamplingSettings(), config=config
@@ -75,6 +77,12 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
         # are one token each, so the text says what the count should be.
         assert record["streamed_tokens"] == len(record["content"].split())
         assert record["streamed_chunks"] <= 1 + record["streamed_tokens"] // interval
+        # vLLM streams the ids with the text: a stopped answer keeps those it received; SGLang sends
+        # them only once the answer is over.
+        if backend == "vllm":
+            assert len(unpack(record[OUTPUT_IDS])) == record["streamed_tokens"]
+        else:
+            assert OUTPUT_IDS not in record
     assert all(r["finish_reason"] == "stop" and r["content"] for r in ok)
     # Closing the stream aborted each loop on the server and freed its slot.
     assert stats["aborted"] == 10 and stats["num_running"] == 0
@@ -107,6 +115,31 @@ def test_streamed_and_plain_runs_write_the_same_completions(tmp_path, interval):
     _, plain, _ = run_shard(tmp_path / "b", dict(reasoning_parser="qwen3"), EngineConfig(**FAST, stop_degenerate=False), n=12)
     fields = ("prompt_id", "content", "reasoning_content", "finish_reason", "prompt_tokens", "completion_tokens")
     assert sorted(tuple(r[f] for f in fields) for r in streamed) == sorted(tuple(r[f] for f in fields) for r in plain)
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "plain"])
+def test_answers_are_recorded_with_the_ids_the_server_ran_and_sampled(tmp_path, backend, streamed):
+    _, records, stats = run_shard(
+        tmp_path, dict(backend=backend, reasoning_parser="qwen3", stream_interval=8),
+        EngineConfig(**FAST, stop_degenerate=streamed), n=12, stream_interval=8,
+    )
+    assert len(records) == 12 and all(r["status"] == OK for r in records)
+    for record in records:
+        assert len(unpack(record[PROMPT_IDS])) == record["prompt_tokens"]
+        assert len(unpack(record[OUTPUT_IDS])) == record["completion_tokens"]
+    # Answers to different prompts are different ids.
+    assert len({r[OUTPUT_IDS] for r in records}) == 12
+
+
+@pytest.mark.parametrize("version", [None, "0.5.7"])
+def test_a_server_that_returns_no_ids_gives_records_without_them(tmp_path, version):
+    """A simulated server that ignores the request for ids, and an SGLang too old to be asked."""
+    sim = dict(token_ids=False) if version is None else dict(version=version)
+    _, records, stats = run_shard(tmp_path, sim, EngineConfig(**FAST), n=6)
+    assert len(records) == 6 and all(r["status"] == OK for r in records)
+    assert not any(PROMPT_IDS in r or OUTPUT_IDS in r or IDS_LEFT_OUT in r for r in records)
+    assert ("return_output_ids_in_sglext" in stats["last_chat_request"]) == (version is None)
 
 
 def test_a_legitimate_repetitive_answer_is_kept(tmp_path):

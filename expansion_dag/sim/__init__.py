@@ -66,6 +66,16 @@ Deliberate differences from a real server:
   ``prompt_token_skew``) is simulator-only; a killed server drops its connections and frees its port
   at once. ``abort_rate`` answers as SGLang answers an aborted request (``/abort_request``,
   ``abort_all``): HTTP 200, the first half of the text, ``finish_reason: "abort"``.
+- Token ids come back where asked as the real servers send them (SGLang's ``sglext``, vLLM's
+  ``prompt_token_ids`` and ``token_ids``, plain and streamed): the prompt's from the model's
+  tokenizer, as a server runs it; the answer's the tokenizer's ids of the raw answer (thinking and
+  parsed calls included), as the ids a real server sampled are those it detokenized into the text,
+  always ``completion_tokens`` of them (``generation.sim_output_ids``): a training set built from a
+  simulated fleet decodes to its answers. Being canonical, they cannot tell a client that keeps the
+  server's ids from one that tokenizes the text again: ``test_training_set_ids.py`` and the
+  real-engine tests do.
+  ``token_ids=False`` (``--no-token-ids``) is a server that ignores the request, as SGLang before
+  0.5.20 does.
 - ``/server_info`` carries only the recorded subset of the server arguments (a real one has them
   all) and reports ``max_running_requests`` as if launched with ``--max-running-requests``; versions
   between the recorded ones (0.5.4, 0.5.7, 0.5.23) take the shapes of the nearest recorded one.

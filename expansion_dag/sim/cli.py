@@ -189,6 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--prompt-token-skew", type=int, default=_DEFAULTS.prompt_token_skew)
     sim.add_argument(
+        "--no-token-ids",
+        dest="token_ids",
+        action="store_false",
+        help="ignore requests for token ids, as SGLang before 0.5.20 does",
+    )
+    sim.add_argument(
         "--tool-call-share",
         type=float,
         default=_DEFAULTS.tool_call_share,
@@ -246,6 +252,7 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         loop_rate=args.loop_rate,
         prompt_token_skew=args.prompt_token_skew,
         answer_defect=args.answer_defect,
+        token_ids=args.token_ids,
     )
     return [dataclasses.replace(base, port=port) for port in ports]
 

@@ -82,6 +82,10 @@ class SimServerConfig:
     (drawn from the prompt: the same prompt calls again), as raw ``<tool_call>`` text, which a
     ``tool_call_parser`` turns into ``message.tool_calls`` (on vLLM only with
     ``enable_auto_tool_choice`` as well, as there); see :mod:`expansion_dag.sim.tools`.
+
+    ``token_ids``: return the prompt's and the answer's token ids to a request that asks, where the
+    emulated version can (SGLang's ``return_*_ids_in_sglext`` from 0.5.20, vLLM's
+    ``return_token_ids``); False: a server that ignores those fields, as an older one does.
     """
 
     host: str = DEFAULT_HOST
@@ -124,6 +128,7 @@ class SimServerConfig:
     output_phrase_sigma: float = 0.0
     prompt_token_skew: int = 0
     answer_defect: str | None = None  # one of ANSWER_DEFECTS: every answer has it
+    token_ids: bool = True
     #: Keep a record of every load answer and chat request (``expansion_dag.sim.timeline``), for
     #: tests and benchmarks; off by default, since it grows with every request.
     keep_timeline: bool = False

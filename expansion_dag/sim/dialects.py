@@ -10,10 +10,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.config import SimServerConfig, version_tuple
 from expansion_dag.sim.job import Job
+
+#: ``ChatCompletionRequest.return_input_ids_in_sglext`` and ``return_output_ids_in_sglext``: in the
+#: 0.5.20 wheel's ``entrypoints/openai/protocol.py``, not in 0.5.19's.
+_SGLEXT_IDS_SINCE = (0, 5, 20)
 
 
 def dumps(obj: Any) -> bytes:
@@ -46,20 +51,62 @@ class Dialect:
 
     def __init__(self, config: SimServerConfig) -> None:
         self.config = config
+        self._returns_ids = config.token_ids and version_tuple(config.server_version) >= _SGLEXT_IDS_SINCE
+
+    def asks_token_ids(self, body: dict[str, Any]) -> tuple[bool, bool]:
+        """Whether the request gets the prompt's ids and the answer's (``_should_return_input_ids``,
+        ``_should_return_output_ids``): each has its own field."""
+        return (
+            self._returns_ids and body.get("return_input_ids_in_sglext") is True,
+            self._returns_ids and body.get("return_output_ids_in_sglext") is True,
+        )
+
+    def _sglext(self, job: Job) -> dict[str, Any]:
+        """The response-level ``sglext`` with the ids asked for (``SglExt`` drops null fields)."""
+        sglext: dict[str, Any] = {}
+        if job.prompt_ids is not None:
+            sglext["input_ids"] = job.prompt_ids
+        if job.output_ids is not None:
+            sglext["output_ids"] = [job.output_ids.tolist()]  # one list a choice
+        return sglext
+
+    def stream_ids_event(self, job: Job) -> bytes:
+        """SGLang sends a streamed answer's ids once, in a chunk of no choices before the usage."""
+        sglext = self._sglext(job)
+        if not sglext:
+            return b""
+        chunk = {
+            "id": job.chunk_id,
+            "object": "chat.completion.chunk",
+            "created": job.created,
+            "model": job.model,
+            "choices": [],
+            "usage": None,
+            "sglext": sglext,
+        }
+        return b"data: " + dumps(chunk) + b"\n\n"
 
     def stream_interval(self, body: dict[str, Any]) -> int:
         """SGLang streams at its launch setting: its chat API has no per-request interval."""
         return self.config.stream_interval
 
     def stream_event(
-        self, job: Job, delta: dict[str, Any] | None, finish_reason: str | None = None, usage: dict | None = None
+        self,
+        job: Job,
+        delta: dict[str, Any] | None,
+        finish_reason: str | None = None,
+        usage: dict | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> bytes:
-        """One ``data:`` event of a streamed answer: a delta, the finish, or (no choices) the usage."""
+        """One ``data:`` event of a streamed answer: a delta, the finish, or (no choices) the usage;
+        ``token_ids``: the delta's ids, where the dialect streams them (vLLM's ``token_ids``)."""
         choices = []
         if delta is not None:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             if self.owned_by == "sglang":
                 choice["matched_stop"] = None
+            elif token_ids is not None:
+                choice["token_ids"] = list(token_ids)
             choices.append(choice)
         chunk: dict[str, Any] = {
             "id": job.chunk_id,
@@ -70,6 +117,8 @@ class Dialect:
         }
         if usage is not None:
             chunk["usage"] = usage
+        if self.owned_by == "vllm" and job.prompt_ids is not None and delta is not None and delta.get("role"):
+            chunk["prompt_token_ids"] = job.prompt_ids  # only the first chunk carries them
         return b"data: " + dumps(chunk) + b"\n\n"
 
     def error(
@@ -180,6 +229,7 @@ class Dialect:
                 "weight_version": "default",
                 "weight_versions": [{"version": "default", "start": 0, "end": c.completion_tokens}],
             },
+            **({"sglext": sglext} if (sglext := self._sglext(job)) else {}),
         }
 
 
@@ -208,6 +258,15 @@ class VllmDialect(Dialect):
 
     def requires_key(self, path: str) -> bool:
         return path.startswith(self._GUARDED)
+
+    def asks_token_ids(self, body: dict[str, Any]) -> tuple[bool, bool]:
+        """``return_token_ids`` asks for both; any vLLM the simulator emulates has it."""
+        asked = self.config.token_ids and bool(body.get("return_token_ids"))
+        return asked, asked
+
+    def stream_ids_event(self, job: Job) -> bytes:
+        """vLLM streams the ids with the deltas: nothing comes at the end."""
+        return b""
 
     def stream_interval(self, body: dict[str, Any]) -> int:
         """A request's ``stream_interval`` raises the server's, never lowers it (``RequestState``)."""
@@ -303,7 +362,7 @@ class VllmDialect(Dialect):
                     "logprobs": None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": None,
-                    "token_ids": None,
+                    "token_ids": None if job.output_ids is None else job.output_ids.tolist(),
                     "routed_experts": None,
                     "weight_versions": None,
                 }
@@ -319,7 +378,7 @@ class VllmDialect(Dialect):
                 "completion_tokens_details": {"reasoning_tokens": c.reasoning_tokens} if parsed else None,
             },
             "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_token_ids": job.prompt_ids,
             "prompt_text": None,
             "kv_transfer_params": None,
             "ec_transfer_params": None,

@@ -64,6 +64,67 @@ class Completion:
     finish_reason: str  # "stop" or "length"; the server may turn it into "abort" or "tool_calls"
     #: Calls a tool-call parser took out of the text, as the dialect's ``message.tool_calls``; None: none.
     tool_calls: tuple[dict, ...] | None = None
+    #: The raw text of those calls, as the model wrote it before the parser took it out of ``content``.
+    call_text: str = ""
+
+
+#: The pieces of a raw answer that are each one token of the model's tokenizer when the answer is
+#: the simulator's own words (``_piece_ids``): a think tag, a run of newlines, a word with its
+#: leading space (or none, first in a line). The tokenizer's pre-tokenizer splits the text at the
+#: same places (an added token first, a word with the one space before it, newlines apart), so
+#: the pieces' ids are its encoding of the whole text.
+_PIECES = re.compile(r"</?think>|\n+|\s*[^\s<]+|\s+|<")
+#: Where the simulator's count and the tokenizer's differ, the count wins, as a real server returns
+#: ``completion_tokens`` ids: ids past it are dropped (the closing structure that a cut answer never
+#: wrote but :func:`raw_output` puts back around its parsed-out thinking, the tags around a looping
+#: answer's thinking, which it counts without them, the text a defect adds, ``answer_defect``), and
+#: an answer the tokenizer counts shorter is padded with this id, id 0 of the vocabulary (``!`` in
+#: Qwen's); no answer the simulator makes today needs it.
+_FILLER_ID = 0
+
+
+@functools.lru_cache(maxsize=8)
+def _piece_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """The tokenizer's id of every piece of the simulator's answers that is one token: each
+    candidate word bare and with its leading space, the think tags, one and two newlines."""
+    pieces = [THINK_OPEN, THINK_CLOSE, "\n", "\n\n", *_CANDIDATE_WORDS, *(" " + w for w in _CANDIDATE_WORDS)]
+    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"]
+    return {piece: ids[0] for piece, ids in zip(pieces, encoded, strict=True) if len(ids) == 1}
+
+
+def raw_output(completion: Completion) -> str:
+    """The text the model wrote for ``completion``, as a server detokenizes its sampled ids before
+    any parser: the thinking (where a reasoning parser took it out) before the answer, then the
+    calls a tool-call parser took out."""
+    raw = completion.content + completion.call_text
+    if completion.reasoning_content is None:
+        return raw
+    return f"{THINK_OPEN}\n{completion.reasoning_content}\n{THINK_CLOSE}\n\n{raw}"
+
+
+def sim_output_ids(completion: Completion, tokenizer: PreTrainedTokenizerBase) -> array.array:
+    """The ids the simulated model "sampled" for ``completion``: the model tokenizer's ids of the
+    raw answer (:func:`raw_output`), as a real server's sampled ids are the ones it detokenized into
+    the text, so a training set built from a simulated fleet decodes to the answers (the README's
+    demo). Exactly ``completion_tokens`` of them, as a real server returns: cut, or padded with
+    ``_FILLER_ID``, where the simulator's count and the tokenizer's differ (see there).
+
+    That a client keeps the server's ids rather than tokenizing the text again is not proved here,
+    where both are the same ids: ``test_training_set_ids.py`` proves it with non-canonical ids on the
+    real tokenizer, and the real-engine tests on a real server.
+
+    The simulator's words, think tags and newlines are looked up (``_piece_ids``); any other text
+    (a tool call's JSON, a defect's) is encoded whole by the tokenizer."""
+    raw = raw_output(completion)
+    table = _piece_ids(tokenizer)
+    try:
+        ids = array.array("I", [table[piece] for piece in _PIECES.findall(raw)])
+    except KeyError:
+        ids = array.array("I", tokenizer(raw, add_special_tokens=False)["input_ids"])
+    n = completion.completion_tokens
+    del ids[n:]
+    ids.extend([_FILLER_ID] * (n - len(ids)))
+    return ids
 
 
 class WordStream:

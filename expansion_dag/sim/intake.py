@@ -18,12 +18,12 @@ from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.dialects import Dialect, RequestError, dumps
-from expansion_dag.sim.generation import Completion, OutputModel, supports_thinking, word_stream
+from expansion_dag.sim.generation import Completion, OutputModel, sim_output_ids, supports_thinking, word_stream
 from expansion_dag.sim.http import HttpConnection, HttpRequest
 from expansion_dag.sim.job import Job
 from expansion_dag.sim.scheduler import Scheduler
 from expansion_dag.sim.tools import TOOL_RULES, calls_tool
-from expansion_dag.tokenizer import count_tokens, render_prompts
+from expansion_dag.tokenizer import render_prompts
 
 #: A looping answer (``loop_rate``): this many words, then a span of ``_LOOP_SPAN_WORDS`` repeated.
 _LOOP_PREFIX_WORDS = 40
@@ -202,7 +202,10 @@ class ChatIntake:
         request_seed = body.get("seed")
         tools, tool_choice = self._tools.accept(body)
         rendered, kwargs = self._render(body, tools)
-        prompt_tokens = self._reported(count_tokens(self._tokenizer, [rendered])[0])
+        # The model's tokenizer, as a real server runs the prompt: its ids come back when asked.
+        encoding = self._tokenizer.backend_tokenizer.encode_batch_fast([rendered], add_special_tokens=False)[0]
+        prompt_tokens = self._reported(len(encoding))
+        asks_prompt_ids, asks_output_ids = d.asks_token_ids(body)
         instruction = _last_user_text(body.get("messages"))
 
         requested = prompt_tokens + (max_tokens or 0)
@@ -263,6 +266,12 @@ class ChatIntake:
         )
         if timeline is not None:
             job.trace = timeline.arrived(instruction)
+        if asks_prompt_ids:
+            # A skewed count is a server that runs the prompt otherwise: its ids differ at the end.
+            ids = encoding.ids[:prompt_tokens]
+            job.prompt_ids = ids + ids[-1:] * (prompt_tokens - len(ids))
+        if asks_output_ids:
+            job.output_ids = sim_output_ids(completion, self._tokenizer)
         if body.get("stream"):
             # Both servers send the usage chunk only when asked (should_include_usage).
             options = body.get("stream_options")

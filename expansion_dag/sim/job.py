@@ -6,6 +6,7 @@ and the dialects write its answer.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import time
 import uuid
@@ -37,6 +38,8 @@ class Job:
         "chunk_id",
         "created",
         "trace",
+        "prompt_ids",
+        "output_ids",
     )
 
     def __init__(
@@ -70,3 +73,6 @@ class Job:
         self.created = int(time.time())
         #: Its entry in the server's timeline, when one is kept.
         self.trace: list | None = None
+        #: The token ids the request asked for (None: not asked, or a server that returns none).
+        self.prompt_ids: list[int] | None = None
+        self.output_ids: array.array | None = None

@@ -151,11 +151,13 @@ class Scheduler:
             job.conn.start_stream()
             job.conn.send_event(d.stream_event(job, {"role": "assistant", "content": ""}, usage=_usage_so_far(job)))
         events, tokens = [], 0
+        ids = job.output_ids
         while job.sent < len(job.pieces) and tokens < _STREAM_TICK_TOKENS:
             delta, n = job.pieces[job.sent]
             job.sent += 1
             job.sent_tokens += n
-            events.append(d.stream_event(job, delta, usage=_usage_so_far(job)))
+            delta_ids = None if ids is None else ids[job.sent_tokens - n : job.sent_tokens]
+            events.append(d.stream_event(job, delta, usage=_usage_so_far(job), token_ids=delta_ids))
             tokens += n
         if events:
             job.conn.send_event(b"".join(events))
@@ -195,7 +197,12 @@ class Scheduler:
             job.conn.respond(200, dumps(body))
         else:
             d = self._dialect
-            events = d.stream_event(job, {}, finish_reason=job.completion.finish_reason, usage=_usage_so_far(job))
+            # The ids the deltas' words did not carry (the thinking's structure) come with the finish.
+            rest = None if job.output_ids is None else job.output_ids[job.sent_tokens :]
+            events = d.stream_event(
+                job, {}, finish_reason=job.completion.finish_reason, usage=_usage_so_far(job), token_ids=rest
+            )
+            events += d.stream_ids_event(job)
             if job.stream_usage:
                 events += d.stream_event(job, None, usage=body["usage"])
             job.conn.send_event(events + b"data: [DONE]\n\n")

@@ -177,7 +177,12 @@ class ToolRules:
             return dataclasses.replace(completion, content=kept + text, completion_tokens=tokens)
         calls = tuple(self.message_calls([{"id": self.call_id(), "function": call}]))
         return dataclasses.replace(
-            completion, content=kept, completion_tokens=tokens, finish_reason="tool_calls", tool_calls=calls
+            completion,
+            content=kept,
+            completion_tokens=tokens,
+            finish_reason="tool_calls",
+            tool_calls=calls,
+            call_text=text,
         )
 
     def stream_pieces(self, completion: Completion, text_pieces: list[tuple[dict, int]]) -> list[tuple[dict, int]]:

@@ -15,9 +15,11 @@ from expansion_dag.partitions import SHARD_KEYS
 from expansion_dag.sampling import SamplingSettings
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.token_ids import OUTPUT_IDS, unpack
 from expansion_dag.tokenizer import load_tokenizer
 from expansion_dag.training_set import Manifest, data_files
 from expansion_dag_tests.assets.test_completions import FAST_SIM, completion_records, run_pipeline, small_frame
+from expansion_dag_tests.helpers import masked_runs
 
 THINKING_MIX = [
     {"name": "thinking", "weight": 0.6, "chat_template_kwargs": {"enable_thinking": True}},
@@ -74,16 +76,6 @@ def hermes_conversations() -> pl.DataFrame:
     return extract_prompts(raw, source="hermes_fc", extractor="hermes_function_calling", conversation=True).prompts
 
 
-def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for token, bit, before in zip(ids, mask, [0, *mask]):
-        if bit:
-            if not before:
-                runs.append([])
-            runs[-1].append(token)
-    return runs
-
-
 @pytest.mark.parametrize("parser", [None, "qwen25"], ids=["raw-tool-call-text", "parsed-tool-calls"])
 def test_hermes_conversations_are_regenerated_turn_by_turn_budgeted_and_masked_over_every_answer(
     tmp_path, instance, parser
@@ -118,10 +110,15 @@ def test_hermes_conversations_are_regenerated_turn_by_turn_budgeted_and_masked_o
     rows = pq.read_table(data_files(res["storage"].path("training_set"))).to_pylist()
     assert sorted(row["id"] for row in rows) == sorted(turns)
     tokenizer = load_tokenizer()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for row in rows:
         record = last[row["id"]]
         answers = [m for m in record["messages"] if m["role"] == "assistant"] + [record]
-        decoded = [tokenizer.decode(run) for run in masked_runs(row["input_ids"], row["loss_mask"])]
+        runs = masked_runs(row["input_ids"], row["loss_mask"])
+        # The last turn is the ids the server sampled (the raw answer, parsed calls included),
+        # closed by the end of turn; the earlier turns, the server's rendering of them in its prompt.
+        assert row["ids_from"] == "server" and runs[-1] == unpack(record[OUTPUT_IDS]) + [im_end]
+        decoded = [tokenizer.decode(run) for run in runs]
         assert len(decoded) == len(answers)
         for text, answer in zip(decoded, answers):
             # A parsed call is rendered back as the template writes it: <tool_call> JSON </tool_call>.

@@ -94,6 +94,10 @@ SCENARIOS: dict[str, Callable[[Provider], httpx.Response]] = {
         s, "sglang", chat_template_kwargs=THINKING_OFF, max_tokens=s.context // 8
     ),
     "sglang/chat_completion_reasoning": lambda s: _chat(s, "sglang", max_tokens=400),
+    "sglang/chat_completion_token_ids": lambda s: _chat(
+        s, "sglang", chat_template_kwargs=THINKING_OFF, max_tokens=s.context // 8,
+        return_input_ids_in_sglext=True, return_output_ids_in_sglext=True,
+    ),
     "sglang/chat_completion_abort": lambda s: _chat(s, "sglang-abort", chat_template_kwargs=THINKING_OFF),
     "sglang/error_over_context": lambda s: _chat(s, "sglang", max_tokens=s.context - s.prompt_tokens(POEM) + 1),
     "sglang/error_input_longer_than_context": lambda s: _chat(s, "sglang", s.messages_of(s.context + 20), max_tokens=1),
@@ -110,6 +114,9 @@ SCENARIOS: dict[str, Callable[[Provider], httpx.Response]] = {
     "vllm/version": _get("vllm", "/version"),
     "vllm/chat_completion": lambda s: _chat(s, "vllm-plain", chat_template_kwargs=THINKING_OFF, max_tokens=400),
     "vllm/chat_completion_reasoning": lambda s: _chat(s, "vllm", max_tokens=400),
+    "vllm/chat_completion_token_ids": lambda s: _chat(
+        s, "vllm-plain", chat_template_kwargs=THINKING_OFF, max_tokens=400, return_token_ids=True
+    ),
     "vllm/chat_completion_truncated": lambda s: _chat(s, "vllm-plain", s.messages_of(s.context - 12), max_tokens=400),
     "vllm/error_max_tokens_too_large": lambda s: _chat(s, "vllm", max_tokens=s.context + 1),
     "vllm/error_prompt_too_long": lambda s: _chat(s, "vllm", s.messages_of(s.context + 20), max_tokens=1),
@@ -236,6 +243,17 @@ def check_tool_calls(fixture, body, version, sims):
         assert {c["function"]["name"] for c in answer.tool_calls} <= {t["function"]["name"] for t in TOOLS}
 
 
+def check_token_ids(fixture, body, version, sims):
+    """The ids the server ran and sampled, as many as its usage counts."""
+    check_chat(fixture, body, version, sims)
+    answer = parse_chat_completion(body, dialect_for(fixture.backend, version))
+    assert answer.prompt_ids is not None and answer.output_ids is not None, "the ids are lost"
+    assert (len(answer.prompt_ids), len(answer.output_ids)) == (
+        body["usage"]["prompt_tokens"],
+        body["usage"]["completion_tokens"],
+    )
+
+
 def check_truncated(fixture, body, version, sims):
     check_chat(fixture, body, version, sims)
     usage = body["usage"]
@@ -306,6 +324,7 @@ CLIENT_CHECKS = {
     "chat_completion_reasoning": check_chat,
     "chat_completion_abort": check_chat,
     "chat_completion_truncated": check_truncated,
+    "chat_completion_token_ids": check_token_ids,
     "chat_completion_tool_calls": check_tool_calls,
 }
 

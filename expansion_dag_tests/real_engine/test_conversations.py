@@ -23,8 +23,10 @@ import yaml
 from expansion_dag.modes import ModeMix, base_prompt_id
 from expansion_dag.sampling import SamplingSettings
 from expansion_dag.store import OK, CompletionStore
+from expansion_dag.token_ids import OUTPUT_IDS, unpack
 from expansion_dag.tokenizer import load_tokenizer
 from expansion_dag.training_set import Manifest
+from expansion_dag_tests.helpers import closed_turn, masked_runs
 from expansion_dag_tests.real_engine.conftest import API_KEY_ENV, SETTINGS, SLOTS
 from expansion_dag_tests.real_engine.support import Deployment, VllmServer, run_pipeline
 
@@ -42,16 +44,6 @@ CATALOG = {
         "conversation": True,
     }],
 }
-
-
-def masked_runs(row: dict[str, Any]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for token, bit, before in zip(row["input_ids"], row["loss_mask"], [0, *row["loss_mask"]]):
-        if bit and not before:
-            runs.append([])
-        if bit:
-            runs[-1].append(token)
-    return runs
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +102,21 @@ def test_each_conversation_is_one_row_trained_on_every_regenerated_turn(run):
     assert {row["id"] for row in run["rows"]} == set(last)
     assert run["manifest"].conversations == len(last)
     tokenizer = load_tokenizer()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for row in run["rows"]:
         record = last[row["id"]]
-        answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"] + [record["content"]]
-        decoded = [tokenizer.decode(run_) for run_ in masked_runs(row)]
-        assert decoded == [answer + "<|im_end|>" for answer in answers]
+        answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        runs = masked_runs(row["input_ids"], row["loss_mask"])
+        # The last turn is exactly the ids vLLM sampled (closed by the end of turn where it stopped
+        # at none); the earlier ones are its rendering of them in the last prompt.
+        sampled = unpack(record[OUTPUT_IDS])
+        assert row["ids_from"] == "server" and runs[-1] == closed_turn(sampled, tokenizer.all_special_ids, im_end)
+        assert [tokenizer.decode(run_) for run_ in runs[:-1]] == [answer + "<|im_end|>" for answer in answers]
+    # A random model samples far from the canonical split: re-tokenizing would change rows, and the
+    # manifest's measurement sees it.
+    manifest = run["manifest"]
+    assert manifest.ids_from == {"server": len(run["rows"]), "retokenized": 0}
+    assert manifest.retokenization["rows_differing"] > 0
 
 
 def test_the_mix_draws_each_conversation_into_one_mode_and_the_manifest_counts_each(run):

@@ -31,6 +31,10 @@ import pytest
 
 from expansion_dag.modes import base_prompt_id
 from expansion_dag.store import CompletionStore
+from expansion_dag.token_ids import OUTPUT_IDS, PROMPT_IDS, unpack
+from expansion_dag.tokenizer import load_tokenizer
+from expansion_dag.training_set import Manifest
+from expansion_dag_tests.helpers import closed_turn, masked_runs
 from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.real_engine.conftest import (
     API_KEY_ENV,
@@ -248,6 +252,51 @@ def test_training_rows_start_with_the_ids_the_server_fed_the_model(pipeline: Pip
             assert len(prompt_ids) == record["prompt_tokens"], row["id"]
         else:
             assert prompt_ids == pipeline.server.tokenize(record["messages"], TEMPLATE_KWARGS), row["id"]
+
+
+def test_each_rows_answer_is_the_ids_the_server_sampled_and_the_manifest_sees_re_tokenizing_differ(
+    pipeline: Pipeline,
+):
+    """Issue 38: a row trains on the server's own sampled ids, never on a re-tokenization of their
+    text; a random model samples far from the canonical split, so the manifest's measurement of
+    what re-tokenizing would change must find rows that differ."""
+    tokenizer = load_tokenizer(str(pipeline.server.model_dir))
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    by_id = first_requests(pipeline.records)
+    for row in pipeline.training_rows.iter_rows(named=True):
+        sampled = unpack(by_id[row["id"]][OUTPUT_IDS])
+        assert row["ids_from"] == "server", row["id"]
+        assert masked_runs(row["input_ids"], row["loss_mask"]) == [
+            closed_turn(sampled, tokenizer.all_special_ids, end_of_turn)
+        ], row["id"]
+    manifest = Manifest.read(pipeline.deployment.storage / "training_set")
+    pipeline.figures["retokenization"] = manifest.retokenization
+    assert manifest.ids_from.get("server") == pipeline.training_rows.height
+    assert manifest.retokenization["rows_differing"] > 0
+
+
+def test_records_keep_the_ids_the_server_ran_and_sampled(pipeline: Pipeline):
+    """Every answer's ids, plain and streamed: the prompt's are the server's own rendering, the
+    sampled ones as many as its usage counts, and they decode (special tokens skipped, as both
+    servers detokenize) to the text the server returned, but for a character the cut at
+    max_tokens left incomplete: vLLM's incremental detokenizer holds back the last tokens while
+    their text ends in an incomplete character and never sends them, where a decode of the ids
+    ends in U+FFFD (seen on vLLM, not on SGLang)."""
+    tokenizer = load_tokenizer(str(pipeline.server.model_dir))
+    cut_characters = 0
+    for record in pipeline.records:
+        prompt_ids, output_ids = unpack(record[PROMPT_IDS]), unpack(record[OUTPUT_IDS])
+        assert len(prompt_ids) == record["prompt_tokens"], record["key"]
+        assert len(output_ids) == record["completion_tokens"], record["key"]
+        if not record.get("tools"):
+            assert prompt_ids == pipeline.server.tokenize(record["messages"], TEMPLATE_KWARGS), record["key"]
+        text = (record["reasoning_content"] or "") + record["content"]
+        decoded = tokenizer.decode(output_ids, skip_special_tokens=True)
+        if decoded != text:
+            assert record["finish_reason"] == "length", record["key"]
+            assert decoded.startswith(text) and decoded.endswith("\ufffd"), record["key"]
+            cut_characters += 1
+    pipeline.figures["answers_whose_text_lacks_a_cut_character"] = cut_characters
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -191,3 +191,9 @@ def test_answer_length_flags_reach_the_server_config():
     assert config.output_max_tokens == 900
     assert config.output_median_by_marker == (("[math]", 3000), ("a=b", 20))
     assert config.output_prompt_exponent == 0.5
+
+
+def test_a_server_returns_token_ids_unless_told_it_is_one_without():
+    [default] = _configs(_parser().parse_args([]))
+    [without] = _configs(_parser().parse_args(["--no-token-ids"]))
+    assert (default.token_ids, without.token_ids) == (True, False)

@@ -1,5 +1,8 @@
 """Each output of the training set, fed to the trainers' own loading code, gives the Parquet set's rows.
 
+The sets' rows are the ids their (canonical) server ran and sampled; the conversations files are
+text, rendered and tokenized again by the trainers, which here gives the same ids.
+
 SpecForge 0.2.0 (``prepare_prompt_tasks``, what ``specforge train`` calls on ``data.prompts_path``
 and ``data.train_data_path``) and speculators 0.9.0 (``prepare-data``, conversations rendered by a
 real vLLM ``/v1/chat/completions/render``) read two sets built from the same answers: one with
@@ -23,6 +26,7 @@ from expansion_dag.tokenizer import load_tokenizer
 from expansion_dag.training_set import FORMATS, Manifest, TrainingSetConfig, build_training_set, data_files
 from expansion_dag_tests import test_training_set_conversations as conversations
 from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.test_training_set_ids import sampled, with_ids
 from expansion_dag_tests.trainers.conftest import consume
 
 MODEL = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="trainers-test")
@@ -46,7 +50,9 @@ ANSWERS = [
 REASONING = "Let me think.\nStep one: read the question.\nStep two: answer it."
 
 
-def records(thinking: bool) -> list[dict[str, Any]]:
+def records(thinking: bool, tokenizer) -> list[dict[str, Any]]:
+    """The answers, each with the ids its server ran and sampled: the rows and the pre-tokenized
+    files are those ids."""
     out = []
     for i, ((system, user), answer) in enumerate(zip(PROMPTS, ANSWERS)):
         prompt_id = f"p{i:03d}"
@@ -56,7 +62,8 @@ def records(thinking: bool) -> list[dict[str, Any]]:
             "content": answer, "reasoning_content": REASONING if thinking else None, "finish_reason": "stop",
             "completion_tokens": 40, "status": "ok",
         })
-    return out
+    kwargs = {} if thinking else {"enable_thinking": False}
+    return [with_ids(tokenizer, r, sampled(tokenizer, r, spelled=None), kwargs=kwargs) for r in out]
 
 
 @dataclass
@@ -89,8 +96,8 @@ def consumed(tmp_path_factory, qwen3, render_server) -> dict[str, Consumed]:
         )
         out = tmp / name
         identities = one_mode(MODEL, {} if thinking else {"enable_thinking": False})
-        manifest = build_training_set(records(thinking), qwen3, config, out, identities=identities)
-        assert manifest.samples == len(PROMPTS), manifest.left_out
+        manifest = build_training_set(records(thinking, qwen3), qwen3, config, out, identities=identities)
+        assert manifest.samples == manifest.ids_from["server"] == len(PROMPTS), manifest.left_out
         built[name] = (out, manifest)
         pretokenized, conversations = str(out / "pretokenized.jsonl"), str(out / "conversations.jsonl")
         jobs += [
@@ -177,7 +184,7 @@ def test_the_mask_convention_is_what_the_manifest_and_the_card_say(consumed, tmp
     assert all(row["loss_mask"][-1] == 1 for row in consumed["no-thinking"].parquet)
     assert all(row["loss_mask"][-1] == 0 for row in consumed["thinking"].parquet)
     manifest = build_training_set(
-        records(True), qwen3, TrainingSetConfig(formats=("parquet", "speculators-pretokenized")), tmp_path / "ts",
+        records(True, qwen3), qwen3, TrainingSetConfig(formats=("parquet", "speculators-pretokenized")), tmp_path / "ts",
         identities=one_mode(MODEL),
     )
     assert manifest == Manifest.read(tmp_path / "ts")
