@@ -8,7 +8,7 @@ small beside them, as on GPUs. Every figure is a SIMULATOR figure, never a GPU o
 
 How often a bounded queue refuses depends on how fast the clients act on what ``/v1/loads``
 says, and so on the machine: it is measured here, not asserted in a test. What does not depend on
-the machine is asserted by ``expansion_dag_tests/test_outcomes.py`` on one run of this script:
+the machine is asserted by ``expansion_dag_tests/generation/test_outcomes.py`` on one run of this script:
 no prompt fails from a 503, every 503 is counted as backpressure, and the borrowers together
 never hold more of a server than its slots (from the simulator's own timeline).
 
@@ -39,10 +39,9 @@ from typing import Any
 
 from harness import header, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.sim.config import SimServerConfig
-from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.core import SamplingSettings
+from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
 
 SIZES = (5, 150, 150, 150)

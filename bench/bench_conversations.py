@@ -26,17 +26,11 @@ from typing import Any
 import polars as pl
 from harness import SimulatedFleet, cpu_s, header, stats, write_result  # (bench/ is on sys.path)
 
-from expansion_dag.catalog import package_dir
-from expansion_dag.conversations import TurnPlanner
-from expansion_dag.dispatch import WorkItem
-from expansion_dag.engine import EngineConfig, Server, generate_shard
-from expansion_dag.extract import extract_prompts
-from expansion_dag.modes import ModeIdentities, ModeMix
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.server_api import template_tools, SGLANG
-from expansion_dag.shard_work import ShardWork
+from expansion_dag.core import ModeIdentities, ModeMix, SamplingSettings, count_prompt_tokens, load_tokenizer
+from expansion_dag.generation import EngineConfig, Server, ShardWork, TurnPlanner, WorkItem, generate_shard
+from expansion_dag.prompts import extract_prompts, package_dir
+from expansion_dag.servers import SGLANG, template_tools
 from expansion_dag.store import CompletionStore
-from expansion_dag.tokenizer import count_prompt_tokens, load_tokenizer
 
 MODEL = "Qwen/Qwen3-8B"
 CONTEXT, CAP, MARGIN, MIN_OUT = 32_768, 1024, 16, 64

@@ -9,9 +9,9 @@ Two clients send the same prompts, with the same request bodies, to the same ser
 the other (the simulator is idle between them):
 
 - ``engine``: this project. The prompts are split into one shard per server, balanced on expected
-  tokens with :func:`expansion_dag.budget.assign_shards`, as the budget asset does; each shard runs
-  as an :class:`expansion_dag.engine.ShardRun` (one keep-alive connection per worker) with its own
-  completion-store writer, exactly what :func:`expansion_dag.engine.generate_shard` builds for the Dagster asset. The
+  tokens with :func:`expansion_dag.prompts.budget.assign_shards`, as the budget asset does; each shard runs
+  as an :class:`expansion_dag.generation.engine.ShardRun` (one keep-alive connection per worker) with its own
+  completion-store writer, exactly what :func:`expansion_dag.generation.engine.generate_shard` builds for the Dagster asset. The
   eight runs share one event loop in this one process, which is the "one process feeds N servers"
   claim under test.
 - ``baseline``: a plain asyncio + httpx loop. One ``AsyncClient`` with ``servers * slots`` pooled
@@ -23,7 +23,7 @@ The workload is a mix of sources with their own prompt lengths and output-length
 the prompt's text; the benchmark shapes each source's distribution by choosing which prompt texts
 it uses (rejection sampling on the simulator's own draw). Neither client is told any prompt's
 length: the engine gets ``expected_output_tokens = min(max_tokens, source median)``, the same
-prior as ``expansion_dag.budget`` (which balances shards on ``prompt_tokens`` plus it), and the
+prior as ``expansion_dag.prompts.budget`` (which balances shards on ``prompt_tokens`` plus it), and the
 baseline gets nothing.
 
 Utilization is measured by the simulator: busy slot-seconds (``GET /sim/stats`` deltas) over
@@ -62,22 +62,27 @@ from typing import Any, TextIO
 
 import httpx
 import polars as pl
-from harness import RESULTS_DIR, SimulatedFleet, header, machine_cpu_s, write_result  # (bench/ is on sys.path)
+from harness import (  # (bench/ is on sys.path)
+    RESULTS_DIR,
+    SimulatedFleet,
+    header,
+    machine_cpu_s,
+    write_result,
+)
 
-from expansion_dag.budget import assign_shards, shard_keys
-from expansion_dag.dispatch import PromptQueue, WorkItem
-from expansion_dag.engine import EngineConfig, Server, ShardRun
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
-from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
-from expansion_dag.sim.generation import OutputModel
-from expansion_dag.store import CompletionStore, completion_key
-from expansion_dag.tokenizer import (
+from expansion_dag.core import (
     DEFAULT_TOKENIZER,
+    SamplingSettings,
+    completion_key,
     count_tokens,
     load_tokenizer,
     render_prompts,
 )
+from expansion_dag.generation import EngineConfig, PromptQueue, Server, ShardRun, WorkItem
+from expansion_dag.prompts import assign_shards, shard_keys
+from expansion_dag.servers import DEFAULT_STREAM_INTERVAL
+from expansion_dag.sim import DEFAULT_REASONING_SHARE, OutputModel
+from expansion_dag.store import CompletionStore
 
 MODEL = "Qwen/Qwen3-8B"
 #: Tokens kept free below the context when budgeting, as BudgetConfig.margin.

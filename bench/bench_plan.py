@@ -5,7 +5,7 @@ One simulated SGLang server whose answer lengths depend on the source (lognormal
 source, ``--sigma``), the engine as the completions asset drives it, a cap of ``--cap`` tokens:
 
 1. an earlier run answers ``--prompts`` prompts of four sources into a fresh store;
-2. the plan (``expansion_dag.plan``) for ``--prompts`` other prompts of the same sources is made
+2. the plan (``expansion_dag.generation.plan``) for ``--prompts`` other prompts of the same sources is made
    from that store (and, for contrast, from the configured estimate alone, 1,024 tokens a source),
    at the earlier run's own output tokens a second as the throughput;
 3. those prompts are run, and the plan's figures are set beside what the run produced.
@@ -23,13 +23,20 @@ from pathlib import Path
 import harness
 import polars as pl
 
-from expansion_dag.engine import EngineConfig, Server, WorkItem, generate_shard
-from expansion_dag.plan import Observed, Plan, Throughput, make_plan
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.shard_report import ShardReport
-from expansion_dag.sim.config import SimServerConfig
-from expansion_dag.sim.fleet import SimulatedFleet
-from expansion_dag.store import FAILED, CompletionStore, Identity
+from expansion_dag.core import FAILED, Identity, SamplingSettings
+from expansion_dag.generation import (
+    EngineConfig,
+    Observed,
+    Plan,
+    Server,
+    ShardReport,
+    Throughput,
+    WorkItem,
+    generate_shard,
+    make_plan,
+)
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag.store import CompletionStore
 
 #: Median answer length by source: short answers, code, maths, long chat.
 MEDIANS = {"alpaca": 200, "code": 600, "math": 350, "chat": 900}

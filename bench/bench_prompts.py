@@ -81,7 +81,6 @@ from harness import (  # noqa: E402  (bench/ is on sys.path when run as a script
 )
 from text_model import TextModel, lognormal_ints  # noqa: E402
 
-
 FULL_ROWS = 654_676  # BAAI/Infinity-Instruct, config 0625
 FULL_BUDGET_PROMPTS = 193_010
 CONTEXT_LENGTH = 8192
@@ -219,7 +218,7 @@ def prompts_path(args: argparse.Namespace) -> Path:
 
 
 def catalog_for(args: argparse.Namespace):
-    from expansion_dag.catalog import Catalog, SourceSpec
+    from expansion_dag.prompts import Catalog, SourceSpec
 
     source = SourceSpec(
         name=SOURCE_NAME,
@@ -240,7 +239,7 @@ def read_columns(path: Path):
 
 def extract(raw, spec):
     """``extract_prompts`` on one catalog source, called as the prompts asset calls it."""
-    from expansion_dag.extract import extract_prompts
+    from expansion_dag.prompts import extract_prompts
 
     return extract_prompts(
         raw, source=spec.name, extractor=spec.extractor, turn=spec.turn, max_chars=spec.max_chars,
@@ -250,7 +249,7 @@ def extract(raw, spec):
 
 def extract_and_select(raw, catalog):
     """``extract_prompts`` then ``select_prompts``, called as the prompts asset calls them."""
-    from expansion_dag.extract import select_prompts
+    from expansion_dag.prompts import select_prompts
 
     results = [extract(raw, s) for s in catalog.sources]
     return results, select_prompts(results, plan=catalog)
@@ -261,7 +260,7 @@ def extract_and_select(raw, catalog):
 
 
 def phase_generate(args: argparse.Namespace) -> dict[str, Any]:
-    from expansion_dag.tokenizer import load_tokenizer
+    from expansion_dag.core import load_tokenizer
 
     vocab = load_tokenizer().backend_tokenizer.get_vocab()
     start = time.perf_counter()
@@ -305,7 +304,7 @@ def phase_read_asset(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
-    import expansion_dag.extract as extract_module
+    import expansion_dag.prompts.extract as extract_module
 
     catalog = catalog_for(args)
     clock = Clock()
@@ -316,7 +315,7 @@ def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
     with clock.span("read"):
         raw = read_columns(data_path(args))
     read_maxrss = window_peak_mib()
-    from expansion_dag.extract import select_prompts
+    from expansion_dag.prompts import select_prompts
 
     with clock.span("extract"):
         result = extract(raw, catalog.sources[0])
@@ -351,9 +350,9 @@ def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
 def phase_extract_asset(args: argparse.Namespace) -> dict[str, Any]:
     """The prompts asset end to end as it runs today: each source's raw file read for the columns its
     extractor and filters need (``_extract``), then selection. For the real peak memory; run once."""
-    from expansion_dag.assets.prompts import _extract
-    from expansion_dag.extract import select_prompts
-    from expansion_dag.resources.storage import ASSETS, StorageResource
+    from expansion_dag.defs.assets.prompts import _extract
+    from expansion_dag.defs.resources import ASSETS, StorageResource
+    from expansion_dag.prompts import select_prompts
 
     catalog = catalog_for(args)
     clock = Clock()
@@ -397,7 +396,7 @@ def phase_pycalls(args: argparse.Namespace) -> dict[str, Any]:
 def _load_prompts(args: argparse.Namespace):
     import polars as pl
 
-    from expansion_dag.tokenizer import load_tokenizer
+    from expansion_dag.core import load_tokenizer
 
     return pl.read_parquet(prompts_path(args)), load_tokenizer()
 
@@ -405,8 +404,8 @@ def _load_prompts(args: argparse.Namespace):
 @contextlib.contextmanager
 def budget_spans(clock: Clock) -> Iterator[None]:
     """Time the parts of ``budget_prompts`` into ``clock`` (functions it calls by global name)."""
-    import expansion_dag.budget as budget_module
-    import expansion_dag.tokenizer as tokenizer_module
+    import expansion_dag.core.tokenizer as tokenizer_module
+    import expansion_dag.prompts.budget as budget_module
 
     targets = {
         (tokenizer_module, "render_prompts"): "budget_render",
@@ -434,8 +433,8 @@ def phase_tokens(args: argparse.Namespace) -> dict[str, Any]:
     the first round one ``budget_prompts`` call on all the prompts follows, for its own wall time and
     peak memory. Each section gets a fresh peak-RSS window.
     """
-    from expansion_dag.budget import BudgetConfig, budget_prompts
-    from expansion_dag.tokenizer import render_prompts
+    from expansion_dag.core import render_prompts
+    from expansion_dag.prompts import BudgetConfig, budget_prompts
 
     prompts, tokenizer = _load_prompts(args)
     config = BudgetConfig()
@@ -539,7 +538,7 @@ ROUND = ("read", "extract", "read_asset", "tokens")
 
 
 def run_child(args: argparse.Namespace) -> None:
-    preload = ("polars", "expansion_dag.budget", "expansion_dag.catalog", "expansion_dag.extract", "expansion_dag.tokenizer")
+    preload = ("polars", "expansion_dag.prompts.budget", "expansion_dag.prompts.catalog", "expansion_dag.prompts.extract", "expansion_dag.core.tokenizer")
     run_phase_here(PHASES[args.phase], args, preload=preload)
 
 

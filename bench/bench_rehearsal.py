@@ -62,7 +62,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
-
 from harness import (  # (bench/ is on sys.path when run as a script)
     DATA_PACKAGES,
     ROOT,
@@ -79,7 +78,7 @@ from harness import (  # (bench/ is on sys.path when run as a script)
 )
 from text_model import TextModel, lognormal_ints
 
-from expansion_dag.samples.make_samples import AGENT_SPLITS, HERMES_CONFIGS  # the sources' real layouts
+from expansion_dag.samples.make_samples import AGENT_SPLITS, HERMES_CONFIGS
 
 REFERENCE_PROMPTS = 193_010
 REFERENCE_OUTPUT_TOKENS = 523_000_000
@@ -147,7 +146,7 @@ def _sample_systems() -> list[str]:
 
 def write_sources(folder: Path, n: int, seed: int) -> dict[str, Any]:
     """The six sources under ``folder`` in the bundled samples' layouts; returns the catalog path and rows."""
-    from expansion_dag.tokenizer import load_tokenizer
+    from expansion_dag.core import load_tokenizer
 
     model = TextModel(load_tokenizer().get_vocab(), seed)
     rng = model.rng
@@ -306,13 +305,13 @@ def _tree_bytes(folder: Path) -> int:
 def run_pipeline(config_path: Path, home: Path) -> dict[str, Any]:
     """prepare, the shards, the training set: ``expansion-dag run``'s steps, each measured."""
     os.environ["DAGSTER_HOME"] = str(home)
-    from expansion_dag import cli
+    from expansion_dag.cli import commands as cli
 
     cli.use_config(str(config_path))
     cli.prepare_dagster_home()
     cli.quiet_third_party()
     from expansion_dag.config import current_config
-    from expansion_dag.partitions import SHARD_KEYS
+    from expansion_dag.defs import SHARD_KEYS
 
     storage = Path(current_config().storage_root())
     stages: dict[str, Any] = {}
@@ -400,22 +399,19 @@ def sequential_io(paths: list[Path], scratch: Path) -> dict[str, float]:
 def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     """The raw tokenizer on the set's texts, sequential I/O on the store, the resume scan, the accounting."""
     os.environ["DAGSTER_HOME"] = str(home)
-    from expansion_dag import cli
+    from expansion_dag.cli import commands as cli
 
     cli.use_config(str(config_path))
     import dataclasses
 
     import polars as pl
 
-    from expansion_dag import training_set as ts
-    from expansion_dag.answer_lengths import learn
     from expansion_dag.config import current_config
-    from expansion_dag.modes import ModeIdentities
-    from expansion_dag.partitions import SHARD_KEYS
-    from expansion_dag.shard_figures import shard_figures
-    from expansion_dag.shard_work import ShardWork
+    from expansion_dag.core import ModeIdentities, load_tokenizer
+    from expansion_dag.defs import SHARD_KEYS
+    from expansion_dag.generation import ShardWork, learn, shard_figures
     from expansion_dag.store import CompletionStore
-    from expansion_dag.tokenizer import load_tokenizer
+    from expansion_dag.training import build as ts
 
     run_config = current_config()
     storage = Path(run_config.storage_root())

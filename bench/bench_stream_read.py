@@ -9,8 +9,8 @@ process and measures the client's CPU per event, side by side:
   waking up for an event costs on this machine; no HTTP client can cost less.
 - ``httpx on anyio``: httpx's own async network layer, reading the body (the client before).
 - ``httpx on asyncio_network``: the same ``httpx.AsyncClient`` and httpcore on
-  :mod:`expansion_dag.asyncio_network`.
-- ``HttpClient``: :mod:`expansion_dag.http_client`, the workers' client: the same transport
+  :mod:`expansion_dag.servers.asyncio_network`.
+- ``HttpClient``: :mod:`expansion_dag.servers.http_client`, the workers' client: the same transport
   without ``AsyncClient``, the body read as the transport's byte stream.
 - ``send_chat``: the whole streamed request as the engine makes it: ``HttpClient``, plus the SSE
   and JSON parsing and the loop detector.
@@ -31,10 +31,16 @@ import time
 import httpx
 from harness import HOST, header, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.asyncio_network import asyncio_transport
-from expansion_dag.degeneration import LoopThresholds
-from expansion_dag.http_client import HttpClient, make_client, tls_context
-from expansion_dag.server_api import SGLANG, send_chat
+from expansion_dag.servers import (
+    SGLANG,
+    HttpClient,
+    LoopThresholds,
+    asyncio_transport,
+    make_client,
+    send_chat,
+    tls_context,
+)
+
 WORDS = ("the", "model", "answer", "token", "server", "prompt", "shard", "slot", "event", "count", "of", "a")
 
 

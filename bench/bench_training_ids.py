@@ -42,7 +42,16 @@ from bench_training_set import (  # (bench/ is on sys.path when run as a script)
     spawn,
     stream_records,
 )
-from harness import DATA_PACKAGES, Clock, add_phase_options, header, reset_peak, run_phase_here, window_peak_mib, write_result
+from harness import (
+    DATA_PACKAGES,
+    Clock,
+    add_phase_options,
+    header,
+    reset_peak,
+    run_phase_here,
+    window_peak_mib,
+    write_result,
+)
 
 BUILDS = ("retokenized", "ids")
 FABRICATE_BATCH = 512
@@ -58,8 +67,7 @@ def ensure_ids_records(args: argparse.Namespace) -> Path:
     path = ids_path(args)
     if path.exists():
         return path
-    from expansion_dag.token_ids import OUTPUT_IDS, PROMPT_IDS, pack
-    from expansion_dag.tokenizer import load_tokenizer, render_prompts
+    from expansion_dag.core import OUTPUT_IDS, PROMPT_IDS, load_tokenizer, pack, render_prompts
 
     tokenizer = load_tokenizer()
     encode = tokenizer.backend_tokenizer.encode_batch_fast
@@ -80,8 +88,8 @@ def ensure_ids_records(args: argparse.Namespace) -> Path:
 
 
 def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    from expansion_dag.tokenizer import load_tokenizer
-    from expansion_dag.training_set import TrainingSetConfig
+    from expansion_dag.core import load_tokenizer
+    from expansion_dag.training import TrainingSetConfig
 
     tokenizer, config = load_tokenizer(), TrainingSetConfig()
     records = {"retokenized": list(stream_records(records_path(args, args.records))),
@@ -100,8 +108,8 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
 def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
     import shutil
 
-    from expansion_dag.tokenizer import load_tokenizer
-    from expansion_dag.training_set import TrainingSetConfig, build_training_set
+    from expansion_dag.core import load_tokenizer
+    from expansion_dag.training import TrainingSetConfig, build_training_set
 
     tokenizer = load_tokenizer()
     path = ids_path(args) if args.build == "ids" else records_path(args, args.records)
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.work_dir = args.work_dir or args.data_dir
     if args.phase:
-        run_phase_here(PHASES[args.phase], args, preload=("polars", "expansion_dag.tokenizer", "expansion_dag.training_set"))
+        run_phase_here(PHASES[args.phase], args, preload=("polars", "expansion_dag.core.tokenizer", "expansion_dag.training.build"))
         return 0
     args.data_dir.mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)

@@ -71,10 +71,7 @@ from harness import (  # (bench/ is on sys.path when run as a script)
 )
 from text_model import TextModel, lognormal_ints
 
-from expansion_dag.modes import DEFAULT_MODE, ModeIdentities, ModeMix
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.store import Identity
-
+from expansion_dag.core import DEFAULT_MODE, Identity, ModeIdentities, ModeMix, SamplingSettings
 
 #: The identity the generated records' keys belong to (``completion_key(prompt_id, "settings")``).
 BENCH_IDENTITY = Identity(model="bench", simulated=True, fingerprint="settings")
@@ -163,7 +160,7 @@ def ensure_records(args: argparse.Namespace, n: int, *, prefix_of: int | None = 
         with open(ensure_records(args, prefix_of), encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as fh:
             fh.writelines(itertools.islice(src, n))
     else:
-        from expansion_dag.tokenizer import load_tokenizer
+        from expansion_dag.core import load_tokenizer
 
         vocab = load_tokenizer().backend_tokenizer.get_vocab()
         with open(tmp, "w", encoding="utf-8") as fh:
@@ -181,7 +178,7 @@ def stream_records(path: Path) -> Iterator[dict[str, Any]]:
 
 def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) -> list[list[str]]:
     """The texts the build tokenizes, batch by batch, rendered by the module's own helpers."""
-    from expansion_dag import training_set as ts
+    from expansion_dag.training import build as ts
 
     batches = []
     identities = bench_identities()
@@ -197,7 +194,7 @@ def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) 
 
 
 def run_build(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_dir: Path) -> dict[str, Any]:
-    from expansion_dag import training_set as ts
+    from expansion_dag.training import build as ts
 
     clock = Clock()
     names = ("_segments", "_encode", "_table", "_within_length", "_sha256", "_fsync")
@@ -285,8 +282,8 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """The three contenders slice by slice, back to back on each slice, in an order that rotates."""
     import datasets
 
-    from expansion_dag.tokenizer import load_tokenizer
-    from expansion_dag.training_set import TrainingSetConfig
+    from expansion_dag.core import load_tokenizer
+    from expansion_dag.training import TrainingSetConfig
 
     datasets.disable_progress_bars()
     tokenizer, config = load_tokenizer(), TrainingSetConfig()
@@ -313,8 +310,8 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
-    from expansion_dag.tokenizer import load_tokenizer
-    from expansion_dag.training_set import TrainingSetConfig, build_training_set
+    from expansion_dag.core import load_tokenizer
+    from expansion_dag.training import TrainingSetConfig, build_training_set
 
     tokenizer, config = load_tokenizer(), TrainingSetConfig()
     out_dir = args.work_dir / f"memory-{os.getpid()}"
@@ -338,7 +335,7 @@ PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"throughput
 
 
 def run_child(args: argparse.Namespace) -> None:
-    preload = ("datasets", "polars", "expansion_dag.tokenizer", "expansion_dag.training_set")
+    preload = ("datasets", "polars", "expansion_dag.core.tokenizer", "expansion_dag.training.build")
     run_phase_here(PHASES[args.phase], args, preload=preload)
 
 

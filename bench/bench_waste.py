@@ -77,18 +77,21 @@ from typing import Any
 
 from harness import SimulatedFleet, header, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.answer_lengths import AnswerLengths
-from expansion_dag import event_loop
-from expansion_dag.degeneration import find_loop
-from expansion_dag.dispatch import PromptQueue, Turn, WorkItem
-from expansion_dag.engine import EngineConfig, Server, ShardRun
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.server_api import DEFAULT_STREAM_INTERVAL
-from expansion_dag.shard_report import spearman
-from expansion_dag.sim.config import DEFAULT_REASONING_SHARE
-from expansion_dag.sim.generation import OutputModel
+from expansion_dag.core import DEFAULT_TOKENIZER, SamplingSettings
+from expansion_dag.generation import (
+    AnswerLengths,
+    EngineConfig,
+    PromptQueue,
+    Server,
+    ShardRun,
+    Turn,
+    WorkItem,
+    run_ticked,
+    spearman,
+)
+from expansion_dag.servers import DEFAULT_STREAM_INTERVAL, find_loop
+from expansion_dag.sim import DEFAULT_REASONING_SHARE, OutputModel
 from expansion_dag.store import CompletionStore
-from expansion_dag.tokenizer import DEFAULT_TOKENIZER
 
 MODEL = "Qwen/Qwen3-8B"
 CONTEXT = 8192
@@ -226,7 +229,7 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
         with simulated_fleet(args, interval) as fleet, tempfile.TemporaryDirectory(prefix="bench-waste-") as scratch:
             # The engine's own loop, as generate_shard runs a shard (tick 0: asyncio's own).
             phase = run_phase(shards, fleet.urls, Path(scratch), stop, interval, tick_s)
-            results[name] = event_loop.run(phase, tick_s=tick_s)
+            results[name] = run_ticked(phase, tick_s=tick_s)
             results[name]["stream_interval"] = interval if stop else None
             results[name]["client_tick_s"] = tick_s
     stream, plain = results["stream+stop"], results["plain"]

@@ -1,6 +1,6 @@
 """The one place that wires the code location: assets, checks, jobs, schedules and resources.
 
-Everything about the deployment comes from the run configuration file (``expansion_dag/config.py``;
+Everything about the deployment comes from the run configuration file (``expansion_dag/config/schema.py``;
 ``configs/default.yaml`` documents every field): ``$EXPANSION_CONFIG``, else the bundled default,
 which runs the demo on a simulated fleet. ``EXPANSION_*`` variables override single fields. The
 same resource keys are bound whatever the fleet's mode, so assets never know which one runs, and
@@ -15,20 +15,25 @@ import os
 import dagster as dg
 import yaml
 
-from expansion_dag.assets.budget import budgeted_prompts, shard_prompts
-from expansion_dag.assets.completions import completions
-from expansion_dag.assets.prompts import build_prompts_asset
-from expansion_dag.assets.raw_datasets import build_raw_dataset_assets
-from expansion_dag.assets.training_set import training_set
-from expansion_dag.catalog import load_catalog
 from expansion_dag.config import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, RunConfig, current_config
-from expansion_dag.partitions import SHARD_KEYS
-from expansion_dag.resources.configured import with_field_defaults
-from expansion_dag.resources.fleet import FleetResource
-from expansion_dag.resources.settings import GenerationSettings
-from expansion_dag.resources.storage import ParquetIOManager, StorageResource
-from expansion_dag.schedules import build_nightly_schedule, build_nightly_sensors
-from expansion_dag.urls import as_upath, default_local_dir, is_local
+from expansion_dag.core import as_upath, default_local_dir, is_local
+from expansion_dag.defs import SHARD_KEYS, build_nightly_schedule, build_nightly_sensors
+from expansion_dag.defs.assets import (
+    budgeted_prompts,
+    build_prompts_asset,
+    build_raw_dataset_assets,
+    completions,
+    shard_prompts,
+    training_set,
+)
+from expansion_dag.defs.resources import (
+    FleetResource,
+    GenerationSettings,
+    ParquetIOManager,
+    StorageResource,
+    with_field_defaults,
+)
+from expansion_dag.prompts import load_catalog
 
 #: Run tags every job's runs carry: the file, a digest to compare runs, and the resolved configuration.
 CONFIG_FILE_TAG = "expansion/config_file"
@@ -116,7 +121,7 @@ def build_definitions(config: RunConfig) -> dg.Definitions:
     if config.fleet.shards != len(SHARD_KEYS):
         raise ValueError(
             f"{config.source}: fleet.shards is {config.fleet.shards} but the shard partitions were made for "
-            f"{len(SHARD_KEYS)} when expansion_dag.partitions was imported (from $EXPANSION_CONFIG)"
+            f"{len(SHARD_KEYS)} when expansion_dag.defs.partitions was imported (from $EXPANSION_CONFIG)"
         )
     catalog = load_catalog(config.catalog)
     raw_datasets = build_raw_dataset_assets(catalog)

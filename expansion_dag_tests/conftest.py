@@ -21,14 +21,18 @@ from expansion_dag_tests.ports import free_port  # noqa: E402
 TESTS = Path(__file__).parent
 #: The longest groups, measured (`--durations`), go out first: each worker starts on one of the
 #: two longest, and no long group is left to run alone at the end. The rest keep collection order.
-LONGEST_FIRST = ("deployment", "real_engine", "test_cli.py", "test_rehearsal.py", "assets", "trainers")
+LONGEST_FIRST = ("deployment", "real_engine", "cli/test_cli.py", "cli/test_rehearsal.py", "trainers",
+                 "defs/assets/test_completions.py", "defs/assets/test_kill_resume.py")
+#: The environment suites: each folder's conftest starts session fixtures (a PostgreSQL server, a vLLM
+#: server, `dagster dev`) that all its tests share.
+SUITES = tuple(path.parent.name for path in TESTS.glob("*/conftest.py"))
 
 
 def _group(item: pytest.Item) -> str:
-    """A sub-package's tests share its conftest's session fixtures (a PostgreSQL server, a vLLM
-    server, `dagster dev`): one worker runs all of them, and starts each fixture once. A top-level
-    file is a group of its own, for its module-scoped fixtures."""
-    return item.path.relative_to(TESTS).parts[0]
+    """An environment suite's tests share its session fixtures: one worker runs all of them, and
+    starts each fixture once. Any other file is a group of its own, for its module-scoped fixtures."""
+    relative = item.path.relative_to(TESTS)
+    return relative.parts[0] if relative.parts[0] in SUITES else relative.as_posix()
 
 
 # First: pytest-xdist's own hook reads the groups to schedule them.

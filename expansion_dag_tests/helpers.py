@@ -10,13 +10,16 @@ from typing import Any
 import httpx
 import polars as pl
 
-from expansion_dag.http_client import HttpClient, make_client
-from expansion_dag.modes import DEFAULT_MODE, ModeIdentities, ModeMix, base_prompt_id
-from expansion_dag.resources.fleet import FleetResource
-from expansion_dag.resources.settings import GenerationSettings
-from expansion_dag.resources.storage import ParquetIOManager, StorageResource
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.store import Identity
+from expansion_dag.core import (
+    DEFAULT_MODE,
+    Identity,
+    ModeIdentities,
+    ModeMix,
+    SamplingSettings,
+    base_prompt_id,
+)
+from expansion_dag.defs.resources import FleetResource, GenerationSettings, ParquetIOManager, StorageResource
+from expansion_dag.servers import HttpClient, make_client
 
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 

@@ -73,7 +73,7 @@ def test_the_core_imports_no_dagster():
         if not name.removeprefix("expansion_dag.").startswith(DAGSTER_SHELL)
         and name.removeprefix("expansion_dag.").split(".")[0] + ".py" not in DAGSTER_SHELL
     }
-    assert "expansion_dag.engine" in core and "expansion_dag.assets.completions" not in core
+    assert "expansion_dag.generation.engine" in core and "expansion_dag.defs.assets.completions" not in core
     with_dagster = sorted(
         name for name, tree in core.items()
         for node in ast.walk(tree)

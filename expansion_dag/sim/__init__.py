@@ -5,7 +5,7 @@ the same endpoints, JSON shapes, status codes and error texts, so that the clien
 manager and the tests meet the same behaviour they will meet on GPUs. The contract suite
 (``expansion_dag_tests/contract``) holds the simulator to fixtures recorded from those servers'
 source and fails when one of its response shapes or error texts drifts. Prompt tokens are counted
-with the model's chat template through :mod:`expansion_dag.tokenizer`, exactly as the server counts
+with the model's chat template through :mod:`expansion_dag.core.tokenizer`, exactly as the server counts
 them; completions are synthetic text whose ``completion_tokens`` is the real token count of the
 returned text.
 
@@ -93,8 +93,14 @@ half of uvicorn + starlette on h11 (0.144 s) and level with uvicorn's optional h
 which is not a dependency of this project.
 """
 
-from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim.cli import main
+from expansion_dag.sim.config import DEFAULT_REASONING_SHARE, SimServerConfig
+from expansion_dag.sim.dialects import VllmDialect
 from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.sim.generation import OutputModel
 from expansion_dag.sim.server import READY_LINE, SimServer
 
-__all__ = ["READY_LINE", "SimServer", "SimServerConfig", "SimulatedFleet"]
+__all__ = [
+    "DEFAULT_REASONING_SHARE", "OutputModel", "READY_LINE", "SimServer", "SimServerConfig",
+    "SimulatedFleet", "VllmDialect", "main"
+]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from expansion_dag.tokenizer import DEFAULT_TOKENIZER
+from expansion_dag.core import DEFAULT_TOKENIZER
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000

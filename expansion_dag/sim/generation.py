@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from expansion_dag.tokenizer import count_tokens, load_tokenizer
+from expansion_dag.core import count_tokens, load_tokenizer
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

@@ -16,14 +16,20 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from expansion_dag.core import render_prompts
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.dialects import Dialect, RequestError, dumps
-from expansion_dag.sim.generation import Completion, OutputModel, sim_output_ids, supports_thinking, word_stream
+from expansion_dag.sim.generation import (
+    Completion,
+    OutputModel,
+    sim_output_ids,
+    supports_thinking,
+    word_stream,
+)
 from expansion_dag.sim.http import HttpConnection, HttpRequest
 from expansion_dag.sim.job import Job
 from expansion_dag.sim.scheduler import Scheduler
 from expansion_dag.sim.tools import TOOL_RULES, calls_tool
-from expansion_dag.tokenizer import render_prompts
 
 #: A looping answer (``loop_rate``): this many words, then a span of ``_LOOP_SPAN_WORDS`` repeated.
 _LOOP_PREFIX_WORDS = 40
@@ -142,7 +148,7 @@ class ChatIntake:
         except RequestError as exc:
             conn.respond(exc.status, exc.body)
             return
-        # The same encoding as expansion_dag.tokenizer.count_tokens, kept for its ids.
+        # The same encoding as expansion_dag.core.tokenizer.count_tokens, kept for its ids.
         tokens = self._tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
         answer = {
             "count": self._reported(len(tokens)),

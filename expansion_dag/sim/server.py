@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from expansion_dag.core import load_tokenizer
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.dialects import DIALECTS, dumps
 from expansion_dag.sim.endpoints import Endpoints
@@ -23,7 +24,6 @@ from expansion_dag.sim.http import HttpConnection, HttpRequest
 from expansion_dag.sim.intake import ChatIntake
 from expansion_dag.sim.routes import Router
 from expansion_dag.sim.scheduler import Scheduler
-from expansion_dag.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from expansion_dag.core import count_tokens
 from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.dialects import Dialect
 from expansion_dag.sim.generation import THINK_CLOSE, THINK_OPEN, Completion, word_stream
-from expansion_dag.tokenizer import count_tokens
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

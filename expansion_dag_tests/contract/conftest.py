@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from expansion_dag.core import count_prompt_tokens, load_tokenizer
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
-from expansion_dag.tokenizer import count_prompt_tokens, load_tokenizer
 
 API_KEY = "contract-key"
 CONTEXT = 512

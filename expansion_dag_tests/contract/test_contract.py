@@ -6,7 +6,7 @@ fixtures/README.md). For each one the suite runs two providers:
 - ``fixture``: the recorded response itself;
 - ``simulator``: the same request sent to a simulated server of that dialect and version.
 
-For both, the client (``expansion_dag.server_api``) must read the response as the server means
+For both, the client (``expansion_dag.servers.api``) must read the response as the server means
 it. For the simulator, its response must also have the fixture's shape (keys and JSON types,
 recursively; extra keys only from :data:`SIM_ONLY_KEYS`) and its error texts must match the
 server's own format strings. A simulator that drifts from the real server fails here.
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from expansion_dag.errors import AuthError, ContextLengthError, QueueFullError, RejectedError
-from expansion_dag.server_api import (
+from expansion_dag.core import AuthError, ContextLengthError, QueueFullError, RejectedError
+from expansion_dag.servers import (
     dialect_for,
     error_from_status,
     finish_error,
@@ -30,7 +30,7 @@ from expansion_dag.server_api import (
     parse_idle_slots,
     parse_server_facts,
 )
-from expansion_dag.sim.dialects import VllmDialect
+from expansion_dag.sim import VllmDialect
 from expansion_dag_tests.contract.conftest import VLLM_NAME, Provider, Simulators
 from expansion_dag_tests.contract.shapes import Fixture, all_fixtures, load_fixture, shape_differences
 from expansion_dag_tests.helpers import WEATHER_TOOL, wait_for

@@ -14,10 +14,15 @@ from typing import Any
 
 import pytest
 
-from expansion_dag.sim.config import SimServerConfig
-from expansion_dag.sim.fleet import SimulatedFleet
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.deployment.support import DagsterDev, PostgresServer, isolated_env, make_dagster_home, wait_for
+from expansion_dag_tests.deployment.support import (
+    DagsterDev,
+    PostgresServer,
+    isolated_env,
+    make_dagster_home,
+    wait_for,
+)
 
 SHARDS = ["shard-00", "shard-01"]
 KILLED = 1  # shard-01's server dies mid-backfill

@@ -6,8 +6,7 @@ without sending any prompt twice. The scenario itself is the `ui_pipeline` fixtu
 import polars as pl
 import pytest
 
-from expansion_dag.conversations import ENDINGS
-from expansion_dag.modes import base_prompt_id
+from expansion_dag.core import ENDINGS, base_prompt_id
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt
 

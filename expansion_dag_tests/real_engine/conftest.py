@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from expansion_dag.resources.fleet import FleetResource
-from expansion_dag.tokenizer import bundled_qwen3_path
+from expansion_dag.core import bundled_qwen3_path
+from expansion_dag.defs.resources import FleetResource
 from expansion_dag_tests.real_engine.support import (
     ROOT,
     SGLANG_ENV,

@@ -12,8 +12,8 @@ import asyncio
 import collections
 import os
 import shlex
-import ssl
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -26,14 +26,21 @@ import httpx
 import pytest
 import yaml
 
-from expansion_dag.asyncio_network import asyncio_transport
-from expansion_dag.degeneration import LoopThresholds
-from expansion_dag.http_client import HttpClient, make_client
 from expansion_dag.config import SGLANG_LAUNCH_COMMAND
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.server_api import Answer, DegenerateError, Dialect, chat_request, send_chat
-from expansion_dag_tests.ports import free_port
+from expansion_dag.core import SamplingSettings
+from expansion_dag.servers import (
+    Answer,
+    DegenerateError,
+    Dialect,
+    HttpClient,
+    LoopThresholds,
+    asyncio_transport,
+    chat_request,
+    make_client,
+    send_chat,
+)
 from expansion_dag_tests.deployment.support import isolated_env, make_dagster_home
+from expansion_dag_tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DAGSTER = str(Path(sys.executable).parent / "dagster")

@@ -20,12 +20,17 @@ import polars as pl
 import pytest
 import yaml
 
-from expansion_dag.modes import ModeMix, base_prompt_id
-from expansion_dag.sampling import SamplingSettings
-from expansion_dag.store import OK, CompletionStore
-from expansion_dag.token_ids import OUTPUT_IDS, unpack
-from expansion_dag.tokenizer import load_tokenizer
-from expansion_dag.training_set import Manifest
+from expansion_dag.core import (
+    OK,
+    OUTPUT_IDS,
+    ModeMix,
+    SamplingSettings,
+    base_prompt_id,
+    load_tokenizer,
+    unpack,
+)
+from expansion_dag.store import CompletionStore
+from expansion_dag.training import Manifest
 from expansion_dag_tests.helpers import closed_turn, masked_runs
 from expansion_dag_tests.real_engine.conftest import API_KEY_ENV, SETTINGS, SLOTS
 from expansion_dag_tests.real_engine.support import Deployment, VllmServer, run_pipeline

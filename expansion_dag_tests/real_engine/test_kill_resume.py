@@ -17,11 +17,11 @@ import time
 import polars as pl
 import pytest
 
-from expansion_dag.engine import EngineConfig
+from expansion_dag.generation import EngineConfig
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt
 from expansion_dag_tests.real_engine.conftest import SLOTS
 from expansion_dag_tests.real_engine.support import Deployment, EngineServer, failure_report
-from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt
 
 SHARD = "shard-00"
 #: The kill lands once this many completions are durable: past the canary, far from the end.

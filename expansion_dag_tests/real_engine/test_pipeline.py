@@ -29,11 +29,9 @@ import httpx
 import polars as pl
 import pytest
 
-from expansion_dag.modes import base_prompt_id
+from expansion_dag.core import OUTPUT_IDS, PROMPT_IDS, base_prompt_id, load_tokenizer, unpack
 from expansion_dag.store import CompletionStore
-from expansion_dag.token_ids import OUTPUT_IDS, PROMPT_IDS, unpack
-from expansion_dag.tokenizer import load_tokenizer
-from expansion_dag.training_set import Manifest
+from expansion_dag.training import Manifest
 from expansion_dag_tests.helpers import closed_turn, masked_runs
 from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.real_engine.conftest import (

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from expansion_dag.server_api import SGLANG
+from expansion_dag.servers import SGLANG
 from expansion_dag_tests.real_engine.conftest import CONTEXT_LENGTH, SLOTS, STREAM_INTERVAL
 from expansion_dag_tests.real_engine.support import (
     FREE_TIMEOUT_S,

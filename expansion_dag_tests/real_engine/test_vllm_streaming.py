@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import pytest
 
-from expansion_dag.server_api import VLLM, ChatStream
+from expansion_dag.servers import VLLM, ChatStream
 from expansion_dag_tests.real_engine.conftest import SLOTS
 from expansion_dag_tests.real_engine.support import (
     FREE_TIMEOUT_S,

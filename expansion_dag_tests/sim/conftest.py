@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from expansion_dag.core import count_prompt_tokens, load_tokenizer
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
-from expansion_dag.tokenizer import count_prompt_tokens, load_tokenizer
 
 #: Fast servers: a 40-token answer takes about 5 ms.
 FAST = SimServerConfig(port=0, ttft_s=0.001, token_latency_s=0.0001, output_median_tokens=40)
@@ -34,7 +34,7 @@ def tokenizer():
 
 @pytest.fixture
 def prompt_tokens(tokenizer) -> Callable[..., int]:
-    """The server-side prompt count of one conversation, from expansion_dag.tokenizer."""
+    """The server-side prompt count of one conversation, from expansion_dag.core.tokenizer."""
 
     def count(messages=USER, chat_template_kwargs=None) -> int:
         return count_prompt_tokens(tokenizer, [messages], chat_template_kwargs)[0]

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from expansion_dag.sim import READY_LINE
-from expansion_dag.sim.cli import _configs, _parser, main
+from expansion_dag.sim import READY_LINE, main
+from expansion_dag.sim.cli import _configs, _parser
 from expansion_dag_tests.ports import free_ports
 
 STARTUP_TIMEOUT_S = 60

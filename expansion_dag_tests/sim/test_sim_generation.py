@@ -4,10 +4,9 @@ import statistics
 
 import pytest
 
-from expansion_dag.answer_lengths import prompt_features
-from expansion_dag.sim.config import SimServerConfig
-from expansion_dag.sim.generation import OutputModel
-from expansion_dag.tokenizer import DEFAULT_TOKENIZER, count_tokens
+from expansion_dag.core import DEFAULT_TOKENIZER, count_tokens
+from expansion_dag.generation import prompt_features
+from expansion_dag.sim import OutputModel, SimServerConfig
 
 
 def model(**changes):

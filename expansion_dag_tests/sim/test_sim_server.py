@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
+from expansion_dag.core import count_tokens
 from expansion_dag.sim import READY_LINE
-from expansion_dag.tokenizer import count_tokens
 from expansion_dag_tests.helpers import wait_for
 
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from expansion_dag import server_api
+from expansion_dag import servers
+from expansion_dag.core import count_tokens
 from expansion_dag.sim import SimServerConfig
-from expansion_dag.tokenizer import count_tokens
 from expansion_dag_tests.helpers import WEATHER_TOOL
 
 TOOLS = [
@@ -41,10 +41,10 @@ def server(fast, backend, **changes):
 def test_prompt_tokens_count_the_tools_as_the_template_renders_them(start_fleet, fast, chat, tokenizer, backend, messages):
     parser = "hermes" if backend == "vllm" else None
     fleet = start_fleet(server(fast, backend, tool_call_parser=parser, enable_auto_tool_choice=bool(parser)))
-    dialect = server_api.dialect_for(backend)
-    tools = server_api.request_tools(TOOLS)
+    dialect = servers.dialect_for(backend)
+    tools = servers.request_tools(TOOLS)
     body = chat(fleet.urls[0], messages, tools=tools, tool_choice="auto", max_tokens=50).json()
-    expected = template_count(tokenizer, messages, server_api.template_tools(TOOLS, dialect))
+    expected = template_count(tokenizer, messages, servers.template_tools(TOOLS, dialect))
     assert body["usage"]["prompt_tokens"] == expected
     if backend == "vllm":  # exactly the tools as sent
         assert expected == template_count(tokenizer, messages, tools)
@@ -73,7 +73,7 @@ def test_with_thinking_off_the_count_still_has_the_tools(start_fleet, fast, chat
     off = {"enable_thinking": False}
     body = chat(fleet.urls[0], CONVERSATION[:2], tools=TOOLS, chat_template_kwargs=off, max_tokens=50).json()
     assert body["usage"]["prompt_tokens"] == template_count(
-        tokenizer, CONVERSATION[:2], server_api.template_tools(TOOLS, server_api.SGLANG), off
+        tokenizer, CONVERSATION[:2], servers.template_tools(TOOLS, servers.SGLANG), off
     )
 
 
@@ -91,7 +91,7 @@ def test_vllm_without_a_tool_parser_refuses_auto_and_renders_the_tools_with_none
             assert response.status_code == 400
             assert response.json()["error"]["message"].startswith('"auto" tool choice requires --enable-auto-tool-choice')
         body = chat(url, CONVERSATION[:2], tools=TOOLS, tool_choice="none", max_tokens=10).json()
-        assert body["usage"]["prompt_tokens"] == template_count(tokenizer, CONVERSATION[:2], server_api.request_tools(TOOLS))
+        assert body["usage"]["prompt_tokens"] == template_count(tokenizer, CONVERSATION[:2], servers.request_tools(TOOLS))
 
 
 def test_vllm_refuses_an_empty_tools_list_and_a_tool_choice_without_tools(start_fleet, fast, chat):
@@ -147,10 +147,10 @@ def test_a_server_with_a_tool_parser_answers_parsed_calls_plain_and_streamed(
             reasoning_parser=reasoning_parser,
         )
     )
-    dialect = server_api.dialect_for(backend)
+    dialect = servers.dialect_for(backend)
     body = chat(fleet.urls[0], CONVERSATION[:2], tools=TOOLS, tool_choice="auto", max_tokens=400).json()
-    plain = server_api.parse_chat_completion(body, dialect)
-    assert plain.finish_reason == "tool_calls" and server_api.finish_error(plain) is None
+    plain = servers.parse_chat_completion(body, dialect)
+    assert plain.finish_reason == "tool_calls" and servers.finish_error(plain) is None
     assert "<tool_call>" not in plain.content
     (call,) = plain.tool_calls
     assert call["function"]["name"] in {"get_weather", "now"}
@@ -163,7 +163,7 @@ def test_a_server_with_a_tool_parser_answers_parsed_calls_plain_and_streamed(
     stream = chat(
         fleet.urls[0], CONVERSATION[:2], tools=TOOLS, max_tokens=400, stream=True, stream_options={"include_usage": True}
     )
-    streamed = server_api.parse_chat_stream(stream.content.split(b"\n"), dialect)
+    streamed = servers.parse_chat_stream(stream.content.split(b"\n"), dialect)
     assert [c["function"] for c in streamed.tool_calls] == [call["function"]]
     assert (streamed.finish_reason, streamed.content, streamed.completion_tokens) == (
         "tool_calls",

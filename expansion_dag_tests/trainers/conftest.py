@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from expansion_dag.tokenizer import bundled_qwen3_path
+from expansion_dag.core import bundled_qwen3_path
 from expansion_dag_tests.deployment.support import isolated_env
 from expansion_dag_tests.real_engine.support import ROOT, VLLM_ENV, EngineServer, build_tiny_model
 

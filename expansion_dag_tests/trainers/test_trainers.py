@@ -20,13 +20,18 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from expansion_dag.dataset_card import specforge_template
-from expansion_dag.store import Identity
-from expansion_dag.tokenizer import load_tokenizer
-from expansion_dag.training_set import FORMATS, Manifest, TrainingSetConfig, build_training_set, data_files
-from expansion_dag_tests import test_training_set_conversations as conversations
+from expansion_dag.core import Identity, load_tokenizer
+from expansion_dag.training import (
+    FORMATS,
+    Manifest,
+    TrainingSetConfig,
+    build_training_set,
+    data_files,
+    specforge_template,
+)
+from expansion_dag_tests.training import test_training_set_conversations as conversations
 from expansion_dag_tests.helpers import one_mode
-from expansion_dag_tests.test_training_set_ids import sampled, with_ids
+from expansion_dag_tests.training.test_training_set_ids import sampled, with_ids
 from expansion_dag_tests.trainers.conftest import consume
 
 MODEL = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="trainers-test")

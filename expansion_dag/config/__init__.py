@@ -1,0 +1,24 @@
+"""The run configuration file: its schema, validation and the bundled default.
+"""
+
+from expansion_dag.config.schema import (
+    CONFIG_ENV,
+    SGLANG_LAUNCH_COMMAND,
+    SIMULATOR_LAUNCH_COMMAND,
+    ConfigError,
+    FleetSettings,
+    GenerationConfig,
+    LeaseSettings,
+    RunConfig,
+    bundled_config_path,
+    current_config,
+    load_config,
+    mask_url,
+    parse_config,
+)
+
+__all__ = [
+    "CONFIG_ENV", "ConfigError", "FleetSettings", "GenerationConfig", "LeaseSettings", "RunConfig",
+    "SGLANG_LAUNCH_COMMAND", "SIMULATOR_LAUNCH_COMMAND", "bundled_config_path", "current_config",
+    "load_config", "mask_url", "parse_config"
+]

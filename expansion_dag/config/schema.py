@@ -1,0 +1,578 @@
+"""The run configuration: one YAML file a user edits (``configs/default.yaml`` documents every field).
+
+It names the fleet, the model and tokenizer, the catalog, the storage root, the generation
+settings and the nightly schedule. ``load_config`` reads it, applies the environment overrides
+(``ENV_OVERRIDES``: the ``EXPANSION_*`` variables of earlier versions, for deployments) and
+validates everything together: an unknown key or a bad value is a ``ConfigError`` naming the key
+and the file (or the variable). ``current_config`` is the one the code location and
+``expansion-dag run`` use: the file named by ``$EXPANSION_CONFIG``, else the bundled default,
+which reproduces the demo. No Dagster here: the Dagster layer builds its resources from this.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import importlib.resources
+import json
+import os
+import re
+import urllib.parse
+import zoneinfo
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from expansion_dag.core import DEFAULT_TOKENIZER, RETRYABLE_CONTENT, ModeError, ModeMix, SamplingSettings
+from expansion_dag.servers import DEFAULT_STREAM_INTERVAL
+from expansion_dag.store import DEFAULT_LEASE_TIMEOUT_S
+from expansion_dag.training import DEFAULT_FORMATS, FORMATS
+
+CONFIG_ENV = "EXPANSION_CONFIG"
+DEFAULT_CONFIG = "default"
+MASK = "***"
+
+
+class ConfigError(ValueError):
+    """The run configuration is invalid; the message names the file (or variable) and the key."""
+
+
+def bundled_config_path(name: str = DEFAULT_CONFIG) -> Path:
+    return Path(str(importlib.resources.files("expansion_dag") / "configs" / f"{name}.yaml"))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GenerationConfig(BaseModel):
+    """How prompts are budgeted, sampled, retried and turned into training samples.
+
+    The ``generation`` section of the file; the Dagster ``settings`` resource has these fields too.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_output_tokens: int = Field(default=8192, ge=1, description="Cap on max_tokens; each prompt's budget is computed.")
+    min_output_tokens: int = Field(default=256, ge=1, description="Prompts leaving less room are set aside.")
+    margin: int = Field(default=16, ge=0, description="Tokens kept free against tokenizer disagreement.")
+    expected_output_tokens: int = Field(
+        default=1024, ge=1, description="Prior answer length for balancing and ordering."
+    )
+    expected_output_by_source: dict[str, int] = Field(
+        default={}, description="Per-source prior answer lengths, overriding expected_output_tokens."
+    )
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    top_p: float = Field(default=0.8, gt=0.0, le=1.0)
+    top_k: int = Field(default=20, ge=-1, description="-1 turns top-k off.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: Optional[int] = None
+    chat_template_kwargs: str = Field(
+        default="{}",
+        description='JSON object passed to the chat template, e.g. {"enable_thinking": false}; '
+        "a mapping in the file.",
+    )
+    modes: str = Field(
+        default="[]",
+        description="JSON list of generation modes (a list in the file), each {name, weight} and the sampling "
+        "fields or chat_template_kwargs it changes; each prompt is drawn into one. Empty: one mode, these settings.",
+    )
+    mode_seed: int = Field(default=0, description="Seed of each prompt's draw among the modes.")
+    request_timeout_s: float = Field(default=1800.0, gt=0)
+    max_attempts: int = Field(default=5, ge=1)
+    backoff_initial_s: float = Field(default=1.0, ge=0)
+    # list[str], not of a Literal: Dagster's resource config takes no Literal inside a list.
+    retry_outcomes: list[str] = Field(
+        default=[],
+        description="Final answers a re-run asks again: 'degenerate' (answers stopped as loops, kept for "
+        "inspection). Empty: a prompt the model answered, however, is never sent again under the same settings.",
+    )
+    max_failure_rate: float = Field(default=0.01, ge=0.0, le=1.0, description="A shard fails above this failure rate.")
+    max_truncation_rate: float = Field(
+        default=0.2, ge=0.0, le=1.0, description="Warn above this rate of finish_reason length."
+    )
+    min_yield: float = Field(
+        default=0.5, ge=0.0, le=1.0,
+        description="The yield gate: a shard whose first yield_gate_answers answers give fewer training rows than "
+        "this share stops, naming the cause and the fix (a verdict on the answers, never on a server). 0: off.",
+    )
+    yield_gate_answers: int = Field(
+        default=64, ge=1, description="Answers of a shard the yield gate waits for before it judges."
+    )
+    plan_output_tokens_per_s: Optional[float] = Field(
+        default=None, ge=0,
+        description="The plan's output tokens a second per server where live servers do not say it "
+        "(/v1/loads gen_throughput of a busy SGLang server). null: only what the servers say.",
+    )
+    progress_interval_s: float = Field(default=5.0, gt=0, description="Seconds between a shard's progress reports.")
+    spill_to_idle_servers: bool = Field(
+        default=True,
+        description="Send queued prompts to other fleet servers while they report idle slots (end-of-run balance).",
+    )
+    owner_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds a shard waits for another server's own shard to start before borrowing its idle slots.",
+    )
+    drop_truncated: bool = Field(default=True, description="Leave answers cut at max_tokens out of the training set.")
+    reasoning: Literal["keep", "drop"] = Field(
+        default="keep", description="'keep' reasoning in the assistant turn or 'drop' it."
+    )
+    min_sample_tokens: int = Field(default=16, ge=0, description="Shorter training samples are left out.")
+    training_formats: list[str] = Field(
+        default=list(DEFAULT_FORMATS),
+        description="Outputs of the training set, written in one pass: parquet (always), specforge-pretokenized, "
+        "specforge-conversations, speculators-pretokenized.",
+    )
+    train_newline_after_end_of_turn: bool = Field(
+        default=False,
+        description="Train the newline after the end-of-turn token, as SpecForge's and speculators' own "
+        "renderers do; false: only what the model writes is trained.",
+    )
+    stop_degenerate: bool = Field(
+        default=True,
+        description="Stream each answer and end it as soon as it loops (a 'degenerate' failure, text kept); "
+        "false sends plain requests and never stops an answer.",
+    )
+    loop_min_span_chars: int = Field(default=1, ge=1, description="Shortest repeated span that counts as a loop.")
+    loop_min_repeats: int = Field(default=4, ge=2, description="Back-to-back repeats of the span that make a loop.")
+    loop_min_chars: int = Field(default=1200, ge=1, description="Characters the repeats must cover together.")
+    loop_window_chars: int = Field(default=8192, ge=1, description="How far back from the end a loop is looked for.")
+    client_tick_s: float = Field(
+        default=0.1,
+        ge=0,
+        # Seconds, not ms: a tick typed as 100 would hold every answer back 100 s.
+        le=1.0,
+        description="While streamed events come often, the client reads all streams once a tick instead of "
+        "waking up for each event; an event is read at most this late (seconds, at most 1). 0: wake up for every event.",
+    )
+
+    @pydantic.field_validator("retry_outcomes")
+    @classmethod
+    def _known_outcomes(cls, outcomes: list[str]) -> list[str]:
+        unknown = sorted(set(outcomes) - set(RETRYABLE_CONTENT))
+        if unknown:
+            raise ValueError(f"unknown outcome(s) {unknown}: retry_outcomes takes {list(RETRYABLE_CONTENT)}")
+        return outcomes
+
+    @pydantic.field_validator("training_formats")
+    @classmethod
+    def _known_formats_parquet_always(cls, formats: list[str]) -> list[str]:
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown:
+            raise ValueError(f"unknown {', '.join(map(repr, unknown))}; known: {', '.join(FORMATS)}")
+        if "parquet" not in formats:
+            raise ValueError("must include 'parquet': the set's checks and its dataset card read it")
+        return formats
+
+    @pydantic.field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_as_json(cls, value: Any) -> str:
+        """A mapping (the file) or JSON object text (the launchpad), kept as canonical JSON text."""
+        return _canonical_json(value, Mapping, "a mapping (a JSON object)", "{}")
+
+    @pydantic.field_validator("modes", mode="before")
+    @classmethod
+    def _modes_as_json(cls, value: Any) -> str:
+        """A list (the file) or JSON list text (the launchpad), kept as canonical JSON text."""
+        return _canonical_json(value, list | tuple, "a list of modes", "[]")
+
+    @pydantic.model_validator(mode="after")
+    def _modes_valid(self) -> GenerationConfig:
+        try:
+            self.mix()
+        except ModeError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def sampling(self) -> SamplingSettings:
+        """The run's sampling settings (the one mode's, without modes)."""
+        return SamplingSettings(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            chat_template_kwargs_json=self.chat_template_kwargs,
+            max_output_tokens=self.max_output_tokens,
+        )
+
+    def mix(self) -> ModeMix:
+        """The run's generation modes and each prompt's draw among them."""
+        return ModeMix.of(json.loads(self.modes), self.sampling(), self.mode_seed)
+
+
+def _canonical_json(value: Any, kind: Any, expected: str, empty: str) -> str:
+    """``value``, or the JSON text it is, checked to be ``kind`` and written as canonical JSON text:
+    settings given as structures in the file and as text on the launchpad compare equal."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value or empty)
+        except ValueError:
+            raise ValueError(f"not JSON: {value!r}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"must be {expected}, got {value!r}")
+    return json.dumps(dict(value) if isinstance(value, Mapping) else list(value), sort_keys=True)
+
+
+class LaunchConfig(_Section):
+    command: Optional[str] = None
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=30000, ge=1, le=65535)
+    gpus: list[int] = []
+    scope: Literal["fleet", "run"] = "fleet"
+    context_length: int = Field(default=8192, ge=2)
+    max_running_requests: int = Field(default=16, ge=1)
+    startup_timeout_s: Optional[float] = Field(default=None, gt=0)
+    run_tags_file: Optional[str] = None
+
+
+class FleetConfig(_Section):
+    mode: Literal["simulate", "attach", "launch"] = "simulate"
+    shards: int = Field(default=2, ge=1, le=999)
+    urls: list[str] = []
+    backend: Literal["sglang", "vllm"] = "sglang"
+    slots: Optional[int] = Field(default=None, ge=1)
+    stream_interval: int = Field(default=DEFAULT_STREAM_INTERVAL, ge=1)
+    tool_call_parser: Optional[str] = Field(default=None, min_length=1)
+    api_key_env: str = Field(default="SGLANG_API_KEY", min_length=1)
+    fallback_to_healthy: bool = True
+    launch: LaunchConfig = LaunchConfig()
+
+    @pydantic.field_validator("urls")
+    @classmethod
+    def _urls_are_http(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parsed = urllib.parse.urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        return [u.rstrip("/") for u in urls]
+
+    @pydantic.model_validator(mode="after")
+    def _attach_has_a_server_per_shard(self) -> FleetConfig:
+        if self.mode == "attach" and len(self.urls) < self.shards:
+            raise ValueError(
+                f"attach mode needs one URL per shard: {len(self.urls)} URL(s) in urls for {self.shards} shard(s)"
+            )
+        return self
+
+
+#: sglang's own launcher; placeholders are filled per server. Flags drift between sglang versions,
+#: so the whole command is configuration, not code. With an API key set, ``--api-key {api_key}`` is
+#: added (see ``FleetResource.command``): SGLang reads its key from that flag only.
+SGLANG_LAUNCH_COMMAND = (
+    "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port} "
+    "--context-length {context_length} --stream-interval {stream_interval}"
+)
+#: The simulator takes the same flags, plus its own time model, so launch mode is exercised as is.
+SIMULATOR_LAUNCH_COMMAND = (
+    "{python} -m expansion_dag.sim --model-path {model_path} --host {host} --port {port} "
+    "--context-length {context_length} --max-running-requests {max_running_requests} "
+    "--stream-interval {stream_interval} --token-latency-ms 1 "
+    "--output-median-tokens 160 --warmup-s 0.5"
+)
+
+
+class FleetSettings(BaseModel):
+    """The fleet as a run uses it, resolved from the ``fleet`` section (``simulate`` is ``launch``
+    with the simulator's command): the fields of the Dagster fleet resource, validated here."""
+
+    mode: Literal["launch", "attach"] = Field(default="launch", description="'launch' starts one server per GPU; 'attach' uses `urls`.")
+    urls: list[str] = Field(default=[], description="Attach mode: base URLs, one per shard, in shard order.")
+    backend: Literal["sglang", "vllm"] = Field(default="sglang", description="'sglang' or 'vllm' (OpenAI-compatible server).")
+    launch_command: str = Field(
+        default=SGLANG_LAUNCH_COMMAND,
+        description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
+        "{context_length} {max_running_requests} {stream_interval} {tool_call_parser} {python} {api_key}. With an API "
+        "key set and no {api_key} in it, '--api-key {api_key}' is appended.",
+    )
+    model_path: str = "Qwen/Qwen3-8B"
+    context_length: int = Field(
+        default=8192, description="Launch parameter only; budgets always use the probed context length."
+    )
+    max_running_requests: int = Field(
+        default=16, description="Launch parameter {max_running_requests}; requests in flight follow the probed slots."
+    )
+    stream_interval: int = Field(
+        default=DEFAULT_STREAM_INTERVAL,
+        ge=1,
+        description="Tokens per streamed event: vLLM requests ask for it, launched SGLang servers get "
+        "it as --stream-interval {stream_interval}; an attached SGLang server streams at its own.",
+    )
+    tool_call_parser: Optional[str] = Field(
+        default=None,
+        description="The servers' tool-call parser (e.g. SGLang 'qwen25', vLLM 'hermes' for Qwen3), so that "
+        "tool calls come back parsed in message.tool_calls; None: raw <tool_call> text in the content. "
+        "Launch mode adds the backend's flags to the command (SGLang --tool-call-parser, vLLM "
+        "--enable-auto-tool-choice --tool-call-parser) unless it names {tool_call_parser}; attach mode "
+        "states what the vLLM servers were started with (SGLang reports its own).",
+    )
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    gpus: list[int] = Field(default=[], description="Launch mode: one server per GPU; default 0..shards-1.")
+    launch_scope: Literal["fleet", "run"] = Field(
+        default="fleet",
+        description="Launch mode: 'fleet' starts every server on this machine; 'run' starts one "
+        "server on this run's own GPU (a GPU pod per shard run on Kubernetes).",
+    )
+    num_servers: int = Field(default=2, description="Launch mode, when `gpus` is empty.")
+    api_key_env: str = Field(
+        default="SGLANG_API_KEY", description="Name of the environment variable holding the API key, if any."
+    )
+    startup_timeout_s: float = 900.0
+    slots_override: Optional[int] = None
+    fallback_to_healthy: bool = Field(
+        default=True, description="Run a shard on a healthy server when its own server is down."
+    )
+    state_dir: str = Field(default="", description="Logs and pid files of launched servers.")
+
+
+class ModelConfig(_Section):
+    path: str = Field(default="Qwen/Qwen3-8B", min_length=1)
+    tokenizer: str = Field(default=DEFAULT_TOKENIZER, min_length=1)
+
+
+class LeaseSettings(BaseModel):
+    """How a run holds a shard's lease (``expansion_dag/store/lease.py``): the ``storage`` section's and
+    the storage resource's, validated here once."""
+
+    lease_timeout_s: float = Field(
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        ge=1.0,
+        le=86400.0,
+        description="A shard's lease whose holder has not renewed it for this long is taken over.",
+    )
+    when_shard_busy: Literal["wait", "fail"] = Field(
+        default="wait",
+        description="When another run holds the shard's lease: wait for it, then send what is still missing, or fail.",
+    )
+
+
+class StorageConfig(_Section, LeaseSettings):
+    root: str = Field(default="./storage", min_length=1)
+    local_dir: Optional[str] = None
+
+
+class ScheduleConfig(_Section):
+    cron: str = "0 2 * * *"
+    timezone: str = "UTC"
+    quota: int = Field(default=1000, ge=1)
+
+    @pydantic.field_validator("cron")
+    @classmethod
+    def _five_fields(cls, cron: str) -> str:
+        if len(cron.split()) != 5 or not re.fullmatch(r"[\d*/,\-\sA-Za-z]+", cron):
+            raise ValueError(f"must be a cron expression of five fields, got {cron!r}")
+        return cron
+
+    @pydantic.field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, name: str) -> str:
+        try:
+            zoneinfo.ZoneInfo(name)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {name!r}") from None
+        return name
+
+
+class RunConfig(_Section):
+    """The whole file, resolved: every field has its value, from the file, a variable or a default."""
+
+    fleet: FleetConfig = FleetConfig()
+    model: ModelConfig = ModelConfig()
+    catalog: str = Field(default="samples", min_length=1)
+    storage: StorageConfig = StorageConfig()
+    generation: GenerationConfig = GenerationConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    #: Where it was read from (not a key of the file).
+    source: str = Field(default="", exclude=True)
+
+    def storage_root(self) -> str:
+        """The root as an absolute path (relative to the working directory) or a URL as written."""
+        root = self.storage.root
+        return root if "://" in root else os.path.abspath(os.path.expanduser(root))
+
+    def masked(self) -> dict[str, Any]:
+        """The resolved configuration as plain data, with any password in a URL masked."""
+        data = self.model_dump(mode="json")
+        data["fleet"]["urls"] = [mask_url(u) for u in data["fleet"]["urls"]]
+        data["storage"]["root"] = mask_url(data["storage"]["root"])
+        data["generation"]["chat_template_kwargs"] = json.loads(data["generation"]["chat_template_kwargs"])
+        data["generation"]["modes"] = json.loads(data["generation"]["modes"])
+        return data
+
+    def digest(self) -> str:
+        """A short hash of the masked configuration: equal digests, equal configurations."""
+        canonical = json.dumps(self.masked(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def mask_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:{MASK}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _flag(value: str) -> bool:
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected 1 or 0, got {value!r}")
+
+
+def _csv(value: str) -> list[str]:
+    return [u.strip() for u in value.split(",") if u.strip()]
+
+
+#: Variables that override single fields: variable -> (dotted key, parser). Documented in the file.
+ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "EXPANSION_SHARDS": ("fleet.shards", int),
+    "EXPANSION_FLEET_URLS": ("fleet.urls", _csv),
+    "EXPANSION_BACKEND": ("fleet.backend", str),
+    "EXPANSION_FLEET_FALLBACK": ("fleet.fallback_to_healthy", _flag),
+    "EXPANSION_LAUNCH_SCOPE": ("fleet.launch.scope", str),
+    "EXPANSION_GPU_RUN_TAGS": ("fleet.launch.run_tags_file", str),
+    "EXPANSION_SIM_BASE_PORT": ("fleet.launch.base_port", int),
+    "EXPANSION_SIM_CONTEXT_LENGTH": ("fleet.launch.context_length", int),
+    "EXPANSION_SIM_SLOTS": ("fleet.launch.max_running_requests", int),
+    "EXPANSION_MODEL_PATH": ("model.path", str),
+    "EXPANSION_SIM_MODEL_PATH": ("model.path", str),
+    "EXPANSION_TOKENIZER": ("model.tokenizer", str),
+    "EXPANSION_CATALOG": ("catalog", str),
+    "EXPANSION_STORAGE": ("storage.root", str),
+    "EXPANSION_LOCAL_DIR": ("storage.local_dir", str),
+    "EXPANSION_NIGHTLY_CRON": ("schedule.cron", str),
+    "EXPANSION_NIGHTLY_TIMEZONE": ("schedule.timezone", str),
+    "EXPANSION_NIGHTLY_QUOTA": ("schedule.quota", int),
+    "EXPANSION_RETRY_OUTCOMES": ("generation.retry_outcomes", _csv),
+    "EXPANSION_TOOL_CALL_PARSER": ("fleet.tool_call_parser", str),
+}
+#: ``local``: a simulated fleet; ``production``: real servers, attached when URLs are known, else launched.
+PROFILE_ENV = "EXPANSION_PROFILE"
+PROFILES = ("local", "production")
+
+
+def _set(document: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = document
+    for part in parents:
+        child = node.get(part)
+        node[part] = child = dict(child) if isinstance(child, Mapping) else {}
+        node = child
+    node[leaf] = value
+
+
+def _get(document: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = document
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _apply_environment(document: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """Apply the override variables that are set (and not empty); returns key -> variable."""
+    applied: dict[str, str] = {}
+    for variable, (key, parse) in ENV_OVERRIDES.items():
+        raw = env.get(variable, "")
+        if not raw.strip():
+            continue
+        try:
+            value = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"${variable} (overrides {key}): {exc}") from None
+        _set(document, key, value)
+        applied[key] = variable
+    profile = env.get(PROFILE_ENV, "").strip()
+    if profile:
+        if profile not in PROFILES:
+            raise ConfigError(f"${PROFILE_ENV} must be one of {PROFILES}, got {profile!r}")
+        mode = _get(document, "fleet.mode") or "simulate"
+        if profile == "local":
+            mode = "simulate"
+        elif mode == "simulate":
+            mode = "attach" if _get(document, "fleet.urls") else "launch"
+        _set(document, "fleet.mode", mode)
+        applied["fleet.mode"] = PROFILE_ENV
+    if "fleet.urls" in applied:
+        # Servers named by URL are attached, whatever the file's mode.
+        _set(document, "fleet.mode", "attach")
+        applied["fleet.mode"] = applied["fleet.urls"]
+    return applied
+
+
+def _unknown_key_message(key: str, known: list[str]) -> str:
+    hint = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+    return "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else f"; known keys: {', '.join(known)}")
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys allowed where ``loc`` points (for the message on an unknown key)."""
+    for part in loc[:-1]:
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else model
+    return [name for name, f in model.model_fields.items() if not f.exclude]
+
+
+def _describe(error: Any, where: str, applied: Mapping[str, str]) -> str:
+    loc = tuple(error["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        return f"{where}: {key}: {_unknown_key_message(key, _known_keys(RunConfig, loc))}"
+    source = f"${applied[key]} (overrides {key} of {where})" if key in applied else f"{where}: {key}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{source}: {message} (got {error['input']!r})" if error["type"] != "missing" else f"{source}: {message}"
+
+
+def parse_config(document: Any, *, where: str, env: Mapping[str, str] | None = None) -> RunConfig:
+    """Validate a parsed YAML document (with the environment's overrides) into a ``RunConfig``."""
+    if document is None:
+        document = {}
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{where}: must be a mapping of sections (fleet, model, catalog, ...), got {document!r:.80}")
+    resolved = json.loads(json.dumps(document, default=str))  # a deep, plain copy
+    applied = _apply_environment(resolved, os.environ if env is None else env)
+    try:
+        return RunConfig.model_validate({**resolved, "source": where})
+    except pydantic.ValidationError as exc:
+        problems = [_describe(e, where, applied) for e in exc.errors()]
+        raise ConfigError("invalid run configuration:\n  " + "\n  ".join(problems)) from None
+
+
+def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None) -> RunConfig:
+    """Read, override from the environment and validate one run configuration file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run configuration {str(path)!r}: no such file")
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(document, where=str(path.resolve()), env=env)
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    """``$EXPANSION_CONFIG``, else the bundled default file."""
+    named = (os.environ if env is None else env).get(CONFIG_ENV, "").strip()
+    return Path(named).expanduser().resolve() if named else bundled_config_path()
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: Path, overrides: tuple[tuple[str, str], ...]) -> RunConfig:
+    return load_config(path, env=dict(overrides))
+
+
+def current_config() -> RunConfig:
+    """The configuration of this process: read once per file and set of overriding variables."""
+    names = {*ENV_OVERRIDES, PROFILE_ENV}
+    overrides = tuple(sorted((k, v) for k, v in os.environ.items() if k in names))
+    return _cached(config_path(), overrides)

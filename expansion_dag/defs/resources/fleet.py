@@ -1,0 +1,145 @@
+"""The fleet resource: provisions (launch mode) or attaches to SGLang servers, then probes them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+import dagster as dg
+from pydantic import PrivateAttr
+
+from expansion_dag.config import FleetSettings
+from expansion_dag.core import FleetError
+from expansion_dag.servers import FleetInfo, Launcher, LaunchSpec, is_healthy, probe_fleet, tool_call_flags
+
+
+class FleetResource(dg.ConfigurableResource, FleetSettings):
+    """SGLang servers, one per GPU: launched (``launch``) or already running (``attach``).
+
+    A run that uses the fleet provisions it when the run starts (``setup_for_execution``: servers
+    launched if need be, then every one probed) and its assets read what was probed (``info``).
+    Servers a run launched for itself alone (``launch_scope: run``, a GPU pod per shard run) stop
+    when it ends; a fleet launched for all shards (``fleet``) is shared by their runs and outlives
+    each, stopped by ``expansion-dag fleet stop`` or at the end of ``expansion-dag run``.
+    """
+
+    _info: Optional[FleetInfo] = PrivateAttr(default=None)
+    _launched_here: bool = PrivateAttr(default=False)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self._info = self.provision(context.log)
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._launched_here and self.launch_scope == "run":
+            stopped = self.stop()
+            if stopped and context.log is not None:
+                context.log.info(f"stopped the {len(stopped)} server(s) this run launched")
+
+    @property
+    def info(self) -> FleetInfo:
+        """The fleet as probed when this run started."""
+        if self._info is None:
+            raise FleetError("the fleet was not provisioned: the resource is read outside a Dagster run")
+        return self._info
+
+    def api_key(self) -> Optional[str]:
+        return os.environ.get(self.api_key_env) or None
+
+    def command(self) -> str:
+        """The launch command template; a keyed fleet's servers get the key by ``--api-key``, and
+        the tool-call parser by the backend's flags."""
+        command = self.launch_command
+        if self.tool_call_parser and "{tool_call_parser}" not in command:
+            command += " " + tool_call_flags(self.backend, self.tool_call_parser)
+        if self.api_key() and "{api_key}" not in command:
+            command += " --api-key {api_key}"
+        return command
+
+    def launcher(self) -> Launcher:
+        gpus = self.gpus or list(range(self.num_servers))
+        if self.launch_scope == "run":
+            gpus = gpus[:1]  # the one GPU this run's pod was given
+        return Launcher(
+            state_dir=self.state_dir or os.path.join(os.getcwd(), "storage", "fleet"),
+            command=self.command(),
+            host=self.host,
+            specs=[LaunchSpec(gpu=g, port=self.base_port + i) for i, g in enumerate(gpus)],
+            values={
+                "model_path": self.model_path,
+                "context_length": self.context_length,
+                "max_running_requests": self.max_running_requests,
+                "stream_interval": self.stream_interval,
+                "tool_call_parser": self.tool_call_parser or "",
+                "python": sys.executable,
+            },
+            api_key=self.api_key(),
+        )
+
+    def server_urls(self) -> list[str]:
+        if self.mode == "attach":
+            if not self.urls:
+                raise FleetError("attach mode needs `urls`")
+            return [u.rstrip("/") for u in self.urls]
+        return self.launcher().urls
+
+    def provision(self, log: Any = None) -> FleetInfo:
+        """Ensure every server runs and is ready, then probe them all."""
+        if self.mode == "launch":
+            started = self.launcher().ensure_running(timeout_s=self.startup_timeout_s)
+            self._launched_here = self._launched_here or bool(started)
+            if started and log is not None:
+                log.info(f"launched {len(started)} server(s): {', '.join(started)}")
+        return self.probe()
+
+    def probe(self) -> FleetInfo:
+        return probe_fleet(
+            self.server_urls(),
+            backend=self.backend,  # type: ignore[arg-type]
+            api_key=self.api_key(),
+            slots_override=self.slots_override,
+            stream_interval=self.stream_interval,
+            tool_call_parser=self.tool_call_parser,
+            allow_unreachable=self.fallback_to_healthy,
+        )
+
+    def server_for_shard(self, shard_index: int) -> tuple[str, bool]:
+        """The shard's own server, or a healthy one when it is down and fallback is allowed.
+
+        Returns the URL and whether it is a fallback.
+        """
+        urls = self.server_urls()
+        if self.mode == "launch" and self.launch_scope == "run":
+            return urls[0], False  # the run's own server serves whichever shard the run is for
+        if shard_index >= len(urls):
+            raise FleetError(f"shard {shard_index} has no server: the fleet has {len(urls)}")
+        own = urls[shard_index]
+        if is_healthy(own) or not self.fallback_to_healthy:
+            return own, False
+        for offset in range(1, len(urls)):
+            candidate = urls[(shard_index + offset) % len(urls)]
+            if is_healthy(candidate):
+                return candidate, True
+        raise FleetError(f"no healthy server: {own} (the shard's own) and every other server are down")
+
+    def stop(self) -> list[int]:
+        return self.launcher().stop() if self.mode == "launch" else []
+
+    def effective_config(self, fleet: FleetInfo, url: str) -> dict[str, Any]:
+        """What this shard ran with, as compared between materializations (no secrets)."""
+        info = fleet.server(url)
+        return {
+            "backend": info.backend,
+            "model": info.model,
+            "model_path": info.model_path,
+            "server_version": info.version,
+            "server_dialect": info.dialect.name,
+            "context_length": info.context_length,
+            "max_req_input_len": info.max_req_input_len,
+            "slots": info.slots,
+            "slots_source": info.slots_source,
+            "stream_interval": info.stream_interval,
+            "tool_call_parser": info.tool_call_parser,
+            "simulator": info.simulator,
+            "launch_command": self.command() if self.mode == "launch" else None,
+        }

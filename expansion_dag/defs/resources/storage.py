@@ -1,0 +1,148 @@
+"""Where every asset keeps its files: one storage root, and an IO manager for polars frames.
+
+The root is a local folder or an fsspec URL (``s3://bucket/prefix``); see ``expansion_dag/core/urls.py``
+for credentials and endpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pyarrow.parquet as pq
+from pydantic import Field
+from upath import UPath
+
+from expansion_dag.config import LeaseSettings
+from expansion_dag.core import (
+    as_upath,
+    default_local_dir,
+    is_local,
+    local_path,
+    upload_after,
+    write_atomically,
+)
+from expansion_dag.defs import run_configuration_metadata
+from expansion_dag.store import (
+    DEFAULT_SEGMENT_INTERVAL_S,
+    DEFAULT_SEGMENT_RECORDS,
+    CompletionStore,
+    Log,
+    ShardLease,
+)
+
+ASSETS = "assets"  # where the IO manager keeps asset files: <root>/assets/<asset>[/<partition>].parquet
+
+
+def _read_parquet(path: UPath, columns: list[str] | None = None) -> pl.DataFrame:
+    # Through pyarrow: raw rows may hold invalid UTF-8 on purpose (extraction quarantines them),
+    # which polars' own reader refuses outright.
+    with path.open("rb") as fh:
+        return pl.from_arrow(pq.read_table(fh, columns=columns))
+
+
+def default_storage_root() -> str:
+    """``$EXPANSION_STORAGE``, else ``./storage`` in the working directory.
+
+    Not ``$DAGSTER_HOME/storage``: Dagster keeps its own run artifacts there.
+    """
+    return os.environ.get("EXPANSION_STORAGE") or os.path.abspath("storage")
+
+
+class StorageResource(dg.ConfigurableResource, LeaseSettings):
+    """Side files of the assets: quarantine, set-aside prompts, the completion store, the training set."""
+
+    root: str = Field(
+        default_factory=default_storage_root, description="A local folder or an fsspec URL (s3://bucket/prefix)."
+    )
+    local_dir: str = Field(
+        default_factory=default_local_dir,
+        description="This machine's spool, cache and staging for a remote root; it must outlive runs.",
+    )
+    segment_records: int = Field(
+        default=DEFAULT_SEGMENT_RECORDS, ge=1, description="Remote root: completions per uploaded segment, at most."
+    )
+    segment_interval_s: float = Field(
+        default=DEFAULT_SEGMENT_INTERVAL_S,
+        gt=0,
+        description="Remote root: seconds after its first completion that a segment is uploaded, at most.",
+    )
+
+    def path(self, *parts: str) -> UPath:
+        return as_upath(self.root).joinpath(*parts)
+
+    @contextmanager
+    def local_staging(self, target: UPath, *, last: str | None = None) -> Iterator[Path]:
+        """A local path to build the file or flat folder ``target`` in; uploaded when the block succeeds.
+
+        A local target is given as is (the builders of the training set and the export replace
+        their output atomically themselves). A remote one is built under ``local_dir`` and uploaded
+        at the end, ``last`` (the file marking a complete folder) after every other file.
+        """
+        if is_local(target):
+            path = local_path(target)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield path
+            return
+        with upload_after(target, scratch=Path(self.local_dir, "staging"), last=last) as path:
+            yield path
+
+    def read_asset(self, asset: str, partition: str | None = None) -> pl.DataFrame:
+        """An asset's file as the IO manager stored it, read back (checks verify what was written)."""
+        name = f"{partition or asset}.parquet"
+        return _read_parquet(self.path(ASSETS, asset, name) if partition else self.path(ASSETS, name))
+
+    def write_parquet(self, frame: pl.DataFrame, *parts: str) -> UPath:
+        """Write a frame under the root, whole or not at all; returns where."""
+        target = self.path(*parts)
+        with write_atomically(target) as path:
+            frame.write_parquet(path)
+        return target
+
+    def shard_lease(self, shard: str, *, run_id: str, log: Log) -> ShardLease:
+        """The lease a run holds while it chooses and sends ``shard``'s prompts (``expansion_dag.store.lease``)."""
+        return ShardLease(as_upath(self.root), shard, run_id=run_id, log=log, timeout_s=self.lease_timeout_s,
+                          wait=self.when_shard_busy == "wait")
+
+    def completion_store(self) -> CompletionStore:
+        return CompletionStore(
+            self.path("completions"),
+            local_dir=self.local_dir,
+            segment_records=self.segment_records,
+            segment_interval_s=self.segment_interval_s,
+        )
+
+
+class ParquetIOManager(dg.ConfigurableIOManagerFactory):
+    """polars DataFrames as Parquet under ``<root>/assets``, one file per asset (per partition when partitioned)."""
+
+    root: str = Field(default_factory=default_storage_root)
+
+    def create_io_manager(self, context: dg.InitResourceContext) -> _PolarsParquetIOManager:
+        return _PolarsParquetIOManager(as_upath(self.root) / ASSETS)
+
+
+class _PolarsParquetIOManager(dg.UPathIOManager):
+    extension = ".parquet"
+
+    def dump_to_path(self, context: dg.OutputContext, obj: pl.DataFrame, path: UPath) -> None:
+        # A crash never leaves a half file that a later step would read.
+        with write_atomically(path) as staged:
+            obj.write_parquet(staged)
+
+    def load_from_path(self, context: dg.InputContext, path: UPath) -> pl.DataFrame:
+        # An input that names its ``columns`` (``AssetIn`` metadata) reads only those.
+        columns = (context.definition_metadata or {}).get("columns")
+        try:
+            return _read_parquet(path, columns)
+        except FileNotFoundError as exc:
+            missing = f"{path} is missing: materialize {context.asset_key.to_user_string()} first"
+            raise FileNotFoundError(missing) from exc
+
+    def get_metadata(self, context: dg.OutputContext, obj: pl.DataFrame) -> dict[str, dg.MetadataValue]:
+        # Every stored asset shows the run configuration it was made under, as the shards do.
+        return {"rows": dg.MetadataValue.int(obj.height), **run_configuration_metadata()}

@@ -1,0 +1,49 @@
+"""Generation: the engine that keeps every server's slots full, its queue and borrowing, the
+recorder, conversations, learned answer lengths, the yield gate, a shard's plan, report and progress.
+"""
+
+from expansion_dag.generation.answer_lengths import (
+    AnswerLengths,
+    Estimate,
+    bucket_label,
+    cell_estimates,
+    learn,
+    prompt_bucket,
+    prompt_features,
+)
+from expansion_dag.generation.answer_yield import AnswerYield, YieldGate
+from expansion_dag.generation.conversations import TurnPlanner, turn_id
+from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, claim_share
+from expansion_dag.generation.engine import OWNER_NOT_STARTED, EngineConfig, Server, ShardRun, generate_shard
+from expansion_dag.generation.event_loop import CoalescingSelector, run_ticked
+from expansion_dag.generation.plan import (
+    MIN_OBSERVED,
+    Observed,
+    Plan,
+    Throughput,
+    expected_per_prompt,
+    make_plan,
+)
+from expansion_dag.generation.progress import (
+    ObservationThrottle,
+    ProgressDisplay,
+    ShardProgress,
+    quiet_third_party,
+    render_table,
+    retry_summary,
+    silence_retry_logging,
+)
+from expansion_dag.generation.recorder import ended_record
+from expansion_dag.generation.shard_figures import ShardFigures, shard_figures
+from expansion_dag.generation.shard_report import Progress, ShardReport, spearman
+from expansion_dag.generation.shard_work import ShardWork, prompt_keys
+
+__all__ = [
+    "AnswerLengths", "AnswerYield", "CoalescingSelector", "EngineConfig", "Estimate", "MIN_OBSERVED",
+    "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress", "ProgressDisplay",
+    "PromptQueue", "Server", "ShardFigures", "ShardProgress", "ShardReport", "ShardRun", "ShardWork",
+    "Throughput", "Turn", "TurnPlanner", "WorkItem", "YieldGate", "bucket_label", "cell_estimates",
+    "claim_share", "ended_record", "expected_per_prompt", "generate_shard", "learn", "make_plan",
+    "prompt_bucket", "prompt_features", "prompt_keys", "quiet_third_party", "render_table",
+    "retry_summary", "run_ticked", "shard_figures", "silence_retry_logging", "spearman", "turn_id"
+]

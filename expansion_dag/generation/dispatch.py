@@ -1,0 +1,184 @@
+"""Which prompt goes next, and how many of another server's idle slots a shard may take.
+
+:class:`PromptQueue` orders a shard's prompts longest expected work first, the expectation learned
+(``expansion_dag.generation.answer_lengths``) from the store and from each answer that returns, and re-orders
+itself as the estimates settle. A conversation's work is its whole remaining chain (each turn waits
+for the answer before it), so its short first turn is not left to the end, where its later turns
+would run alone past everything else. :func:`claim_share` splits a server's idle slots between the shards
+that may borrow them, the same way in every shard's process, so that together they never send it
+more than it has idle: piled on, a server with a bounded queue answers 503 to the surplus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from expansion_dag.core import DEFAULT_MODE, SamplingSettings
+from expansion_dag.generation.answer_lengths import AnswerLengths, prompt_features
+
+#: The queue is re-ordered when this many answers have returned, then at each doubling: estimates
+#: move most while they rest on few answers, and a sort of the queue costs CPU.
+FIRST_REORDER = 16
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Where a request stands in its conversation (``WorkItem.turn``; ``expansion_dag.generation.conversations``)."""
+
+    conversation_id: str
+    turn: int
+    turns: int
+    #: The source's turns after this turn's answer, later placeholders included.
+    rest: tuple[Mapping[str, Any], ...]
+    prior_finish_reasons: tuple[str, ...] = ()
+
+    @property
+    def last(self) -> bool:
+        return self.turn == self.turns
+
+    def record_fields(self) -> dict[str, Any]:
+        return {
+            "conversation_id": self.conversation_id,
+            "turn": self.turn,
+            "turns": self.turns,
+            "prior_finish_reasons": list(self.prior_finish_reasons),
+        }
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    key: str
+    prompt_id: str
+    source: str
+    messages: Sequence[Mapping[str, Any]]
+    prompt_tokens: int
+    max_tokens: int
+    #: The answer length the budget expects (its per-source prior, capped by ``max_tokens``):
+    #: decode time follows it, so it orders the queue until answers teach better.
+    expected_output_tokens: int
+    #: The prompt's generation mode and its settings (None: the shard's own).
+    mode: str = DEFAULT_MODE
+    sampling: SamplingSettings | None = None
+    #: Tool definitions sent with the request, for the chat template.
+    tools: Sequence[Mapping[str, Any]] | None = None
+    #: Where the request stands in its conversation; None for a single-turn prompt.
+    turn: Turn | None = None
+
+
+class PromptQueue:
+    """A shard's prompts still to send, longest expected remaining work first (:meth:`remaining`)."""
+
+    def __init__(self, items: Iterable[WorkItem], lengths: AnswerLengths | None = None):
+        #: Learned from the store when given, and from this run's answers as they return.
+        self.lengths = lengths if lengths is not None else AnswerLengths()
+        items = list(items)
+        self._features = {item.key: prompt_features(item.messages) for item in items}
+        #: Each item's expectation when the queue was last ordered: what put it where it was taken.
+        self._ordered_on: dict[str, int] = {}
+        self._items = collections.deque(sorted(items, key=self._order))
+        self._returned = 0
+        self._next_reorder = FIRST_REORDER
+        self.reorders = 0
+        #: Set once the last prompt is taken: nothing is left to lend out.
+        self.drained = asyncio.Event()
+        if not self._items:
+            self.drained.set()
+        #: Conversation turns in flight whose answer may bring a next turn.
+        self._open = 0
+        self._changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing queued, and no answer in flight can bring more."""
+        return not self._items and not self._open
+
+    def opened(self, item: WorkItem) -> None:
+        """``item`` is being sent; a turn before its conversation's last may bring the next."""
+        if item.turn is not None and not item.turn.last:
+            self._open += 1
+
+    def settled(self, item: WorkItem, following: WorkItem | None = None) -> None:
+        """``item``'s outcome is known; ``following`` is its conversation's next turn, first in line:
+        a conversation finishes soon after it starts, so its turns do not wait behind the whole queue."""
+        if following is not None:
+            self._features[following.key] = prompt_features(following.messages)
+            self._ordered_on[following.key] = self.expected(following)
+            self._items.appendleft(following)
+            self.drained.clear()
+        if item.turn is not None and not item.turn.last:
+            self._open -= 1
+        self._changed.set()
+
+    async def wait_for_more(self) -> None:
+        """Until a turn in flight settles (and may have queued its successor)."""
+        self._changed.clear()
+        await self._changed.wait()
+
+    def features(self, item: WorkItem) -> tuple[int, ...]:
+        """The hashed words of the prompt that the length estimate reads (kept with its record)."""
+        return self._features[item.key]
+
+    def expected(self, item: WorkItem) -> int:
+        """The learned expectation of an item's answer, within its ``max_tokens``."""
+        estimate = self.lengths.expect(item.source, item.prompt_tokens, item.expected_output_tokens, self._features[item.key])
+        return min(item.max_tokens, estimate)
+
+    def ordered_on(self, item: WorkItem) -> int:
+        """The expectation the queue's order rested on when ``item`` was taken."""
+        return self._ordered_on[item.key]
+
+    def remaining(self, item: WorkItem) -> int:
+        """The expected work of ``item``'s conversation from this turn on (its answer alone for a
+        single prompt): this answer, and each later turn at its source's learned answer length."""
+        expected = self.expected(item)
+        if item.turn is None or item.turn.last:
+            return expected
+        later = self.lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens).tokens
+        return expected + (item.turn.turns - item.turn.turn) * min(item.max_tokens, later)
+
+    def _order(self, item: WorkItem) -> tuple[int, str]:
+        self._ordered_on[item.key] = self.expected(item)
+        return (-self.remaining(item), item.prompt_id)
+
+    def take(self, *, shortest: bool = False) -> WorkItem:
+        """The longest expected work (``shortest``: the other end, for a canary)."""
+        item = self._items.pop() if shortest else self._items.popleft()
+        if not self._items:
+            self.drained.set()
+        return item
+
+    def put_back(self, item: WorkItem) -> None:
+        """A prompt that could not be sent where it went: first in line again."""
+        self._items.appendleft(item)
+        self.drained.clear()
+
+    def learn(self, item: WorkItem, output_tokens: int) -> None:
+        self.lengths.observe(
+            item.source, item.prompt_tokens, output_tokens, self._features[item.key], item.expected_output_tokens
+        )
+        self._returned += 1
+        if self._returned >= self._next_reorder:
+            self._next_reorder *= 2
+            if self._items:
+                self._items = collections.deque(sorted(self._items, key=self._order))
+                self.reorders += 1
+
+
+def claim_share(idle: int, borrowers: int, rank: int, turn: int = 0) -> int:
+    """This borrower's share of a server's ``idle`` slots, among ``borrowers`` that may borrow it.
+
+    ``rank`` is this borrower's place among them, ``turn`` a counter that every borrower reads alike
+    (the wall clock's poll interval): the slots a split leaves over go round, so none stays idle for
+    long. Each borrower computes the same split, so their shares never add up to more than ``idle``.
+    """
+    if idle <= 0 or borrowers < 1:
+        return 0
+    base, left_over = divmod(idle, borrowers)
+    return base + (1 if (rank + turn) % borrowers < left_over else 0)

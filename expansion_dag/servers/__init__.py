@@ -1,0 +1,63 @@
+"""Everything said to an inference server: the dialects of SGLang's versions and vLLM, requests,
+answers and streamed answers, errors, probing, the HTTP layer, loop detection and the launcher.
+"""
+
+from expansion_dag.servers.api import (
+    DEFAULT_STREAM_INTERVAL,
+    PROTECTED_PATH,
+    SGLANG,
+    SGLANG_MIN_VERSION,
+    VLLM,
+    Answer,
+    ChatStream,
+    DegenerateError,
+    Dialect,
+    Exchange,
+    RetryPolicy,
+    ServerFacts,
+    chat_request,
+    dialect_for,
+    error_from_status,
+    finish_error,
+    generate,
+    parse_chat_completion,
+    parse_chat_stream,
+    parse_context_error,
+    parse_gen_throughput,
+    parse_idle_slots,
+    parse_server_facts,
+    read_idle_slots,
+    read_server_facts,
+    request_tools,
+    send_chat,
+    serves_without_key,
+    template_tools,
+    tool_choice_for,
+)
+from expansion_dag.servers.asyncio_network import AsyncioStream, asyncio_transport
+from expansion_dag.servers.degeneration import Loop, LoopDetector, LoopThresholds, find_loop
+from expansion_dag.servers.fleet import (
+    SLOTS_CONFIGURED,
+    SLOTS_FROM_SERVER,
+    FleetInfo,
+    probe_fleet,
+    probe_server,
+    read_throughputs,
+)
+from expansion_dag.servers.http_client import HttpClient, make_client, tls_context
+from expansion_dag.servers.launcher import Launcher, LaunchSpec, is_healthy, tool_call_flags, wait_ready
+from expansion_dag.servers.repetitive_corpus import CORPUS_PATH, corpus_bytes, looping_answers, read_corpus
+
+__all__ = [
+    "Answer", "AsyncioStream", "CORPUS_PATH", "ChatStream", "DEFAULT_STREAM_INTERVAL",
+    "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "LaunchSpec", "Launcher",
+    "Loop", "LoopDetector", "LoopThresholds", "PROTECTED_PATH", "RetryPolicy", "SGLANG",
+    "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "ServerFacts", "VLLM",
+    "asyncio_transport", "chat_request", "corpus_bytes", "dialect_for", "error_from_status",
+    "find_loop", "finish_error", "generate", "is_healthy", "looping_answers", "make_client",
+    "parse_chat_completion", "parse_chat_stream", "parse_context_error", "parse_gen_throughput",
+    "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_server", "read_corpus",
+    "read_idle_slots", "read_server_facts", "read_throughputs", "request_tools", "send_chat",
+    "serves_without_key", "template_tools", "tls_context", "tool_call_flags", "tool_choice_for",
+    "wait_ready"
+]

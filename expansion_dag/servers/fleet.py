@@ -1,0 +1,234 @@
+"""Probing a fleet of SGLang (or vLLM) servers, with no Dagster in sight (launching: ``launcher.py``).
+
+- ``probe_fleet`` reads what requests depend on from the servers themselves (through
+  ``server_api``, which knows each server's dialect): the context length, the longest prompt the
+  scheduler admits, the running-request slots, the model and the version. Servers that disagree
+  are an error naming them.
+- Slots are never guessed: a server that does not report them (vLLM has no API for
+  ``max_num_seqs``) needs ``slots_override``, and ``ServerInfo.slots_source`` says which it was.
+- A fleet configured with an API key must refuse a request without it: one that answers is
+  running unauthenticated, and that is an error, not a warning.
+- Whether a server parses tool calls decides the ``tool_choice`` its requests carry
+  (``ServerInfo.tool_choice``): SGLang says its ``--tool-call-parser``; vLLM says nothing, so the
+  configured one is believed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import httpx
+
+from expansion_dag.core import FleetError, FleetMismatchError, ServerUnreachableError
+from expansion_dag.servers.api import (
+    PROTECTED_PATH,
+    Dialect,
+    parse_gen_throughput,
+    read_server_facts,
+    serves_without_key,
+    tool_choice_for,
+)
+from expansion_dag.servers.http_client import tls_context
+
+Backend = Literal["sglang", "vllm"]
+
+#: Where a server's slot count came from.
+SLOTS_FROM_SERVER = "server"
+SLOTS_CONFIGURED = "configured: slots_override"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    url: str
+    backend: str
+    model: str
+    model_path: str
+    context_length: int
+    slots: int
+    #: ``SLOTS_FROM_SERVER`` or ``SLOTS_CONFIGURED``.
+    slots_source: str
+    #: SGLang's scheduler refuses prompts of this many tokens or more; None when not reported.
+    max_req_input_len: int | None
+    version: str | None
+    simulator: bool
+    dialect: Dialect
+    #: Tokens per streamed event: SGLang's own ``--stream-interval`` as it reports it (1 when it
+    #: does not), or, where requests carry it (vLLM), the configured value each request asks for.
+    stream_interval: int = 1
+    #: The server's tool-call parser: as SGLang reports it, else as configured; None: none.
+    tool_call_parser: str | None = None
+
+    @property
+    def tool_choice(self) -> str:
+        """The ``tool_choice`` of this server's requests with tools (``tool_choice_for``)."""
+        return tool_choice_for(self.dialect, self.tool_call_parser)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "dialect": self.dialect.name}
+
+
+@dataclass(frozen=True)
+class FleetInfo:
+    servers: tuple[ServerInfo, ...]
+    #: Servers that did not answer the probe, when the caller tolerates some being down.
+    unreachable: tuple[str, ...] = ()
+
+    @property
+    def context_length(self) -> int:
+        return self.servers[0].context_length
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt every server admits (below its ``max_req_input_len``); None if unsaid.
+
+        SGLang sets it from the KV cache too, so it can be well below the context length.
+        """
+        limits = [s.max_req_input_len - 1 for s in self.servers if s.max_req_input_len is not None]
+        return min(limits) if limits else None
+
+    @property
+    def model(self) -> str:
+        return self.servers[0].model
+
+    @property
+    def model_path(self) -> str:
+        return self.servers[0].model_path
+
+    @property
+    def simulated(self) -> bool:
+        return any(s.simulator for s in self.servers)
+
+    @property
+    def identity(self) -> str:
+        """The model as part of a completion's identity; a simulated answer never passes for a real one."""
+        return self.model_path + (" (simulator)" if self.simulated else "")
+
+    def server(self, url: str) -> ServerInfo:
+        for info in self.servers:
+            if info.url == url:
+                return info
+        raise KeyError(url)
+
+
+def probe_server(
+    url: str,
+    *,
+    backend: Backend = "sglang",
+    api_key: str | None = None,
+    slots_override: int | None = None,
+    stream_interval: int = 1,
+    tool_call_parser: str | None = None,
+    timeout_s: float = 30.0,
+) -> ServerInfo:
+    """What one server says about itself, checked against the configuration.
+
+    ``stream_interval``: the tokens per streamed event the fleet is configured with; a server that
+    takes it per request gets it, another one streams at its own launch setting.
+    ``tool_call_parser``: the one the fleet is configured with; a server that reports its own
+    (SGLang's ``/server_info``) is believed instead.
+    """
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context()) as client:
+        facts = read_server_facts(client, url, backend)
+    if api_key and serves_without_key(url, timeout_s=timeout_s):
+        raise FleetError(
+            f"{url} answers {PROTECTED_PATH} without the API key although one is configured: "
+            "the server runs unauthenticated. Start it with --api-key (SGLang reads no environment "
+            "variable for its key), e.g. add '--api-key {api_key}' to the launch command."
+        )
+    if slots_override is not None:
+        slots, source = slots_override, SLOTS_CONFIGURED
+    elif facts.slots is not None:
+        slots, source = facts.slots, SLOTS_FROM_SERVER
+    elif backend == "vllm":
+        raise FleetError(
+            f"{url}: vLLM does not report its running-request slots (--max-num-seqs; its default is "
+            "1024 on GPUs with 70 GiB or more, 256 otherwise): set slots_override on the fleet to the "
+            "value the servers run with"
+        )
+    else:
+        raise FleetError(
+            f"{url}{facts.dialect.server_info_path} reports no running-request slots (no effective "
+            "slots in internal_states and max_running_requests is null): set slots_override on the fleet"
+        )
+    return ServerInfo(
+        url=url,
+        backend=backend,
+        model=facts.model,
+        model_path=facts.model_path,
+        context_length=facts.context_length,
+        slots=slots,
+        slots_source=source,
+        max_req_input_len=facts.max_req_input_len,
+        version=facts.version,
+        simulator=facts.simulator,
+        dialect=facts.dialect,
+        stream_interval=stream_interval if facts.dialect.stream_interval_per_request else facts.stream_interval or 1,
+        tool_call_parser=facts.tool_call_parser if facts.dialect.server_info_path else tool_call_parser,
+    )
+
+
+def read_throughputs(servers: Sequence[ServerInfo], *, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, float | None]:
+    """Each server's output tokens a second now (``parse_gen_throughput``); None where it
+    does not say or does not answer."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    found: dict[str, float | None] = {}
+    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context()) as client:
+        for server in servers:
+            path = server.dialect.loads_path
+            try:
+                response = client.get(server.url + path) if path else None
+                ok = response is not None and response.status_code == 200
+                found[server.url] = parse_gen_throughput(response.json(), server.dialect) if ok else None
+            except (httpx.HTTPError, ValueError):
+                found[server.url] = None
+    return found
+
+
+def probe_fleet(
+    urls: Sequence[str],
+    *,
+    backend: Backend = "sglang",
+    api_key: str | None = None,
+    slots_override: int | None = None,
+    stream_interval: int = 1,
+    tool_call_parser: str | None = None,
+    timeout_s: float = 30.0,
+    allow_unreachable: bool = False,
+) -> FleetInfo:
+    """Probe every server; with ``allow_unreachable`` a dead one is listed, not fatal, while one answers."""
+    if not urls:
+        raise FleetError("the fleet has no servers")
+    probed: list[ServerInfo] = []
+    unreachable: list[str] = []
+    for url in urls:
+        try:
+            probed.append(
+                probe_server(
+                    url,
+                    backend=backend,
+                    api_key=api_key,
+                    slots_override=slots_override,
+                    stream_interval=stream_interval,
+                    tool_call_parser=tool_call_parser,
+                    timeout_s=timeout_s,
+                )
+            )
+        except ServerUnreachableError:
+            if not allow_unreachable:
+                raise
+            unreachable.append(url.rstrip("/"))
+    if not probed:
+        raise ServerUnreachableError(f"no server of the fleet answers: {', '.join(unreachable)}")
+    servers = tuple(probed)
+    for field_name in ("model", "context_length"):
+        values: dict[Any, list[str]] = {}
+        for s in servers:
+            values.setdefault(getattr(s, field_name), []).append(s.url)
+        if len(values) > 1:
+            described = "; ".join(f"{value!r} on {', '.join(where)}" for value, where in values.items())
+            raise FleetMismatchError(f"servers disagree on {field_name}: {described}")
+    return FleetInfo(servers, tuple(unreachable))

@@ -1,0 +1,129 @@
+"""The generation workers' HTTP client: httpx's transport, without ``httpx.AsyncClient`` around it.
+
+A worker sends one kind of request, a JSON POST, on one keep-alive connection, hundreds of
+thousands of times in a run. ``AsyncClient`` spent more of the client's CPU on each than the
+connection did: it merges the URL and the default headers, runs the auth, redirect and cookie
+machinery, and reads the body through four wrappers (text decoding, content decoding, chunking,
+timing), none of which a chat request needs. Here the request is an ``httpx.Request`` with its URL
+parsed once per server, handed to httpx's transport (one httpcore connection and h11, on
+:mod:`.asyncio_network`), and the body is read as the transport's own byte stream. Errors are
+httpx's, as before (the transport maps httpcore's). BENCHMARKS.md, "The client without
+AsyncClient", measures it side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import pydantic_core
+
+from expansion_dag.servers.asyncio_network import asyncio_transport
+
+_JSON = (b"Content-Type", b"application/json")
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The process's one TLS context, as httpx builds it by default (``SSL_CERT_FILE`` and
+    ``SSL_CERT_DIR`` honoured).
+
+    Building one loads the CA bundle, ~20 ms of CPU, and httpx builds one for every client or
+    ``httpx.get`` not given ``verify``: a shard's start-up (health checks, probes, the engine) built
+    dozens, 9% of a shard process's CPU in a 10,000-prompt rehearsal.
+    """
+    return httpx.create_ssl_context()
+
+
+class HttpClient:
+    """JSON POSTs and GETs over one transport; ``async with`` closes its connections."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, *, timeout: httpx.Timeout, api_key: str | None = None):
+        self._transport = transport
+        self._extensions = {"timeout": timeout.as_dict()}
+        self._auth = [(b"Authorization", f"Bearer {api_key}".encode())] if api_key else []
+        self._targets: dict[str, tuple[httpx.URL, list[tuple[bytes, bytes]]]] = {}
+
+    def _target(self, url: str) -> tuple[httpx.URL, list[tuple[bytes, bytes]]]:
+        """``url`` parsed once per server, and the headers every POST to it carries."""
+        target = self._targets.get(url)
+        if target is None:
+            parsed = httpx.URL(url)
+            target = self._targets[url] = (parsed, [(b"Host", parsed.netloc), _JSON, *self._auth])
+        return target
+
+    async def post(self, url: str, body: Mapping[str, Any]) -> httpx.Response:
+        """POST ``body`` as JSON: the response with its headers read and its body not yet.
+
+        The caller reads the body (``response.stream`` for the raw bytes as they come, or
+        :func:`read_body`) and closes it: a body left unread closes the connection.
+        """
+        # What httpx's ``json=`` sends (compact UTF-8), by pydantic's Rust encoder: a sixth of
+        # ``json.dumps``'s CPU on prompts with non-ASCII text.
+        content = pydantic_core.to_json(body)
+        target, headers = self._target(url)
+        # The body as a stream, with the headers httpx would add (Host, Content-Length) given here:
+        # with ``content=``, httpx looks each one up in the headers and rebuilds them, CPU a plain
+        # request can spare (BENCHMARKS.md, "Plain and streamed requests side by side").
+        request = httpx.Request(
+            "POST",
+            target,
+            headers=[*headers, (b"Content-Length", b"%d" % len(content))],
+            stream=httpx.ByteStream(content),
+            extensions=self._extensions,
+        )
+        return await self._transport.handle_async_request(request)
+
+    async def get(self, url: str, *, timeout_s: float) -> httpx.Response:
+        """GET ``url`` within ``timeout_s``: the response, its body read."""
+        request = httpx.Request(
+            "GET", self._target(url)[0], headers=self._auth, extensions={"timeout": httpx.Timeout(timeout_s).as_dict()}
+        )
+        response = await self._transport.handle_async_request(request)
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        return response
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+async def read_body(response: httpx.Response) -> bytes:
+    """The whole body as the transport's byte stream gives it, left for the caller to close.
+
+    What ``aread`` returns, without its four wrappers: no content decoding is needed, since the
+    client sends no ``Accept-Encoding``.
+    """
+    return b"".join([chunk async for chunk in response.stream])
+
+
+def make_client(
+    *,
+    timeout_s: float,
+    connect_timeout_s: float,
+    tls: ssl.SSLContext | None = None,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> HttpClient:
+    """One worker's client: a single keep-alive connection (:class:`.asyncio_network.OneConnection`).
+
+    ``tls``: the process's shared context (:func:`tls_context`) unless given (tests trusting their
+    own certificate). The connection runs on asyncio's own transports (:mod:`.asyncio_network`)
+    unless ``transport`` is given (tests).
+    """
+    return HttpClient(
+        transport or asyncio_transport(tls=tls or tls_context()),
+        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None),
+        api_key=api_key,
+    )

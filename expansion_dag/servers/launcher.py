@@ -1,0 +1,320 @@
+"""Launching one SGLang (or vLLM) server process per GPU, with no Dagster in sight.
+
+- ``Launcher`` starts one server process per GPU from a command template, idempotently: Dagster
+  sets resources up in every step process, and several steps may start at once, so the check and
+  the start happen under a file lock and a live pid file means "already starting". A port served
+  by a process it did not start is an error naming that server, never adopted; a launched
+  simulator must report the launched pid (``/sim/stats``).
+- ``wait_ready`` waits for ``GET /health`` 200, treating refused connections (model loading) and
+  503 (warmup) as "not yet", and quotes the server's last log lines when it gives up.
+- The API key stays out of the logs: SGLang (0.5.23) logs its arguments at start-up, the value
+  of ``--api-key`` among them; the launcher masks the key in each server's log once it is ready
+  (or failed), and in any log lines it quotes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from expansion_dag.core import FleetError, ServerStartError, pid_alive
+from expansion_dag.servers.http_client import tls_context
+
+#: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
+SIMULATOR_MODULE = "expansion_dag.sim"
+
+#: The flags that make a server parse tool calls into ``message.tool_calls``, per backend: vLLM
+#: builds a tool parser only with ``--enable-auto-tool-choice`` as well (``ParserManager``), and
+#: refuses that flag without ``--tool-call-parser`` (``cli_args.validate_parsed_serve_args``).
+TOOL_CALL_FLAGS = {
+    "sglang": "--tool-call-parser {tool_call_parser}",
+    "vllm": "--enable-auto-tool-choice --tool-call-parser {tool_call_parser}",
+}
+
+
+def tool_call_flags(backend: str, tool_call_parser: str | None) -> str:
+    """The launch flags for ``tool_call_parser`` on ``backend`` ("" for none)."""
+    if not tool_call_parser:
+        return ""
+    try:
+        template = TOOL_CALL_FLAGS[backend]
+    except KeyError:
+        known = ", ".join(TOOL_CALL_FLAGS)
+        raise FleetError(f"no tool-call parser flags for backend {backend!r}; known: {known}") from None
+    return template.format(tool_call_parser=shlex.quote(tool_call_parser))
+
+
+def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
+    """``/health`` runs a real 1-token generation; a loaded server may answer 503 once, so ask twice."""
+    for _ in range(attempts):
+        try:
+            if httpx.get(url.rstrip("/") + "/health", timeout=timeout_s, verify=tls_context()).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+    return False
+
+
+#: What a secret is replaced by in a quoted log line.
+MASK = "***"
+
+
+def tail(path: Path | None, lines: int = 20, secret: str | None = None) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - 16384))
+        text = fh.read().decode(errors="replace")
+    if secret:
+        text = text.replace(secret, MASK)
+    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
+
+
+def mask_in_place(path: Path, secret: str | None) -> None:
+    """Overwrite each occurrence of ``secret`` in a file with as many asterisks, in place: the
+    lengths do not change, so a server still appending to the file is undisturbed."""
+    if not secret or not path.exists():
+        return
+    needle = secret.encode()
+    with open(path, "r+b") as fh:
+        data = fh.read()
+        at = data.find(needle)
+        while at != -1:
+            fh.seek(at)
+            fh.write(b"*" * len(needle))
+            at = data.find(needle, at + len(needle))
+
+
+def wait_ready(
+    url: str,
+    *,
+    timeout_s: float,
+    poll_s: float = 0.5,
+    log_path: Path | None = None,
+    pid: int | None = None,
+    secret: str | None = None,
+) -> None:
+    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting".
+
+    ``secret``: masked in the log lines quoted when it gives up.
+    """
+    url = url.rstrip("/")
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while True:
+        try:
+            status = httpx.get(url + "/health", timeout=max(poll_s, 5.0), verify=tls_context()).status_code
+            if status == 200:
+                return
+            last = f"HTTP {status} (warming up)" if status == 503 else f"HTTP {status}"
+        except httpx.ConnectError:
+            last = "connection refused (loading)"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}"
+        if pid is not None and not pid_alive(pid):
+            raise ServerStartError(
+                f"{url}: the server process {pid} exited before it was ready. Last log lines "
+                f"({log_path}):\n{tail(log_path, secret=secret)}"
+            )
+        if time.monotonic() >= deadline:
+            raise ServerStartError(
+                f"{url}: not ready after {timeout_s:.0f} s (last: {last}). Last log lines "
+                f"({log_path}):\n{tail(log_path, secret=secret)}"
+            )
+        time.sleep(poll_s)
+
+
+def _get_json(url: str, path: str, api_key: str | None = None) -> object:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url + path, headers=headers, timeout=5.0, verify=tls_context())
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _describe(url: str) -> str:
+    """What a server says it is, for an error message."""
+    info = _get_json(url, "/server_info")
+    if not isinstance(info, dict):
+        return "it does not answer /server_info"
+    kind = "a simulator" if info.get("simulator") else f"server version {info.get('version')}"
+    return f"{kind} serving {info.get('model_path')}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """One server to launch: which GPU and which port."""
+
+    gpu: int
+    port: int
+
+
+class Launcher:
+    """Starts and stops one server process per GPU; safe to call from many processes at once."""
+
+    def __init__(
+        self,
+        *,
+        state_dir: str | os.PathLike[str],
+        command: str,
+        host: str,
+        specs: Sequence[LaunchSpec],
+        values: Mapping[str, Any],
+        env: Mapping[str, str] | None = None,
+        api_key: str | None = None,
+    ):
+        self.state_dir = Path(state_dir)
+        self.command = command
+        self.host = host
+        self.specs = list(specs)
+        self.values = dict(values)
+        self.env = dict(env or {})
+        self._api_key = api_key
+
+    def url(self, spec: LaunchSpec) -> str:
+        return f"http://{self.host}:{spec.port}"
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url(s) for s in self.specs]
+
+    def log_path(self, spec: LaunchSpec) -> Path:
+        return self.state_dir / f"server-{spec.port}.log"
+
+    def _pid_path(self, spec: LaunchSpec) -> Path:
+        return self.state_dir / f"server-{spec.port}.pid"
+
+    def _argv(self, spec: LaunchSpec) -> list[str]:
+        # The key fills ``{api_key}`` only in the argv handed to the process, never in a log line.
+        values = {**self.values, "host": self.host, "port": spec.port, "gpu": spec.gpu, "api_key": self._api_key or ""}
+        try:
+            return shlex.split(self.command.format(**values))
+        except KeyError as exc:
+            raise FleetError(f"launch command names an unknown placeholder {exc}; known: {sorted(values)}") from exc
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "launch.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _recorded_pid(self, spec: LaunchSpec) -> int | None:
+        try:
+            return int(self._pid_path(spec).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _pid(self, spec: LaunchSpec) -> int | None:
+        pid = self._recorded_pid(spec)
+        return pid if pid is not None and pid_alive(pid) else None
+
+    def ensure_running(self, *, timeout_s: float) -> list[str]:
+        """Start what is not running, then wait until every server is ready. Returns the URLs."""
+        started: list[str] = []
+        with self._locked():
+            for spec in self.specs:
+                if self._pid(spec) is not None:
+                    continue  # launched by an earlier step
+                self._refuse_foreign(spec)
+                self._start(spec)
+                started.append(self.url(spec))
+        for spec in self.specs:
+            # The recorded pid, alive or not: a server that died at once is then told apart from
+            # one still loading, and reported now rather than after the whole timeout.
+            pid = self._recorded_pid(spec)
+            try:
+                wait_ready(
+                    self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid, secret=self._api_key
+                )
+            finally:
+                mask_in_place(self.log_path(spec), self._api_key)  # written at start-up, with the arguments
+            if self.launches_simulator:
+                self._verify_simulator(spec, pid)
+        return started
+
+    @property
+    def launches_simulator(self) -> bool:
+        return SIMULATOR_MODULE in shlex.split(self.command)
+
+    def _refuse_foreign(self, spec: LaunchSpec) -> None:
+        """A server this launcher did not start is never adopted: on a GPU node, the simulator's
+        port may be a real server's, and generating there while saying "simulated" is a lie."""
+        with contextlib.closing(socket.socket()) as probe:
+            probe.settimeout(2.0)
+            taken = probe.connect_ex((self.host, spec.port)) == 0
+        if taken:
+            raise FleetError(
+                f"{self.url(spec)} is already served by a process this project did not launch "
+                f"({_describe(self.url(spec))}); stop it, or set fleet.launch.base_port to free ports"
+            )
+
+    def _verify_simulator(self, spec: LaunchSpec, pid: int | None) -> None:
+        """The simulator reports its pid: the server on the port must be the one launched here."""
+        info = _get_json(self.url(spec), "/sim/stats", self._api_key)
+        if not (isinstance(info, dict) and info.get("simulator") is True and pid is not None and info.get("pid") == pid):
+            raise FleetError(
+                f"{self.url(spec)} is not the simulator launched here (pid {pid}): it is "
+                f"{_describe(self.url(spec))}; stop it, or set fleet.launch.base_port to free ports"
+            )
+
+    def _start(self, spec: LaunchSpec) -> None:
+        # No key in the environment: SGLang reads it only from --api-key ({api_key} in the command).
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": str(spec.gpu)}
+        log = open(self.log_path(spec), "ab")
+        try:
+            process = subprocess.Popen(
+                self._argv(spec),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                # Its own session: the server outlives the step that started it, and a stop
+                # reaches every process it forked.
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ServerStartError(f"{self.url(spec)}: cannot start {self._argv(spec)[0]!r}: {exc}") from exc
+        finally:
+            log.close()
+        self._pid_path(spec).write_text(str(process.pid))
+
+    def stop(self, *, timeout_s: float = 30.0) -> list[int]:
+        """Stop every server this launcher started (SIGTERM, then SIGKILL). Returns the pids."""
+        stopped = []
+        with self._locked():
+            for spec in self.specs:
+                pid = self._pid(spec)
+                self._pid_path(spec).unlink(missing_ok=True)
+                if pid is None:
+                    continue
+                _stop_group(pid, timeout_s)
+                stopped.append(pid)
+        return stopped
+
+
+def _stop_group(pid: int, timeout_s: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)

@@ -1,0 +1,31 @@
+"""The completion store: append-only segments per shard, the identity registry, and the shard lease
+(one sender per shard) over compare-and-swap files, local or on S3.
+"""
+
+from expansion_dag.store.completions import (
+    DEFAULT_SEGMENT_INTERVAL_S,
+    DEFAULT_SEGMENT_RECORDS,
+    DIGEST_FIELDS,
+    SEGMENT_GLOB,
+    CompletionStore,
+    MixedStoreError,
+    SegmentWriter,
+)
+from expansion_dag.store.conditional import conditional_file
+from expansion_dag.store.lease import (
+    DEFAULT_LEASE_TIMEOUT_S,
+    LEASES,
+    Holder,
+    LeaseLost,
+    Log,
+    ShardBusy,
+    ShardLease,
+    this_machine,
+)
+
+__all__ = [
+    "CompletionStore", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",
+    "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "LEASES", "LeaseLost", "Log",
+    "MixedStoreError", "SEGMENT_GLOB", "SegmentWriter", "ShardBusy", "ShardLease", "conditional_file",
+    "this_machine"
+]

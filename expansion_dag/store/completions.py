@@ -1,0 +1,624 @@
+"""The completion store: every completion durable as soon as it returns, each prompt kept once.
+
+Layout: ``<root>/<shard>/seg-<time>-<pid>-<rand>-<n>.jsonl``, where ``root`` is a local folder or an
+fsspec URL (``s3://bucket/prefix/completions``). Each segment has one writer, so a torn write can
+only be a segment's last line. A line is ``<key>\\t<status>\\t<json>\\n``: resuming reads keys and
+statuses without parsing JSON, which keeps the resume scan cheap when completions are long.
+
+Crash safety: a line is written with one ``os.write`` on an ``O_APPEND`` descriptor of a local
+file, so once ``append`` returns the line survives the death of the process (SIGKILL included);
+``fsync`` runs every ``fsync_interval_s`` and when a segment is closed, for machine crashes. A last
+line without its newline, or whose JSON does not parse, is a torn write: it is counted and ignored
+on read, never fatal.
+
+What is durable when:
+
+* Local root: a run appends to one segment in ``<root>/<shard>/``. A line is durable against the
+  death of the process the moment ``append`` returns, and against a crash of the machine after
+  the next ``fsync``.
+* Remote root (objects cannot be appended to): a run appends, exactly as above, to a segment in
+  this machine's spool, ``<local_dir>/<sha256(root)[:16]>/spool/<shard>/``, and uploads each
+  segment whole, as an immutable object of the same name, once it is sealed: after
+  ``segment_records`` lines, ``segment_interval_s`` seconds after its first line (checked about
+  once a second), and when the writer closes. Uploads run in a background thread; a failed upload
+  fails the writer at its next ``append`` or at its ``close``. So a line is durable on this machine
+  when ``append`` returns, and in the object store once its segment is uploaded. A segment that a
+  killed process left in the spool (or whose upload failed) is uploaded by the next store of the
+  same root and ``local_dir`` on this machine, before that store reads or writes anything: a
+  writer holds an ``flock`` on its segment until the upload is done, so only a dead writer's
+  segments are taken. Losing the machine loses the lines of the segments not yet uploaded (at most
+  ``segment_records`` lines or ``segment_interval_s`` seconds per writer, plus a pending upload);
+  the next run generates them again. Readers see uploaded segments only, read through a local
+  cache of them (``.../segments/``: an object never changes once uploaded).
+
+Digests: beside the local file of each segment (the segment itself, or a remote segment's cached
+copy), ``<segment>.digest`` holds the same lines with each record cut to ``DIGEST_FIELDS``, no
+texts. A shard run reads every record of the store to learn answer lengths and those of its folder
+for its checks; from the digests that costs a small fraction of parsing each completion again, each
+night, as the store grows. A digest is derived data: it covers a prefix of its append-only
+segment, is extended on read, and rebuilt when missing.
+
+A key is the completion identity (``completion_key``): the prompt plus everything that shapes the
+answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
+next run retries it.
+
+Who wrote a store: ``<root>/identities/<fingerprint>.json``, one ``Identity`` per model-and-settings
+that wrote completions, registered by the writer before its first line. It names the identities
+that a key (a hash) cannot, and it keeps simulated and real completions apart: a writer whose
+answers are simulated is refused in a store that holds real ones, and the other way round. An
+entry is created exclusively (``expansion_dag.store.conditional``) and the refusal checked again after,
+so two runs of different kinds starting together cannot both pass it.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import fnmatch
+import hashlib
+import json
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pydantic_core
+
+from expansion_dag.core import (
+    FAILED,
+    OK,
+    Identity,
+    as_upath,
+    default_local_dir,
+    entry_name,
+    is_local,
+    listing,
+    local_path,
+    upload,
+    write_atomically,
+)
+from expansion_dag.store.conditional import conditional_file
+
+DEFAULT_SEGMENT_RECORDS = 1000
+DEFAULT_SEGMENT_INTERVAL_S = 60.0
+_OK_BYTES, _FAILED_BYTES = OK.encode(), FAILED.encode()
+SEGMENT_GLOB = "seg-*.jsonl"
+IDENTITIES = "identities"  # the registry's folder under the root; every other folder is a shard
+_SEAL_CHECK_S = 1.0  # how often a quiet writer checks whether its segment is due for upload
+
+
+class MixedStoreError(ValueError):
+    """Simulated and real completions would share one store."""
+
+
+@dataclass
+class ScanResult:
+    """What segments hold (one shard's, or the whole store's): the latest status of every key, and damage found."""
+
+    done: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    duplicates: int = 0
+    #: The duplicates by the shard folder that holds the second answer of a key.
+    duplicates_by_shard: collections.Counter[str] = field(default_factory=collections.Counter)
+    torn_lines: int = 0
+
+
+@dataclass(frozen=True)
+class _Location:
+    path: Path
+    offset: int
+    length: int
+
+
+class IdentityRegistry:
+    """Which identities (model and settings, simulated or real) a store's completions were written
+    under: one small JSON file each, under the store's ``identities/`` folder. Simulated and real
+    completions never share a store: registering the other kind is refused."""
+
+    def __init__(self, root: Any):
+        self._folder = root / IDENTITIES
+
+    def known(self) -> dict[str, Identity]:
+        """Every registered identity by fingerprint."""
+        folder = self._folder
+        if not folder.exists():
+            return {}
+        found = {}
+        for path in sorted(folder.glob("*.json"), key=lambda p: p.name):
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue  # withdrawn since the listing: a registration refused (``register``)
+            identity = Identity.from_dict(json.loads(text))
+            found[identity.fingerprint] = identity
+        return found
+
+    def refuse_other_kind(self, identity: Identity) -> None:
+        """Raise ``MixedStoreError`` when the store holds completions of the other kind."""
+        others = sorted({i.model for i in self.known().values() if i.simulated != identity.simulated})
+        if not others:
+            return
+        other_kind = "real" if identity.simulated else "simulated"
+        hint = (
+            "Give simulated runs (the local profile, the simulator) a storage root of their own, e.g. "
+            "EXPANSION_STORAGE=./storage-sim"
+            if identity.simulated
+            else "Give the production run a storage root of its own (EXPANSION_STORAGE=/path/to/storage), "
+            "or remove this root if its simulated completions are not wanted"
+        )
+        raise MixedStoreError(
+            f"the completion store {self._folder.parent} holds {other_kind} completions ({', '.join(others)}); this run's "
+            f"completions would be {identity.kind} ({identity.model}). Simulated and real completions never "
+            f"share a store. {hint}."
+        )
+
+    def register(self, identity: Identity) -> None:
+        """Record that completions of ``identity`` are written here; refused for the other kind."""
+        self.refuse_other_kind(identity)
+        entry = conditional_file(self._folder / f"{identity.fingerprint}.json")
+        body = json.dumps(identity.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
+        created = entry.create(body.encode())  # None: registered already
+        # A run of the other kind may have registered between the check and the create: look
+        # again, and withdraw this registration if so (both may withdraw; neither writes).
+        try:
+            self.refuse_other_kind(identity)
+        except MixedStoreError:
+            if created is not None:
+                entry.delete(created)
+            raise
+
+
+class CompletionStore:
+    """Completions of every shard under one root: a local folder or an fsspec URL."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        local_dir: str | os.PathLike[str] | None = None,
+        segment_records: int = DEFAULT_SEGMENT_RECORDS,
+        segment_interval_s: float = DEFAULT_SEGMENT_INTERVAL_S,
+    ):
+        if segment_records < 1 or segment_interval_s <= 0:
+            raise ValueError("segment_records must be at least 1 and segment_interval_s positive")
+        self.root = as_upath(root)
+        self.local = is_local(self.root)
+        digest = hashlib.sha256(str(self.root).encode()).hexdigest()[:16]
+        work = Path(local_dir or default_local_dir()) / digest
+        self.spool = work / "spool"
+        self._cache = work / "segments"
+        self._segment_records = segment_records
+        self._segment_interval_s = segment_interval_s
+        self._recovered = self.local
+        self.registry = IdentityRegistry(self.root)
+
+    def shards(self) -> list[str]:
+        if self.local:
+            folder = local_path(self.root)
+            names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.exists() else []
+        else:
+            self._recover()
+            names = [entry_name(e) for e in listing(self.root) if e["type"] == "directory"]
+        return sorted(n for n in names if n != IDENTITIES)
+
+    def _segments(self, shard: str) -> list[Path]:
+        """Local files of a shard's segments: the segments themselves, or cached copies of objects."""
+        if self.local:
+            folder = local_path(self.root / shard)
+            return sorted(folder.glob(SEGMENT_GLOB)) if folder.exists() else []
+        self._recover()
+        cache = self._cache / shard
+        objects = {
+            e["name"]: (cache / entry_name(e), e["size"])
+            for e in listing(self.root / shard)
+            if e["type"] == "file" and fnmatch.fnmatch(entry_name(e), SEGMENT_GLOB)
+        }
+        # Same name and size is the same object: segments are never rewritten.
+        stale = [
+            name for name, (copy, size) in objects.items() if not (copy.exists() and copy.stat().st_size == size)
+        ]
+        if stale:
+            cache.mkdir(parents=True, exist_ok=True)
+            parts = [cache / f".{objects[name][0].name}.{os.getpid()}-{secrets.token_hex(3)}" for name in stale]
+            self.root.fs.get(stale, [str(p) for p in parts])
+            for name, part in zip(stale, parts):
+                os.replace(part, objects[name][0])
+        return sorted(copy for copy, _ in objects.values())
+
+    def _lines(self, shard: str) -> Iterator[tuple[str, str, _Location | None]]:
+        """(key, status, location) of each intact line; location None marks a torn line."""
+        for path in self._segments(shard):
+            offset = 0
+            with open(path, "rb") as fh:
+                for raw in fh:
+                    line = _split_line(raw)
+                    if line is None:
+                        yield "", "", None
+                    else:
+                        yield line[0], line[1].decode(), _Location(path, offset, len(raw))
+                    offset += len(raw)
+
+    def scan(self, shard: str | None = None) -> ScanResult:
+        """Which keys are done and which only failed, in one shard or (``None``) the whole store.
+
+        One pass over the lines and no JSON parsing, so resuming costs one cheap read of the store
+        whatever the number of prompts. A key done in two shards counts as a duplicate.
+        """
+        result = ScanResult()
+        for one in self.shards() if shard is None else [shard]:
+            for key, status, loc in self._lines(one):
+                if loc is None:
+                    result.torn_lines += 1
+                elif status == OK:
+                    if key in result.done:
+                        result.duplicates += 1
+                        result.duplicates_by_shard[one] += 1
+                    result.done.add(key)
+                elif status == FAILED:
+                    result.failed.add(key)
+        # A failure only counts while no success exists for the key (a later run may have fixed it).
+        result.failed -= result.done
+        return result
+
+    def done_keys(self) -> set[str]:
+        """Keys with a completion anywhere in the store."""
+        return self.scan().done
+
+    def records(self, shard: str, *, status: str = OK) -> Iterator[dict[str, Any]]:
+        """The shard's records of one status, one per key (the first intact line wins)."""
+        seen: set[str] = set()
+        for key, line_status, loc in self._lines(shard):
+            if loc is None or line_status != status or key in seen:
+                continue
+            record = _read_record(loc)
+            if record is None:
+                continue
+            seen.add(key)
+            yield record
+
+    def latest_failures(self, shard: str) -> list[dict[str, Any]]:
+        """The last failure record of each key that has no completion."""
+        scan = self.scan(shard)
+        latest: dict[str, _Location] = {}
+        for key, status, loc in self._lines(shard):
+            if loc is not None and status == FAILED and key in scan.failed:
+                latest[key] = loc
+        return [r for r in (_read_record(loc) for loc in latest.values()) if r is not None]
+
+    def latest_records(self, shards: list[str] | None = None, *, digest: bool = False) -> Iterator[dict[str, Any]]:
+        """Each key's record once, in file order: one sequential read of every segment, no seeks.
+
+        A key's first completion as it comes (a later ``ok`` line of the same key is a duplicate,
+        skipped), then, once every segment is read, the last failure of each key that never
+        succeeded. Failure records are small and few, so they are held until the end; completions
+        are parsed one at a time and let go.
+
+        ``digest``: each record holds only ``DIGEST_FIELDS``, read from the segments' digests
+        (``_digest``), so a shard run's checks and its length learning do not parse every
+        completion's text again each night.
+        """
+        done: set[str] = set()
+        failures: dict[str, dict[str, Any]] = {}
+        for shard in self.shards() if shards is None else shards:
+            for path in self._segments(shard):
+                for key, status, payload in _digest(path) if digest else _intact_lines(path):
+                    if status == _OK_BYTES and key in done:
+                        continue
+                    try:
+                        record = json.loads(payload)
+                    except ValueError:
+                        continue  # a line cut inside its JSON by a crash: torn, ignored
+                    if status == _OK_BYTES:
+                        done.add(key)
+                        failures.pop(key, None)
+                        yield record
+                    elif status == _FAILED_BYTES and key not in done:
+                        failures[key] = record
+        yield from failures.values()
+
+    def writer(
+        self, shard: str, *, identities: Sequence[Identity] = (), fsync_interval_s: float = 2.0,
+        check: Callable[[], None] | None = None,
+    ) -> SegmentWriter:
+        """The one writer of a run of ``shard``; its ``identities`` (the pipeline always gives them: one
+        per generation mode) are registered first. ``check`` runs after each line is written: what it
+        raises (a lost shard lease) stops the sender, the line kept."""
+        if shard == IDENTITIES:
+            raise ValueError(f"{IDENTITIES!r} is the identity registry, not a shard")
+        for identity in identities:
+            self.registry.register(identity)
+        if self.local:
+            return SegmentWriter(local_path(self.root / shard), fsync_interval_s=fsync_interval_s, check=check)
+        self._recover()
+        return SegmentWriter(
+            self.spool / shard,
+            fsync_interval_s=fsync_interval_s,
+            check=check,
+            publish=lambda path: self._publish(shard, path),
+            segment_records=self._segment_records,
+            segment_interval_s=self._segment_interval_s,
+        )
+
+    def _publish(self, shard: str, path: Path) -> None:
+        """Upload a sealed spool segment, then keep it as the read cache's copy of the object."""
+        upload(path, self.root / shard / path.name)
+        cached = self._cache / shard / path.name
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, cached)
+
+    def _recover(self) -> None:
+        """Upload the spool segments that dead writers left on this machine (once per store)."""
+        if self._recovered:
+            return
+        for path in sorted(self.spool.glob(f"*/{SEGMENT_GLOB}")):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # published meanwhile
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its writer is alive
+                # A live writer unlocks only after moving the segment out of the spool.
+                if path.exists():
+                    self._publish(path.parent.name, path)
+            finally:
+                os.close(fd)
+        self._recovered = True
+
+
+def _split_line(raw: bytes) -> tuple[str, bytes, bytes] | None:
+    """(key, status, JSON) of a line of a segment or a digest; None for a torn one (no newline, or
+    not three fields): the one rule every reader of the store follows."""
+    parts = raw.split(b"\t", 2)
+    if not raw.endswith(b"\n") or len(parts) != 3:
+        return None
+    return parts[0].decode(), parts[1], parts[2]
+
+
+def _intact_lines(path: Path) -> Iterator[tuple[str, bytes, bytes]]:
+    """(key, status, JSON) of each whole line of a segment; torn ones are skipped."""
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if (line := _split_line(raw)) is not None:
+                yield line
+
+
+#: What a digest keeps of a record: what the shard checks (``shard_figures``), the answer-length
+#: learning (``answer_lengths.learn``) and a re-run's choice of what to send (``outcomes.is_final``)
+#: read, and the two fields that say whose record it is.
+DIGEST_FIELDS = (
+    "key", "status", "prompt_id", "source", "finish_reason", "error", "outcome",
+    "prompt_tokens", "local_prompt_tokens", "completion_tokens", "length_features",
+)  # fmt: skip
+_DIGEST_SUFFIX = ".digest"
+#: Written in a digest's first line: a digest cut to other fields is rebuilt, not read.
+_DIGEST_VERSION = hashlib.sha256(",".join(DIGEST_FIELDS).encode()).hexdigest()[:8].encode()
+
+
+def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
+    """The segment's lines with each record cut to ``DIGEST_FIELDS``, kept beside the segment's local file.
+
+    A segment is only ever appended to, so its digest stays true of the bytes it covers (its first
+    line) and is extended by the lines written since: each line's JSON is parsed once, not on
+    every read. A line not yet whole is left for the next read. Where the digest cannot be written
+    (a read-only store), it is recomputed in memory.
+    """
+    cache = path.with_name(path.name + _DIGEST_SUFFIX)
+    covered, lines = _read_digest(cache)
+    if covered > path.stat().st_size:  # not this segment's digest (a file replaced under its name)
+        covered, lines = 0, []
+    start, fresh = covered, []
+    with open(path, "rb") as fh:
+        fh.seek(covered)
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # the last line, still being written or torn: left for the next read
+            covered += len(raw)
+            line = _split_line(raw)
+            if line is None:
+                continue  # not three fields: covered, never kept
+            try:
+                record = json.loads(line[2])
+            except ValueError:
+                continue  # torn inside its JSON: covered, never kept
+            if isinstance(record, dict):
+                small = {f: record[f] for f in DIGEST_FIELDS if f in record}
+                payload = pydantic_core.to_json(small) + b"\n"
+                fresh.append((line[0], line[1], payload))
+    lines += fresh
+    if covered != start:
+        try:
+            with write_atomically(as_upath(cache)) as staged:
+                body = b"".join(b"%s\t%s\t%s" % (k.encode(), st, pl) for k, st, pl in lines)
+                staged.write_bytes(b"%d %s\n" % (covered, _DIGEST_VERSION) + body)
+        except OSError:
+            pass  # a store this process may read but not write: the digest is not kept
+    return lines
+
+
+def _read_digest(cache: Path) -> tuple[int, list[tuple[str, bytes, bytes]]]:
+    """(bytes of the segment covered, lines) of a digest file; (0, []) when absent, unreadable or
+    of other fields (a digest is written whole, so a torn line means it was damaged: it is rebuilt)."""
+    try:
+        with open(cache, "rb") as fh:
+            covered_text, version = fh.readline().split()
+            if version != _DIGEST_VERSION:
+                return 0, []
+            covered = int(covered_text)
+            lines = [_split_line(raw) for raw in fh]
+    except (OSError, ValueError, UnicodeDecodeError):
+        return 0, []
+    intact = [line for line in lines if line is not None]
+    return (covered, intact) if len(intact) == len(lines) else (0, [])
+
+
+def _read_record(loc: _Location) -> dict[str, Any] | None:
+    with open(loc.path, "rb") as fh:
+        fh.seek(loc.offset)
+        raw = fh.read(loc.length)
+    line = _split_line(raw)
+    try:
+        return json.loads(line[2]) if line is not None else None
+    except ValueError:
+        return None  # a line cut inside its JSON by a crash: torn, ignored
+
+
+class _Segment:
+    """One fresh segment file and its one writer."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        # Created under a name that no reader and no spool recovery looks at, locked, then named:
+        # a segment is never seen unlocked while its writer lives.
+        opening = path.with_name(f".{path.name}.opening")
+        self._fd = os.open(opening, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
+        # Held until the segment is closed: spool recovery takes only segments whose writer died.
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.rename(opening, path)
+        self.opened = time.monotonic()
+        self.lines = 0
+        self._last_fsync = self.opened
+
+    def write(self, line: bytes, fsync_interval_s: float) -> None:
+        # One write call per line: a crash leaves whole lines plus at most one torn tail.
+        os.write(self._fd, line)
+        self.lines += 1
+        now = time.monotonic()
+        if now - self._last_fsync >= fsync_interval_s:
+            os.fsync(self._fd)
+            self._last_fsync = now
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class SegmentWriter:
+    """The one writer of a run of a shard.
+
+    Without ``publish`` (a local root) it appends to one segment in ``folder``. With ``publish`` (a
+    remote root) ``folder`` is the spool: each segment is sealed when due and handed to ``publish``
+    in a background thread, which uploads it and moves it out of the spool.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        fsync_interval_s: float,
+        publish: Callable[[Path], None] | None = None,
+        segment_records: int = DEFAULT_SEGMENT_RECORDS,
+        segment_interval_s: float = DEFAULT_SEGMENT_INTERVAL_S,
+        check: Callable[[], None] | None = None,
+    ):
+        folder.mkdir(parents=True, exist_ok=True)
+        self._folder = folder
+        self._check = check
+        self._fsync_interval_s = fsync_interval_s
+        self._publish = publish
+        self._segment_records = segment_records
+        self._segment_interval_s = segment_interval_s
+        self._segment: _Segment | None = None  # opened by the first line, so no empty segments
+        self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._segments_opened = 0
+        self._lock = threading.Lock()  # the appending thread and the publisher both seal
+        self._error: BaseException | None = None
+        self._closed = False
+        self.written = 0
+        if publish is not None:
+            self._sealed: queue.SimpleQueue[_Segment | None] = queue.SimpleQueue()
+            self._publisher = threading.Thread(target=self._publish_sealed, name=f"publish {folder.name}", daemon=True)
+            self._publisher.start()
+
+    @property
+    def path(self) -> Path | None:
+        """The segment being appended to."""
+        return self._segment.path if self._segment else None
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        # Compact UTF-8 JSON, as ``json.dumps(ensure_ascii=False)`` writes it, in a sixth of its
+        # CPU on answers with non-ASCII text (pydantic's Rust encoder): one record per request.
+        payload = pydantic_core.to_json(record)
+        line = b"%s\t%s\t%s\n" % (record["key"].encode(), record["status"].encode(), payload)
+        with self._lock:
+            if self._segment is None:
+                self._segment = _Segment(self._next_path())
+            self._segment.write(line, self._fsync_interval_s)
+            self.written += 1
+            if self._publish is not None and self._segment.lines >= self._segment_records:
+                self._seal()
+        self._raise_publish_error()
+        if self._check is not None:
+            self._check()
+
+    def _next_path(self) -> Path:
+        # Names sort in the order a writer wrote its segments: readers keep the first ok line
+        # of a key and the last failure.
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        self._segments_opened += 1
+        return self._folder / f"seg-{stamp}-{self._writer_id}-{self._segments_opened:06d}.jsonl"
+
+    def _seal(self) -> None:
+        """Hand the current segment, synced, to the publisher (the lock is held)."""
+        assert self._segment is not None
+        self._segment.sync()
+        self._sealed.put(self._segment)
+        self._segment = None
+
+    def _publish_sealed(self) -> None:
+        assert self._publish is not None
+        while True:
+            try:
+                segment = self._sealed.get(timeout=min(_SEAL_CHECK_S, self._segment_interval_s))
+            except queue.Empty:
+                with self._lock:
+                    current = self._segment
+                    if current is not None and time.monotonic() - current.opened >= self._segment_interval_s:
+                        self._seal()
+                continue
+            if segment is None:
+                return
+            try:
+                self._publish(segment.path)
+            except Exception as exc:  # the segment stays in the spool, unlocked, for recovery
+                self._error = self._error or exc
+            finally:
+                segment.close()
+
+    def _raise_publish_error(self) -> None:
+        if self._error is not None:
+            raise OSError(
+                f"a completion segment could not be uploaded: {self._error}. Its completions are kept in "
+                f"{self._folder}; the next run on this machine uploads them."
+            ) from self._error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            if self._segment is not None and self._publish is not None:
+                self._seal()
+            elif self._segment is not None:
+                self._segment.sync()
+                self._segment.close()
+                self._segment = None
+        if self._publish is not None:
+            self._sealed.put(None)
+            self._publisher.join()
+        self._raise_publish_error()
+
+    def __enter__(self) -> SegmentWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,30 @@
+"""The training set: records to samples, the Parquet set and the trainers' JSONL files, the round
+trip that checks a built set against its records, its manifest and its card.
+"""
+
+from expansion_dag.training.build import (
+    DEFAULT_FORMATS,
+    FOLDED,
+    FORMATS,
+    LEFT_OUT_REASONS,
+    ROW,
+    SCHEMA,
+    AnswerJudge,
+    BuildTrace,
+    TrainingSetConfig,
+    build_training_set,
+    check_round_trip,
+    data_files,
+    expected_renders,
+    manifest_markdown,
+    sample_rows,
+)
+from expansion_dag.training.dataset_card import dataset_card, specforge_template
+from expansion_dag.training.manifest import MANIFEST_NAME, Manifest
+
+__all__ = [
+    "AnswerJudge", "BuildTrace", "DEFAULT_FORMATS", "FOLDED", "FORMATS", "LEFT_OUT_REASONS",
+    "MANIFEST_NAME", "Manifest", "ROW", "SCHEMA", "TrainingSetConfig", "build_training_set",
+    "check_round_trip", "data_files", "dataset_card", "expected_renders", "manifest_markdown",
+    "sample_rows", "specforge_template"
+]

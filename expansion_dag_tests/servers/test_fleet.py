@@ -1,0 +1,223 @@
+"""Provisioning and probing, against the simulator over real sockets and real processes."""
+
+import dataclasses
+import sys
+
+import httpx
+import pytest
+
+from expansion_dag.core import FleetError, FleetMismatchError, ServerStartError
+from expansion_dag.servers import (
+    SLOTS_CONFIGURED,
+    SLOTS_FROM_SERVER,
+    FleetInfo,
+    Launcher,
+    LaunchSpec,
+    probe_fleet,
+    probe_server,
+    wait_ready,
+)
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag_tests.ports import free_ports
+
+
+def test_probe_reads_context_slots_model_and_version_from_the_server():
+    config = SimServerConfig(port=0, context_length=4096, max_running_requests=24, model_path="org/model-x")
+    with SimulatedFleet([config]) as fleet:
+        info = probe_server(fleet.urls[0])
+    assert info.context_length == 4096
+    assert info.slots == 24
+    assert info.model_path == "org/model-x"
+    assert info.version
+    assert info.simulator is True
+    assert info.slots_source == SLOTS_FROM_SERVER
+
+
+def test_probe_exposes_the_longest_prompt_the_scheduler_admits():
+    with SimulatedFleet([SimServerConfig(port=0, context_length=4096)]) as fleet:
+        info = probe_fleet(fleet.urls)
+    # SGLang's max_req_input_len = min(context - 1, kv capacity - 1) - 5; a prompt that long is refused.
+    assert info.servers[0].max_req_input_len == 4090
+    assert info.max_prompt_tokens == 4089
+    # A server whose KV cache is smaller than the context admits less: the fleet's limit is the least.
+    small = dataclasses.replace(info.servers[0], url="http://gpu-1:30000", max_req_input_len=2994)
+    assert FleetInfo((info.servers[0], small)).max_prompt_tokens == 2993
+    assert FleetInfo((dataclasses.replace(small, max_req_input_len=None),)).max_prompt_tokens is None
+
+
+def test_a_fleet_whose_servers_disagree_on_context_length_is_refused_naming_them():
+    configs = [SimServerConfig(port=0, context_length=8192), SimServerConfig(port=0, context_length=32768)]
+    with SimulatedFleet(configs) as fleet:
+        with pytest.raises(FleetMismatchError) as info:
+            probe_fleet(fleet.urls)
+    message = str(info.value)
+    assert "context_length" in message
+    assert fleet.urls[0] in message and fleet.urls[1] in message
+
+
+def test_a_fleet_whose_servers_serve_different_models_is_refused():
+    configs = [SimServerConfig(port=0, model_path="org/a"), SimServerConfig(port=0, model_path="org/b")]
+    with SimulatedFleet(configs) as fleet:
+        with pytest.raises(FleetMismatchError, match="disagree on model: 'org/a' on .*; 'org/b' on"):
+            probe_fleet(fleet.urls)
+
+
+def test_probing_a_keyed_server_without_the_key_says_so_and_with_it_works():
+    with SimulatedFleet([SimServerConfig(port=0, api_key="k-123")]) as fleet:
+        with pytest.raises(FleetError, match="401 Unauthorized"):
+            probe_server(fleet.urls[0])
+        assert probe_server(fleet.urls[0], api_key="k-123").context_length == 8192
+
+
+def test_a_keyed_fleet_whose_server_answers_without_the_key_is_an_error():
+    with SimulatedFleet([SimServerConfig(port=0)]) as fleet:
+        with pytest.raises(FleetError, match="answers /v1/models without the API key .* runs unauthenticated"):
+            probe_server(fleet.urls[0], api_key="k-123")
+
+
+def test_vllm_backend_probe_uses_models_and_the_slot_override_and_says_so():
+    with SimulatedFleet([SimServerConfig(port=0, backend="vllm", context_length=2048)]) as fleet:
+        info = probe_server(fleet.urls[0], backend="vllm", slots_override=64)
+    assert (info.context_length, info.slots, info.backend) == (2048, 64, "vllm")
+    assert info.slots_source == SLOTS_CONFIGURED
+    assert info.dialect.reasoning_fields[0] == "reasoning"
+
+
+@pytest.mark.parametrize("version", ["0.5.4", None])
+def test_an_sglang_server_streams_at_its_own_interval_whatever_the_fleet_is_configured_with(version):
+    """SGLang's chat API takes no interval per request: the probe reads the one it was launched with."""
+    configs = [SimServerConfig(port=0, version=version, stream_interval=8), SimServerConfig(port=0, version=version)]
+    with SimulatedFleet(configs) as fleet:
+        infos = probe_fleet(fleet.urls, stream_interval=32).servers
+    assert [i.stream_interval for i in infos] == [8, 1]
+
+
+def test_a_vllm_server_streams_at_the_interval_its_requests_ask_for():
+    with SimulatedFleet([SimServerConfig(port=0, backend="vllm")]) as fleet:
+        info = probe_server(fleet.urls[0], backend="vllm", slots_override=8, stream_interval=32)
+    assert info.stream_interval == 32 and info.dialect.stream_interval_per_request
+
+
+def test_vllm_slots_are_never_guessed():
+    with SimulatedFleet([SimServerConfig(port=0, backend="vllm")]) as fleet:
+        with pytest.raises(FleetError, match="vLLM does not report its running-request slots .* set slots_override"):
+            probe_server(fleet.urls[0], backend="vllm")
+
+
+def test_wait_ready_rides_out_loading_and_warmup():
+    config = SimServerConfig(port=free_ports(1)[0], startup_delay_s=0.5, warmup_s=0.5)
+    with SimulatedFleet([config], wait_ready=False) as fleet:
+        url = f"http://127.0.0.1:{config.port}"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+        wait_ready(url, timeout_s=20, poll_s=0.1)
+        assert httpx.get(url + "/health").status_code == 200
+        assert fleet.state(0) == "ready"
+
+
+def test_wait_ready_times_out_quoting_the_servers_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("loading weights\nCUDA out of memory while allocating KV cache\n")
+    [port] = free_ports(1)
+    with pytest.raises(ServerStartError) as info:
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=0.6, poll_s=0.2, log_path=log)
+    assert "not ready after" in str(info.value)
+    assert "CUDA out of memory" in str(info.value)
+
+
+def simulator_launcher(tmp_path, ports, extra=""):
+    return Launcher(
+        state_dir=tmp_path / "fleet",
+        command="{python} -m expansion_dag.sim --host {host} --port {port} --context-length {context_length} "
+        "--mem-fraction-static 0.85 --warmup-s 0.3 --api-key {api_key} " + extra,
+        host="127.0.0.1",
+        specs=[LaunchSpec(gpu=i, port=p) for i, p in enumerate(ports)],
+        values={"python": sys.executable, "context_length": 8192},
+        api_key="launch-secret",
+    )
+
+
+def test_launch_mode_starts_each_server_once_and_stops_them(tmp_path):
+    ports = free_ports(2)
+    launcher = simulator_launcher(tmp_path, ports)
+    try:
+        started = launcher.ensure_running(timeout_s=60)
+        assert started == launcher.urls
+        # A second step setting the resource up finds them running and starts nothing.
+        assert launcher.ensure_running(timeout_s=60) == []
+        info = probe_fleet(launcher.urls, api_key="launch-secret")
+        assert [s.context_length for s in info.servers] == [8192, 8192]
+        log = (tmp_path / "fleet" / f"server-{ports[0]}.log").read_text()
+        assert "The server is fired up and ready to roll!" in log
+        assert "launch-secret" not in log
+    finally:
+        stopped = launcher.stop()
+    assert len(stopped) == 2
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(launcher.urls[0] + "/health")
+
+
+def test_a_server_that_exits_at_startup_fails_fast_with_its_log(tmp_path):
+    [port] = free_ports(1)
+    launcher = simulator_launcher(tmp_path, [port], extra="--context-length -5")
+    with pytest.raises(ServerStartError, match="exited before it was ready") as info:
+        launcher.ensure_running(timeout_s=60)
+    assert "context_length" in str(info.value) or "context-length" in str(info.value)
+
+
+#: Logs its arguments, the key among them, then runs the rest of the command, as SGLang 0.5.23
+#: does at start-up (``server_args=...``: seen in a launched real server's log,
+#: real_engine/test_pipeline.py). ``{api_key}`` is filled by the launcher.
+LOGS_ITS_KEY = "sh -c 'echo \"server_args api_key={api_key}\" && exec \"$0\" \"$@\"' "
+
+
+def test_the_key_a_server_logs_at_startup_is_masked_in_its_log(tmp_path):
+    [port] = free_ports(1)
+    launcher = simulator_launcher(tmp_path, [port])
+    launcher.command = LOGS_ITS_KEY + launcher.command
+    try:
+        launcher.ensure_running(timeout_s=60)
+        log = launcher.log_path(launcher.specs[0]).read_text()
+        assert "server_args api_key=" + "*" * len("launch-secret") in log
+        assert "launch-secret" not in log
+    finally:
+        launcher.stop()
+
+
+def test_a_failed_start_quotes_its_log_without_the_key(tmp_path):
+    [port] = free_ports(1)
+    launcher = simulator_launcher(tmp_path, [port])
+    launcher.command = LOGS_ITS_KEY + "false"  # then exits at once
+    with pytest.raises(ServerStartError, match="exited before it was ready") as info:
+        launcher.ensure_running(timeout_s=60)
+    assert "server_args api_key=***" in str(info.value) and "launch-secret" not in str(info.value)
+    assert "launch-secret" not in launcher.log_path(launcher.specs[0]).read_text()
+
+
+def test_an_unknown_placeholder_in_the_launch_command_is_named(tmp_path):
+    launcher = Launcher(
+        state_dir=tmp_path, command="serve --gpu-count {gpus}", host="127.0.0.1",
+        specs=[LaunchSpec(gpu=0, port=free_ports(1)[0])], values={},
+    )
+    with pytest.raises(FleetError, match="unknown placeholder 'gpus'"):
+        launcher.ensure_running(timeout_s=5)
+
+
+def test_the_probe_reads_sglangs_tool_call_parser_and_believes_the_configured_one_for_vllm():
+    configs = [
+        SimServerConfig(port=0, tool_call_parser="qwen25"),
+        SimServerConfig(port=0),
+        SimServerConfig(port=0, backend="vllm"),
+    ]
+    with SimulatedFleet(configs) as fleet:
+        # An SGLang server says its own parser, whatever the configuration says.
+        reported = probe_server(fleet.urls[0], tool_call_parser="other")
+        unparsed = probe_server(fleet.urls[1], tool_call_parser="qwen25")
+        vllm = probe_server(fleet.urls[2], backend="vllm", slots_override=8)
+        vllm_parsed = probe_server(fleet.urls[2], backend="vllm", slots_override=8, tool_call_parser="hermes")
+    assert (reported.tool_call_parser, reported.tool_choice) == ("qwen25", "auto")
+    # SGLang renders the tools only with "auto"; nothing comes back parsed without a parser.
+    assert (unparsed.tool_call_parser, unparsed.tool_choice) == (None, "auto")
+    # vLLM refuses "auto" without a tool parser, and renders the tools with "none" too.
+    assert (vllm.tool_call_parser, vllm.tool_choice) == (None, "none")
+    assert (vllm_parsed.tool_call_parser, vllm_parsed.tool_choice) == ("hermes", "auto")

@@ -1,0 +1,87 @@
+"""Simulators are only ever the project's own: a server already on a launch port is never adopted."""
+
+import json
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from expansion_dag.config import parse_config
+from expansion_dag.core import FleetError
+from expansion_dag.definitions import fleet_for
+from expansion_dag.servers import tool_call_flags
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag_tests.servers.test_fleet import simulator_launcher
+
+
+class RealServer(BaseHTTPRequestHandler):
+    """Stands in for a real SGLang server on the port: healthy, and no simulator."""
+
+    requests: list[str] = []
+
+    def do_GET(self):
+        RealServer.requests.append(self.path)
+        body = {"/server_info": {"version": "0.5.23", "model_path": "org/real-model"}}.get(self.path, {})
+        payload = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def real_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RealServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    RealServer.requests = []
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_real_server_on_the_demo_fleets_port_is_an_error_naming_it(tmp_path, real_server):
+    config = parse_config({"fleet": {"launch": {"base_port": real_server}}, "storage": {"root": str(tmp_path)}},
+                          where="run.yaml", env={})
+    fleet = fleet_for(config)
+    assert fleet.mode == "launch" and fleet.base_port == real_server
+    with pytest.raises(FleetError) as info:
+        fleet.provision()
+    message = str(info.value)
+    assert f"http://127.0.0.1:{real_server} is already served by a process this project did not launch" in message
+    assert "server version 0.5.23 serving org/real-model" in message
+    assert not list((tmp_path / "fleet").glob("*.pid"))  # nothing was launched
+    assert all(path in ("/server_info",) for path in RealServer.requests)  # it was asked what it is, nothing else
+
+
+def test_a_simulator_with_another_pid_is_not_taken_for_the_launched_one(tmp_path):
+    # A live pid file (another process) and, on its port, a simulator that process did not run.
+    with SimulatedFleet([SimServerConfig(port=0, api_key="launch-secret")]) as fleet:
+        port = int(fleet.urls[0].rsplit(":", 1)[1])
+        launcher = simulator_launcher(tmp_path, [port])
+        other = subprocess.Popen(["sleep", "60"])
+        try:
+            (tmp_path / "fleet").mkdir()
+            (tmp_path / "fleet" / f"server-{port}.pid").write_text(str(other.pid))
+            with pytest.raises(FleetError, match=rf"127.0.0.1:{port} is not the simulator launched here \(pid {other.pid}\)"):
+                launcher.ensure_running(timeout_s=30)
+        finally:
+            other.kill()
+            other.wait()
+
+
+def test_tool_call_flags_per_backend():
+    assert tool_call_flags("sglang", "qwen25") == "--tool-call-parser qwen25"
+    assert tool_call_flags("vllm", "hermes") == "--enable-auto-tool-choice --tool-call-parser hermes"
+    assert tool_call_flags("vllm", None) == ""
+    with pytest.raises(FleetError, match="no tool-call parser flags"):
+        tool_call_flags("tgi", "hermes")
