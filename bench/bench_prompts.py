@@ -305,12 +305,13 @@ def phase_read_asset(args: argparse.Namespace) -> dict[str, Any]:
 
 def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
     import expansion_dag.prompts.extract as extract_module
+    import expansion_dag.prompts.selection as selection_module
 
     catalog = catalog_for(args)
     clock = Clock()
     clock.wrap(extract_module, "_sha256_hex32", "sha256")
     clock.wrap(extract_module, "_invalid_utf8", "utf8_check")
-    clock.wrap(extract_module, "_rank_keys", "rank_keys")
+    clock.wrap(selection_module, "_rank_keys", "rank_keys")
     before = reset_peak()
     with clock.span("read"):
         raw = read_columns(data_path(args))

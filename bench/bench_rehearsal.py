@@ -78,7 +78,7 @@ from harness import (  # (bench/ is on sys.path when run as a script)
 )
 from text_model import TextModel, lognormal_ints
 
-from expansion_dag.samples.make_samples import AGENT_SPLITS, HERMES_CONFIGS
+from expansion_dag.samples.tool_sources import AGENT_SPLITS, HERMES_CONFIGS
 
 REFERENCE_PROMPTS = 193_010
 REFERENCE_OUTPUT_TOKENS = 523_000_000
@@ -411,22 +411,25 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     from expansion_dag.defs import SHARD_KEYS
     from expansion_dag.generation import ShardWork, learn, shard_figures
     from expansion_dag.store import CompletionStore
-    from expansion_dag.training import build as ts
+    from expansion_dag.training import FOLDED, Manifest, TrainingSetConfig
+    from expansion_dag.training.mode_rules import _mode_rules
+    from expansion_dag.training.rendering import _segments
+    from expansion_dag.training.samples import _screen
 
     run_config = current_config()
     storage = Path(run_config.storage_root())
     store = CompletionStore(storage / "completions")
-    manifest = ts.Manifest.read(storage / "training_set")
+    manifest = Manifest.read(storage / "training_set")
     # The run's modes (one, "default", without modes) for the model the set was taken from.
     identities = ModeIdentities(run_config.generation.mix(), manifest.identity["model"], bool(manifest.identity["simulated"]))
     if len(identities.by_mode) == 1 and identities.identities[0].fingerprint != manifest.identity["fingerprint"]:
         raise RuntimeError(f"the run configuration's settings ({identities.identities[0].fingerprint}) are not "
                            f"those the training set was taken under ({manifest.identity['fingerprint']})")  # fmt: skip
     # An older manifest may name fields the config no longer has (chat_template_kwargs: now each mode's).
-    fields = {f.name for f in dataclasses.fields(ts.TrainingSetConfig)}
-    config = ts.TrainingSetConfig(**{k: v for k, v in manifest.config.items() if k in fields})
+    fields = {f.name for f in dataclasses.fields(TrainingSetConfig)}
+    config = TrainingSetConfig(**{k: v for k, v in manifest.config.items() if k in fields})
     tokenizer = load_tokenizer()
-    rules = ts._mode_rules(tokenizer, identities)
+    rules = _mode_rules(tokenizer, identities)
 
     # The raw batched tokenizer on exactly the texts the build tokenizes; the policy recounted.
     encode_s, tokens, passing = 0.0, 0, Counter()
@@ -435,7 +438,7 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     def flush() -> None:
         nonlocal encode_s, tokens
         # Each sample's texts, three per assistant turn; None where the render does not split.
-        split = ts._segments(chunk, tokenizer, rules)
+        split = _segments(chunk, tokenizer, rules)
         samples = [texts for texts in split if texts is not None]
         passing["render_mismatch"] += len(split) - len(samples)
         start = time.perf_counter()
@@ -453,7 +456,7 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
 
     outcomes = Counter()
     for record in store.latest_records():
-        screened = ts._screen(record, config, identities, rules)
+        screened = _screen(record, config, identities, rules)
         if isinstance(screened, str):
             outcomes[screened] += 1  # a reason, or an earlier turn of a conversation (folded into its row)
             continue
@@ -517,12 +520,12 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
         "training_rows_in_files": rows,
         "manifest_samples": manifest.samples,
         "completions_passing_policy": passing["rows"],
-        "left_out_recounted": {**{k: v for k, v in outcomes.items() if k not in ("screened_in", ts.FOLDED)},
+        "left_out_recounted": {**{k: v for k, v in outcomes.items() if k not in ("screened_in", FOLDED)},
                                "too_long": passing["too_long"], "too_short": passing["too_short"],
                                "render_mismatch": passing["render_mismatch"]},  # fmt: skip
         "left_out_manifest": manifest.left_out,
         # Records of earlier turns of conversations: in their conversation's row, not left out.
-        "conversation_turns_folded_recounted": outcomes[ts.FOLDED],
+        "conversation_turns_folded_recounted": outcomes[FOLDED],
         "conversation_turns_folded_manifest": manifest.conversation_turns_folded,
     }
     accounting["every_prompt_accounted_for"] = (

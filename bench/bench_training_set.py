@@ -19,7 +19,7 @@ from slice to slice (whoever runs first finds the tokenizer's word cache cold):
   does is inside: rendering both templates, tokenizing, masks, Parquet (zstd) writing, fsync,
   hashing the shards, the manifest. A breakdown of its time comes with it.
 * ``raw``: the very texts the build tokenizes (its segments, three per assistant turn: what
-  precedes the turn, the turn, its trailer; rendered beforehand by the module's own helpers,
+  precedes the turn, the turn, its trailer; rendered beforehand by the build's own helpers,
   untimed) through ``tokenizer.backend_tokenizer.encode_batch_fast`` in the build's batches
   (``chunk_rows`` samples, 3 texts for each assistant turn the build masks). Taking ``.ids`` out
   of the encodings, which the build needs, is timed apart.
@@ -177,15 +177,17 @@ def stream_records(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) -> list[list[str]]:
-    """The texts the build tokenizes, batch by batch, rendered by the module's own helpers."""
-    from expansion_dag.training import build as ts
+    """The texts the build tokenizes, batch by batch, rendered by the build's own helpers."""
+    from expansion_dag.training.mode_rules import _mode_rules
+    from expansion_dag.training.rendering import _segments
+    from expansion_dag.training.samples import _screened_chunks, _Tally
 
     batches = []
     identities = bench_identities()
-    rules = ts._mode_rules(tokenizer, identities)
-    for samples in ts._screened_chunks(iter(records), config, ts._Tally(identities, {}), rules):
+    rules = _mode_rules(tokenizer, identities)
+    for samples in _screened_chunks(iter(records), config, _Tally(identities, {}), rules):
         # Three texts per assistant turn; a sample whose render does not split is left out, as the build does.
-        batches.append([text for texts in ts._segments(samples, tokenizer, rules) if texts is not None for text in texts])
+        batches.append([text for texts in _segments(samples, tokenizer, rules) if texts is not None for text in texts])
     return batches
 
 
@@ -194,30 +196,33 @@ def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) 
 
 
 def run_build(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_dir: Path) -> dict[str, Any]:
-    from expansion_dag.training import build as ts
+    from expansion_dag.training import build, build_training_set, exports, mode_rules, parquet, rows
+    from expansion_dag.training.parquet import _ShardWriter
 
     clock = Clock()
-    names = ("_segments", "_encode", "_table", "_within_length", "_sha256", "_fsync")
-    saved = {name: getattr(ts, name) for name in names}
-    for name in names:
-        clock.wrap(ts, name, name.lstrip("_"))
-    write = ts._ShardWriter.write
+    # Timed in each module that calls it by its global name.
+    wrapped = [(rows, "_segments"), (rows, "_encode"), (mode_rules, "_encode"), (build, "_table"),
+               (rows, "_within_length"), (parquet, "_sha256"), (exports, "_sha256"), (build, "_fsync")]  # fmt: skip
+    saved = {(module, name): getattr(module, name) for module, name in wrapped}
+    for module, name in wrapped:
+        clock.wrap(module, name, name.lstrip("_"))
+    write = _ShardWriter.write
 
     def timed_write(self: Any, table: Any) -> None:
         with clock.span("parquet_write"):
             write(self, table)
 
-    ts._ShardWriter.write = timed_write
+    _ShardWriter.write = timed_write
     out_dir = work_dir / f"build-{os.getpid()}"
     reset_peak()
     try:
         with clock.span("build"):
-            manifest = ts.build_training_set(iter(records), tokenizer, config, out_dir, identities=bench_identities())
+            manifest = build_training_set(iter(records), tokenizer, config, out_dir, identities=bench_identities())
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-        ts._ShardWriter.write = write
-        for name, original in saved.items():
-            setattr(ts, name, original)
+        _ShardWriter.write = write
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
     report = clock.report()
     # Spans inside the build overlap (the encoding runs in a worker thread) and a process-wide CPU
     # figure means nothing for them: keep the build's CPU only.

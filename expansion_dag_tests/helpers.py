@@ -72,7 +72,7 @@ def one_mode(identity: Identity, chat_template_kwargs: dict | None = None) -> Mo
     return identities
 
 
-#: A tool as the client sends it (``server_api.request_tools``), for the tests of tool-using requests.
+#: A tool as the client sends it (``servers.request_tools``), for the tests of tool-using requests.
 WEATHER_TOOL = {
     "type": "function",
     "function": {

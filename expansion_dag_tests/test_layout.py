@@ -1,42 +1,153 @@
-"""The package stays readable: no module imports one that imports it back (at run time or for type
-checking alike), no class grows past one screenful of jobs, and the core stays free of Dagster."""
+"""The package shows its architecture and stays readable.
+
+Every module sits in a folder of the layers docs/development.md draws, and a folder imports only the
+folders below it; each folder has a front door (its ``__init__``, with ``__all__``) that the other
+folders, the tests and the benchmarks import from. No module imports one that imports it back, no
+module grows past 600 lines nor a class past one screenful of jobs, and the layers under the Dagster
+shell import no Dagster.
+"""
 
 import ast
+import functools
+import importlib
 from pathlib import Path
+
+import pytest
 
 import expansion_dag
 
 PACKAGE = Path(expansion_dag.__file__).parent
-#: The shell: what wires the core into Dagster. Everything else is the core, tested without it.
-DAGSTER_SHELL = ("assets", "resources", "definitions.py", "schedules.py", "partitions.py", "cli.py")
+ROOT = PACKAGE.parent
+#: The layers, bottom first: a folder imports its own modules and the folders before it, never after.
+LAYERS = ("core", "store", "prompts", "servers", "training", "generation", "config", "defs", "cli")
+#: Beside the layers: the simulator stands on the core alone (the product starts it as a process,
+#: never imports it), and the bundled sample datasets' maker imports nothing of the package.
+SIDE = {"sim": {"core"}, "samples": set()}
+#: Modules at the top, outside any folder: Dagster's one root of definitions, which wires them all
+#: and, for the direction between folders, counts as the shell's (the CLI runs it).
+TOP_LEVEL = {"expansion_dag", "expansion_dag.definitions"}
+#: The Dagster shell: what wires the layers into Dagster. Everything under it is tested without it.
+DAGSTER_SHELL = {"defs", "cli"}
+MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 200
 
 
+@functools.cache
 def modules() -> dict[str, ast.Module]:
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        parts = path.relative_to(ROOT).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         found[name] = ast.parse(path.read_text(), filename=str(path))
     return found
 
 
-def imports(tree: ast.Module, known: set[str]) -> set[str]:
-    targets = set()
+def folder(name: str) -> str:
+    """The layer (or side folder) a module sits in: the first name under the package."""
+    if name == "expansion_dag.definitions":
+        return "defs"
+    return name.split(".")[1] if name.count(".") else ""
+
+
+def imported(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """Each ``from expansion_dag... import names`` and ``import expansion_dag...`` of a module."""
+    found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "expansion_dag":
+            found.append((node.module, [alias.name for alias in node.names]))
         elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        targets |= {name for name in names if name in known}
-    return targets
+            found += [(alias.name, []) for alias in node.names if alias.name.split(".")[0] == "expansion_dag"]
+    return found
+
+
+def targets(tree: ast.Module, known: set[str]) -> set[str]:
+    """The package's modules a module imports (a name that is a submodule counts as that module)."""
+    found = set()
+    for module, names in imported(tree):
+        found |= {name for name in (module, *(f"{module}.{n}" for n in names)) if name in known}
+    return found
+
+
+@functools.cache
+def packages() -> set[str]:
+    return {name for name in modules() if (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()}
+
+
+def test_every_module_sits_in_a_folder_of_the_drawn_layers():
+    stray = sorted(
+        name for name in modules()
+        if name not in TOP_LEVEL and folder(name) not in (*LAYERS, *SIDE)
+    )
+    assert stray == [], "each module belongs in a layer's folder (docs/development.md, 'Layout')"
+
+
+def test_a_folder_imports_only_the_folders_below_it():
+    allowed = {layer: set(LAYERS[: i + 1]) for i, layer in enumerate(LAYERS)}
+    allowed |= {side: below | {side} for side, below in SIDE.items()}
+    found = modules()
+    upward = sorted(
+        (name, target)
+        for name, tree in found.items() if name not in TOP_LEVEL
+        for target in targets(tree, set(found))
+        if target != "expansion_dag" and folder(target) not in allowed[folder(name)]
+    )
+    assert upward == []
+
+
+def test_each_folder_has_a_front_door_naming_what_the_others_may_use():
+    for package in sorted(packages() - TOP_LEVEL):
+        module = importlib.import_module(package)
+        exported = getattr(module, "__all__", None)
+        assert exported, f"{package} has no __all__"
+        assert sorted(exported) == sorted(set(exported)), package
+        missing = [name for name in exported if not hasattr(module, name)]
+        assert missing == [], f"{package}.__all__ names what it does not have"
+
+
+def front_door_misses(names_by_file: dict[str, ast.Module], importer_package) -> list[str]:
+    """Imports that reach past another folder's front door into its modules for a public name."""
+    doors, known = packages(), set(modules())
+    misses = []
+    for name, tree in names_by_file.items():
+        own = importer_package(name)
+        for module, names in imported(tree):
+            door = module if module in doors else module.rsplit(".", 1)[0]
+            if module in doors or door in (own, "expansion_dag") or door not in doors:
+                continue
+            public = [n for n in names if not n.startswith("_") and f"{module}.{n}" not in known]
+            if public:
+                misses.append(f"{name}: from {module} import {', '.join(public)}")
+    return sorted(misses)
+
+
+def test_the_folders_import_each_other_through_their_front_doors():
+    found = modules()
+    # A module's own folder is its package; it imports its siblings directly.
+    own = {name: name if name in packages() else name.rsplit(".", 1)[0] for name in found}
+    assert front_door_misses(found, own.__getitem__) == []
+    private = sorted(
+        f"{name}: {module} {n}"
+        for name, tree in found.items()
+        for module, names in imported(tree)
+        for n in names
+        if n.startswith("_") and folder(module) != folder(name)
+    )
+    assert private == [], "another folder's private names are its own"
+
+
+@pytest.mark.parametrize("where", ["expansion_dag_tests", "bench"])
+def test_tests_and_benchmarks_use_the_front_doors_for_public_names(where):
+    files = {
+        str(path.relative_to(ROOT)): ast.parse(path.read_text(), filename=str(path))
+        for path in sorted((ROOT / where).rglob("*.py"))
+    }
+    assert files
+    assert front_door_misses(files, lambda _name: None) == []
 
 
 def test_no_module_imports_one_that_imports_it_back():
     found = modules()
-    graph = {name: imports(tree, set(found)) - {name} for name, tree in found.items()}
+    graph = {name: targets(tree, set(found)) - {name} for name, tree in found.items()}
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), [start]
@@ -57,6 +168,15 @@ def test_no_module_imports_one_that_imports_it_back():
     assert circles == []
 
 
+def test_no_module_is_over_600_lines():
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
+
+
 def test_no_class_is_over_200_lines():
     long = [
         (name, node.name, node.end_lineno - node.lineno + 1)
@@ -67,11 +187,10 @@ def test_no_class_is_over_200_lines():
     assert long == []
 
 
-def test_the_core_imports_no_dagster():
+def test_the_layers_under_the_shell_import_no_dagster():
     core = {
         name: tree for name, tree in modules().items()
-        if not name.removeprefix("expansion_dag.").startswith(DAGSTER_SHELL)
-        and name.removeprefix("expansion_dag.").split(".")[0] + ".py" not in DAGSTER_SHELL
+        if folder(name) not in DAGSTER_SHELL
     }
     assert "expansion_dag.generation.engine" in core and "expansion_dag.defs.assets.completions" not in core
     with_dagster = sorted(

@@ -9,7 +9,7 @@
 - ``FleetError``: provisioning or probing the servers failed; nothing was sent.
 
 What a server's answer means (statuses, error texts, finish reasons) is read by
-``expansion_dag.servers.api``, the one unit that knows the servers' dialects.
+``expansion_dag.servers.answers``, in each server's dialect (``expansion_dag.servers.dialects``).
 """
 
 from __future__ import annotations

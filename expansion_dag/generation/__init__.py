@@ -12,9 +12,11 @@ from expansion_dag.generation.answer_lengths import (
     prompt_features,
 )
 from expansion_dag.generation.answer_yield import AnswerYield, YieldGate
+from expansion_dag.generation.borrowing import OWNER_NOT_STARTED
 from expansion_dag.generation.conversations import TurnPlanner, turn_id
 from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, claim_share
-from expansion_dag.generation.engine import OWNER_NOT_STARTED, EngineConfig, Server, ShardRun, generate_shard
+from expansion_dag.generation.engine import ShardRun, generate_shard
+from expansion_dag.generation.engine_config import EngineConfig, Server
 from expansion_dag.generation.event_loop import CoalescingSelector, run_ticked
 from expansion_dag.generation.plan import (
     MIN_OBSERVED,

@@ -22,7 +22,7 @@ class ServerStats:
     in_flight: int = 0
     busy_slot_seconds: float = 0.0
     #: Another shard's server only: why each reading of its load did or did not lead to borrowing it
-    #: (``engine.Borrowing``), e.g. its own shard not started yet.
+    #: (``borrowing.Borrowing``), e.g. its own shard not started yet.
     borrowing: collections.Counter = field(default_factory=collections.Counter)
     _since: float = field(default_factory=time.monotonic)
 

@@ -1,5 +1,6 @@
-"""The prompt stages: the source catalog, extraction of each source's rows into prompts (the Hermes
-tool-call parser apart), token budgets into shards, and the prompt ledger.
+"""The prompt stages: the source catalog, the extractors, extraction of each source's rows into
+prompts (the Hermes tool-call parser apart), selection across sources, token budgets into shards,
+and the prompt ledger.
 """
 
 from expansion_dag.prompts.budget import (
@@ -21,18 +22,16 @@ from expansion_dag.prompts.catalog import (
     package_dir,
     source_fingerprint,
 )
-from expansion_dag.prompts.extract import (
+from expansion_dag.prompts.extract import ExtractResult, extract_prompts
+from expansion_dag.prompts.extractors import (
     EXTRACTORS,
     PROMPT_SCHEMA,
     QUARANTINE_SCHEMA,
     REASONS,
-    ExtractResult,
     SourceSchemaError,
-    SourceStats,
-    extract_prompts,
-    select_prompts,
 )
 from expansion_dag.prompts.ledger import nights, take_night
+from expansion_dag.prompts.selection import SourceStats, select_prompts
 
 __all__ = [
     "BudgetConfig", "Catalog", "CatalogError", "EXTRACTORS", "ExtractResult", "PROMPT_OVER_INPUT_LIMIT",

@@ -27,15 +27,15 @@ import datasets
 import pyarrow as pa
 import yaml
 
-from expansion_dag.prompts.extract import (
+from expansion_dag.prompts.extractors import (
     DEFAULT_MAX_CHARS,
-    DEFAULT_SEED,
     DEFAULT_TURN,
     EXTRACTORS,
     Turn,
     conversation_problem,
     turn_problem,
 )
+from expansion_dag.prompts.selection import DEFAULT_SEED
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,7 @@
-"""Prompt extraction, quarantine, deduplication and sampling.
+"""Prompt extraction and quarantine.
 
 ``extract_prompts`` turns one source's raw rows into prompt records (docs/CONTRACTS.md) and sets
-aside every row it cannot use, with a stable reason code. ``select_prompts`` removes duplicates
-within and across sources and samples each source down to its quota or weight.
+aside every row it cannot use, with a stable reason code.
 
 Everything runs as polars expressions over whole columns. The one step that reaches Python is
 SHA-256: polars and pyarrow ship no stable hash, so each prompt's canonical bytes go to hashlib
@@ -13,70 +12,41 @@ conversation is put together in Python, which their few thousand rows allow.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
-from math import floor
 from operator import methodcaller
-from types import MappingProxyType
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
-# Stable reason codes. A row is checked in this order and gets the first reason that applies.
-MISTYPED_FIELD = "mistyped_field"
-INVALID_UNICODE = "invalid_unicode"
-MISSING_FIELD = "missing_field"
-UNKNOWN_ROLE = "unknown_role"
-NO_USER_TURN = "no_user_turn"
-EMPTY_PROMPT = "empty_prompt"
-TOO_LONG_CHARS = "too_long_chars"
-#: Conversation sources only: a ``<tools>`` block in a system turn is not a list of tool definitions.
-INVALID_TOOLS = "invalid_tools"
-REASONS = (
-    MISTYPED_FIELD,
-    INVALID_UNICODE,
-    MISSING_FIELD,
-    UNKNOWN_ROLE,
-    NO_USER_TURN,
+from expansion_dag.prompts.extractors import (
+    DEFAULT_MAX_CHARS,
+    DEFAULT_TURN,
+    DETAIL_CHARS,
     EMPTY_PROMPT,
-    TOO_LONG_CHARS,
+    EXTRACTORS,
     INVALID_TOOLS,
+    INVALID_UNICODE,
+    LAST_TURN,
+    MISSING_FIELD,
+    MISTYPED_FIELD,
+    NO_USER_TURN,
+    PROMPT_SCHEMA,
+    QUARANTINE_SCHEMA,
+    TOO_LONG_CHARS,
+    UNKNOWN_ROLE,
+    Extractor,
+    SourceSchemaError,
+    Turn,
+    conversation_problem,
+    turn_problem,
 )
+from expansion_dag.prompts.hermes_tools import ToolsError, take_tools, tool_results
 
-#: The prompt ends at this user turn (1-based), or at the last one with ``LAST_TURN``. The default
-#: keeps no assistant text of the dataset: the drafter must learn the target model's answers only.
-DEFAULT_TURN = 1
-LAST_TURN = "last"
-Turn = int | Literal["last"]
-#: A sanity limit on a prompt's characters; the token budget, not this, decides what fits a context.
-DEFAULT_MAX_CHARS = 200_000
-DEFAULT_SEED = 0
-DETAIL_CHARS = 160
-
-MESSAGE_DTYPE = pl.Struct({"role": pl.String, "content": pl.String})
-#: ``conversation`` (every turn, null content where the target model answers) and ``tools`` (a JSON
-#: array of OpenAI-form tool definitions) are set for sources regenerated as whole conversations,
-#: null for the others.
-PROMPT_SCHEMA = pl.Schema(
-    {
-        "prompt_id": pl.String,
-        "source": pl.String,
-        "messages": pl.List(MESSAGE_DTYPE),
-        "row_index": pl.Int64,
-        "conversation": pl.List(MESSAGE_DTYPE),
-        "tools": pl.String,
-    }
-)
-QUARANTINE_SCHEMA = pl.Schema(
-    {"source": pl.String, "row_index": pl.Int64, "reason": pl.String, "detail": pl.String}
-)
 _CONVERSATION_DTYPE = pl.List(pl.Struct({"from": pl.String, "value": pl.String}))
 
 # Whitespace to rewrite: a run of two or more, or a single character that is not a plain space.
@@ -85,77 +55,6 @@ _WHITESPACE = r"\s\s+|[^\S ]"
 _ASCII_WHITESPACE = r"[\t\n\r\x0b\x0c]"
 # datasets stores a JSON field whose rows disagree on type as JSON text in this extension type.
 _JSON_EXTENSION = "arrow.json"
-# Hermes keeps tool definitions in the system text; the preamble's empty "<tools> </tools>" is prose.
-# A block starts at the last "<tools>" before its "</tools>", so prose naming the tag is left out.
-_TOOLS_BLOCK = re.compile(r"<tools>((?:(?!<tools>).)*?)</tools>[ \t]*\n?", re.DOTALL)
-_TOOL_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
-
-
-class SourceSchemaError(ValueError):
-    """The source's table lacks a column the extractor needs, or holds it in an unusable type."""
-
-
-@dataclass(frozen=True)
-class Extractor:
-    """Where a schema keeps its prompt.
-
-    With ``roles`` the column is a conversation of ``{from, value}`` turns and ``roles`` maps the
-    dataset's ``from`` values to chat roles; without it the column is the user's message itself.
-    ``conversation_roles`` replaces ``roles`` when whole conversations are regenerated, and
-    ``tools_in_system`` says that system turns hold tool definitions in a ``<tools>`` block.
-    """
-
-    column: str
-    roles: Mapping[str, str] | None = None
-    conversation_roles: Mapping[str, str] | None = None
-    tools_in_system: bool = False
-
-    def roles_for(self, conversation: bool) -> Mapping[str, str] | None:
-        return (self.conversation_roles or self.roles) if conversation else self.roles
-
-
-_SHAREGPT_ROLES = MappingProxyType({"system": "system", "human": "user", "gpt": "assistant"})
-# Tool results go back to the model in a user turn; Qwen-style chat templates render them so.
-_HERMES_ROLES = MappingProxyType({**_SHAREGPT_ROLES, "tool": "user"})
-# A regenerated conversation keeps them as tool messages: the template wraps them itself, and the
-# training row must render exactly as the server rendered each request.
-_HERMES_CONVERSATION_ROLES = MappingProxyType({**_SHAREGPT_ROLES, "tool": "tool"})
-
-EXTRACTORS: Mapping[str, Extractor] = MappingProxyType(
-    {
-        "infinity_instruct": Extractor(column="conversations", roles=_SHAREGPT_ROLES),
-        "webinstructsub": Extractor(column="question"),
-        "codefeedback": Extractor(column="query"),
-        "metamathqa": Extractor(column="query"),
-        "hermes_function_calling": Extractor(
-            column="conversations",
-            roles=_HERMES_ROLES,
-            conversation_roles=_HERMES_CONVERSATION_ROLES,
-            tools_in_system=True,
-        ),
-        "agentinstruct": Extractor(column="conversations", roles=_SHAREGPT_ROLES),
-    }
-)
-
-
-def turn_problem(turn: Any) -> str | None:
-    """Why ``turn`` is not a valid turn setting, or None when it is."""
-    if turn == LAST_TURN or (isinstance(turn, int) and not isinstance(turn, bool) and turn >= 1):
-        return None
-    return f"must be a positive integer or {LAST_TURN!r}, got {turn!r}"
-
-
-def conversation_problem(conversation: Any, *, extractor: str, turn: Any) -> str | None:
-    """Why ``conversation`` cannot be set with this extractor and turn, or None when it can."""
-    if not isinstance(conversation, bool):
-        return f"must be true or false, got {conversation!r}"
-    if not conversation:
-        return None
-    if extractor in EXTRACTORS and EXTRACTORS[extractor].roles is None:
-        return f"extractor {extractor!r} reads one text column: there is no conversation to regenerate"
-    if turn != DEFAULT_TURN:
-        return f"regenerates every turn, so it cannot be combined with turn {turn!r}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -497,14 +396,6 @@ def _check_turns(
     return per_row.select("row_index", "messages", "canonical", *extra, *_first_match(checks))
 
 
-class _ToolsError(ValueError):
-    """A ``<tools>`` block, in the turn at ``pos``, that gives no list of tool definitions."""
-
-    def __init__(self, pos: int, problem: str):
-        super().__init__(problem)
-        self.pos = pos
-
-
 def _conversations(
     accepted: pl.DataFrame, *, source: str, spec: Extractor
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -518,7 +409,7 @@ def _conversations(
     for row_index, messages, at, answer_at in rows:
         try:
             conversation, tools = _conversation(messages, at, answer_at or [], spec=spec)
-        except _ToolsError as exc:
+        except ToolsError as exc:
             rejected.append((row_index, INVALID_TOOLS, f"{spec.column}[{exc.pos}].value: <tools> {exc}"))
             continue
         first_answer = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
@@ -575,79 +466,16 @@ def _conversation(
             if conversation[-1]["role"] != "assistant":
                 conversation.append({"role": "assistant", "content": None})
         elif message["role"] == "system" and spec.tools_in_system:
-            text = _take_tools(message["content"], tools, pos)
+            text = take_tools(message["content"], tools, pos)
             if text.strip():
                 conversation.append({"role": "system", "content": text})
         elif message["role"] == "tool":
-            conversation += [{"role": "tool", "content": c} for c in _tool_results(message["content"])]
+            conversation += [{"role": "tool", "content": c} for c in tool_results(message["content"])]
         else:
             conversation.append(dict(message))
     if conversation[-1]["role"] != "assistant":
         conversation.append({"role": "assistant", "content": None})
     return conversation, json.dumps(tools, ensure_ascii=False) if tools else None
-
-
-def _take_tools(text: str, tools: list[dict[str, Any]], pos: int) -> str:
-    """``text`` without its ``<tools>`` blocks, whose definitions are appended to ``tools``.
-
-    The chat template renders tools passed to it in its own words, so the dataset's copy would be
-    a second listing. A block may hold a JSON list, JSON objects one after another, or (as in
-    hermes-function-calling-v1's own rows) a Python list literal.
-    """
-
-    def take(match: re.Match[str]) -> str:
-        body = match.group(1)
-        if not body.strip():
-            return match.group(0)
-        try:
-            values = _json_values(body)
-        except ValueError as json_error:
-            try:
-                values = [ast.literal_eval(body.strip())]
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                raise _ToolsError(pos, f"is neither JSON nor a Python literal: {json_error}") from None
-        for value in values:
-            tools.extend(_openai_tool(item, pos) for item in (value if isinstance(value, list) else [value]))
-        return ""
-
-    stripped = _TOOLS_BLOCK.sub(take, text)
-    return stripped.strip() if stripped != text else text
-
-
-def _json_values(text: str) -> list[Any]:
-    """The JSON values in ``text``, one after another (whitespace or commas between them)."""
-    decoder, values, position = json.JSONDecoder(), [], 0
-    while True:
-        while position < len(text) and text[position] in " \t\r\n,":
-            position += 1
-        if position == len(text):
-            return values
-        value, position = decoder.raw_decode(text, position)
-        values.append(value)
-
-
-def _openai_tool(item: Any, pos: int) -> dict[str, Any]:
-    """A tool definition in OpenAI form: ``{"type": "function", "function": {"name": ...}}``."""
-    function = item.get("function") if isinstance(item, dict) and item.get("type") == "function" else item
-    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
-        raise _ToolsError(pos, f"holds something that is not a named function: {str(item)[:60]}")
-    try:  # a Python literal can hold what JSON cannot (a set, NaN)
-        json.dumps(function, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise _ToolsError(pos, f"holds a value JSON cannot represent: {exc}") from None
-    return item if function is not item else {"type": "function", "function": item}
-
-
-def _tool_results(text: str) -> list[str]:
-    """A tool turn's results without their ``<tool_response>`` wrappers, which the template adds.
-
-    Several wrapped results in one turn (parallel calls) become one tool message each; text that
-    is not wholly wrapped stays one message as it is.
-    """
-    results = _TOOL_RESPONSE.findall(text)
-    if results and not _TOOL_RESPONSE.sub("", text).strip():
-        return [result.strip() for result in results]
-    return [text]
 
 
 def _position_label(spec: Extractor) -> Callable[..., pl.Expr]:
@@ -724,225 +552,3 @@ def _sha256_hex32(texts: pl.Series) -> pl.Series:
     """The first 32 hex characters of each text's SHA-256, the same on every machine and version."""
     digests = map(methodcaller("digest"), map(hashlib.sha256, texts.cast(pl.Binary).to_list()))
     return pl.Series("prompt_id", list(digests), dtype=pl.Binary).bin.encode("hex").str.head(32)
-
-
-@dataclass(frozen=True)
-class SourceStats:
-    """Where each row of one source went.
-
-    ``rows_in`` counts the rows left after the filters; ``quarantined`` has a count for every
-    reason code, in ``REASONS`` order. Construction checks that every row is accounted for.
-    """
-
-    source: str
-    rows_read: int
-    filtered: int
-    rows_in: int
-    prompts_out: int
-    duplicates: int
-    quarantined: Mapping[str, int]
-    not_sampled: int
-
-    @property
-    def quarantined_total(self) -> int:
-        return sum(self.quarantined.values())
-
-    def __post_init__(self) -> None:
-        accounted = self.prompts_out + self.duplicates + self.quarantined_total + self.not_sampled
-        if self.rows_read != self.filtered + self.rows_in or self.rows_in != accounted:
-            raise AssertionError(
-                f"source {self.source!r}: rows do not add up: rows_read {self.rows_read} = filtered "
-                f"{self.filtered} + rows_in {self.rows_in}; rows_in = prompts_out {self.prompts_out} "
-                f"+ duplicates {self.duplicates} + quarantined {self.quarantined_total} "
-                f"+ not_sampled {self.not_sampled}"
-            )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "rows_read": self.rows_read,
-            "filtered": self.filtered,
-            "rows_in": self.rows_in,
-            "prompts_out": self.prompts_out,
-            "duplicates": self.duplicates,
-            "quarantined": self.quarantined_total,
-            **{f"quarantined_{reason}": count for reason, count in self.quarantined.items()},
-            "not_sampled": self.not_sampled,
-        }
-
-
-class PlannedSource(Protocol):
-    name: str
-    quota: int | None
-    weight: float | None
-
-
-class SelectionPlan(Protocol):
-    """What selection needs of a catalog (``expansion_dag.prompts.catalog.Catalog`` is one): the sources in
-    priority order with their quotas or weights, the total to reach, and the sampling seed."""
-
-    @property
-    def sources(self) -> Sequence[PlannedSource]: ...
-
-    total_prompts: int | None
-    seed: int
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The final prompts (``PROMPT_SCHEMA``), every quarantined row, and per-source accounting."""
-
-    prompts: pl.DataFrame
-    quarantine: pl.DataFrame
-    stats: Mapping[str, SourceStats]
-
-
-def select_prompts(
-    results: Sequence[ExtractResult],
-    *,
-    plan: SelectionPlan | None = None,
-    quotas: Mapping[str, int] | None = None,
-    seed: int | None = None,
-) -> Selection:
-    """Deduplicate across sources, then sample each source down to its quota or weight.
-
-    Either ``plan`` (a catalog: its sources' quotas and weights, ``total_prompts`` and ``seed``;
-    results are put in its order) or ``quotas`` and ``seed`` with results already in priority order.
-    Duplicates are prompts with the same prompt_id, i.e. the same normalized messages; the first in
-    order wins. Sampling ranks each source's prompts by a seeded mix of their ids, so the selection
-    is the same on every machine, and raising a quota only adds prompts.
-    """
-    weights: Mapping[str, float] = {}
-    total_prompts = None
-    if plan is not None:
-        if quotas is not None or seed is not None:
-            raise ValueError("pass either a catalog or quotas and a seed, not both")
-        position = {spec.name: i for i, spec in enumerate(plan.sources)}
-        if unknown := sorted({r.source for r in results} - position.keys()):
-            raise ValueError(f"results for sources not in the catalog: {', '.join(unknown)}")
-        results = sorted(results, key=lambda r: position[r.source])
-        quotas = {s.name: s.quota for s in plan.sources if s.quota is not None}
-        weights = {s.name: s.weight for s in plan.sources if s.weight is not None}
-        total_prompts, seed = plan.total_prompts, plan.seed
-    quotas = quotas or {}
-    seed = DEFAULT_SEED if seed is None else seed
-    names = [r.source for r in results]
-    if len(set(names)) != len(names):
-        raise ValueError(f"more than one result per source: {', '.join(names)}")
-
-    # Dedup, ranking and quotas need no messages: they run on these columns, and the chosen rows
-    # are then filtered out of each source's prompts, so no copy of every candidate's messages is made.
-    frames = [r.prompts for r in results] or [pl.DataFrame(schema=PROMPT_SCHEMA)]
-    candidates = pl.concat(
-        [
-            frame.select("prompt_id", "source", order=pl.lit(i, pl.Int64), position=pl.int_range(pl.len()))
-            for i, frame in enumerate(frames)
-        ]
-    )
-    unique = candidates.filter(pl.col("prompt_id").is_first_distinct())
-    available = dict(unique.group_by("source").len().iter_rows())
-    targets = _targets(
-        names, available=available, quotas=quotas, weights=weights, total_prompts=total_prompts
-    )
-    chosen = (
-        unique.with_columns(key=pl.Series(_rank_keys(unique["prompt_id"], seed=seed)))
-        .sort("key", "prompt_id")
-        .filter(
-            pl.int_range(pl.len()).over("source")
-            < pl.col("source").replace_strict(targets, default=0, return_dtype=pl.Int64)
-        )
-    )
-    # A filter, not a gather by position: a gather copies the text of the rows it takes, a filter
-    # shares the source's buffers.
-    prompts = pl.concat(
-        [
-            frame.filter(
-                pl.int_range(pl.len()).is_in(chosen.filter(pl.col("order") == i)["position"].implode())
-            ).sort("row_index")
-            for i, frame in enumerate(frames)
-        ]
-    )
-    chosen_counts = dict(chosen.group_by("source").len().iter_rows())
-    stats = {}
-    for result in results:
-        name = result.source
-        reasons = dict.fromkeys(REASONS, 0) | dict(result.quarantine.group_by("reason").len().iter_rows())
-        stats[name] = SourceStats(
-            source=name,
-            rows_read=result.rows_read,
-            filtered=result.filtered,
-            rows_in=result.rows_in,
-            prompts_out=chosen_counts.get(name, 0),
-            duplicates=result.prompts.height - available.get(name, 0),
-            quarantined=MappingProxyType(reasons),
-            not_sampled=available.get(name, 0) - chosen_counts.get(name, 0),
-        )
-    quarantine = pl.concat([r.quarantine for r in results] or [pl.DataFrame(schema=QUARANTINE_SCHEMA)])
-    return Selection(prompts=prompts.select(PROMPT_SCHEMA.names()), quarantine=quarantine, stats=stats)
-
-
-def _targets(
-    names: Sequence[str],
-    *,
-    available: Mapping[str, int],
-    quotas: Mapping[str, int],
-    weights: Mapping[str, float],
-    total_prompts: int | None,
-) -> dict[str, int]:
-    """How many prompts each source gives: its quota, its weighted share, or all it has."""
-    targets = {name: min(quotas.get(name, available.get(name, 0)), available.get(name, 0)) for name in names}
-    weighted = [name for name in names if name in weights]
-    if weighted:
-        if total_prompts is None:
-            raise ValueError("sources with a weight need total_prompts")
-        targets.update(_weighted_shares(weighted, available=available, weights=weights, total=total_prompts))
-    return targets
-
-
-def _weighted_shares(
-    names: Sequence[str], *, available: Mapping[str, int], weights: Mapping[str, float], total: int
-) -> dict[str, int]:
-    """``total`` split by weight; a source with fewer prompts than its share gives all it has.
-
-    The rest is shared among the others. Exact fractions keep the split the same everywhere.
-    """
-    shares: dict[str, int] = {}
-    open_names = list(names)
-    budget = total
-    while open_names:
-        weight_sum = sum(Fraction(weights[n]) for n in open_names)
-        exact = {n: budget * Fraction(weights[n]) / weight_sum for n in open_names}
-        exhausted = [n for n in open_names if available.get(n, 0) <= exact[n]]
-        if not exhausted:
-            # Largest remainder, ties to the earlier source: the shares sum exactly to the budget.
-            floors = {n: floor(exact[n]) for n in open_names}
-            by_remainder = sorted(open_names, key=lambda n: -(exact[n] - floors[n]))
-            for n in by_remainder[: budget - sum(floors.values())]:
-                floors[n] += 1
-            shares.update(floors)
-            break
-        for n in exhausted:
-            shares[n] = available.get(n, 0)
-            budget -= shares[n]
-            open_names.remove(n)
-    return shares
-
-
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
-
-
-def _rank_keys(prompt_ids: pl.Series, *, seed: int) -> np.ndarray:
-    """A seeded pseudo-random key per prompt: splitmix64 over the id's first 60 bits plus the seed.
-
-    Pure integer arithmetic on the ids, so no hash seed, thread count or library version changes it.
-    """
-    with np.errstate(over="ignore"):
-        x = prompt_ids.str.head(15).str.to_integer(base=16).to_numpy().astype(np.uint64)
-        x += np.uint64((seed * _GOLDEN) & _MASK64)
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-    return x

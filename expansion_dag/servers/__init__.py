@@ -2,40 +2,31 @@
 answers and streamed answers, errors, probing, the HTTP layer, loop detection and the launcher.
 """
 
-from expansion_dag.servers.api import (
-    DEFAULT_STREAM_INTERVAL,
-    PROTECTED_PATH,
-    SGLANG,
-    SGLANG_MIN_VERSION,
-    VLLM,
+from expansion_dag.servers.answers import (
     Answer,
-    ChatStream,
-    DegenerateError,
-    Dialect,
+    error_from_status,
+    finish_error,
+    parse_chat_completion,
+    parse_context_error,
+)
+from expansion_dag.servers.api import (
+    PROTECTED_PATH,
     Exchange,
     RetryPolicy,
     ServerFacts,
     chat_request,
-    dialect_for,
-    error_from_status,
-    finish_error,
     generate,
-    parse_chat_completion,
-    parse_chat_stream,
-    parse_context_error,
     parse_gen_throughput,
     parse_idle_slots,
     parse_server_facts,
     read_idle_slots,
     read_server_facts,
-    request_tools,
     send_chat,
     serves_without_key,
-    template_tools,
-    tool_choice_for,
 )
 from expansion_dag.servers.asyncio_network import AsyncioStream, asyncio_transport
 from expansion_dag.servers.degeneration import Loop, LoopDetector, LoopThresholds, find_loop
+from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
 from expansion_dag.servers.fleet import (
     SLOTS_CONFIGURED,
     SLOTS_FROM_SERVER,
@@ -47,6 +38,13 @@ from expansion_dag.servers.fleet import (
 from expansion_dag.servers.http_client import HttpClient, make_client, tls_context
 from expansion_dag.servers.launcher import Launcher, LaunchSpec, is_healthy, tool_call_flags, wait_ready
 from expansion_dag.servers.repetitive_corpus import CORPUS_PATH, corpus_bytes, looping_answers, read_corpus
+from expansion_dag.servers.stream import (
+    DEFAULT_STREAM_INTERVAL,
+    ChatStream,
+    DegenerateError,
+    parse_chat_stream,
+)
+from expansion_dag.servers.tools import request_tools, template_tools, tool_choice_for
 
 __all__ = [
     "Answer", "AsyncioStream", "CORPUS_PATH", "ChatStream", "DEFAULT_STREAM_INTERVAL",

@@ -7,9 +7,13 @@ the client's own CPU per event (BENCHMARKS.md, "Client CPU of a streamed event, 
 187 us above a bare socket's, 110 us here). Here a read is a buffer slice when data is waiting,
 else one future and, with a timeout, one timer handle.
 
-A worker's one connection is held by :class:`OneConnection` instead of httpcore's pool. httpx
-still maps errors, httpcore's ``AsyncHTTP11Connection`` runs the connection and h11 parses HTTP, as
-before, and their exceptions are the ones the callers already map.
+A worker's one connection is held by :class:`OneConnection` instead of httpcore's pool, behind
+:class:`AsyncioTransport`, an httpx transport of our own. Only public APIs are used: httpx's
+``AsyncBaseTransport``, ``Request`` and ``Response``, httpcore's ``AsyncHTTP11Connection`` and
+``AsyncNetworkBackend``. httpcore runs the connection and h11 parses HTTP; httpcore's exceptions
+become httpx's, the ones the callers map. httpx's ``AsyncHTTPTransport`` takes neither a pool nor a
+network backend, and swapping its private ``_pool`` costs no less (BENCHMARKS.md, "The network
+layer through public APIs").
 """
 
 from __future__ import annotations
@@ -188,9 +192,9 @@ class OneConnection:
     A worker sends one request at a time on one connection, so a pool has nothing to choose; yet
     httpcore's pool takes a lock, shields a cancellation and walks its connections twice on every
     request and again when each response closes: 15-18% of the engine's CPU per streamed request
-    (BENCHMARKS.md, "The client without AsyncClient"). Here the connection is reused while it is
-    idle, unexpired and to the same origin, and replaced otherwise, as the pool does for a pool of
-    one: a server that closed it while idle, a body left unread (a stopped loop) or a request to
+    (docs/benchmarks-log.md, "The client without AsyncClient"). Here the connection is reused while
+    it is idle, unexpired and to the same origin, and replaced otherwise, as the pool does for a pool
+    of one: a server that closed it while idle, a body left unread (a stopped loop) or a request to
     another server (the spill loop's load polls) opens a new one.
     """
 
@@ -229,21 +233,78 @@ class OneConnection:
         if connection is not None:
             await connection.aclose()
 
-    # What httpx's transport asks of its pool besides requests.
-    async def __aenter__(self) -> OneConnection:
-        return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+#: httpcore's exceptions and httpx's for each: httpx's own table (``map_httpcore_exceptions``) is private.
+_ERRORS: dict[type[Exception], type[httpx.TransportError]] = {
+    httpcore.ConnectTimeout: httpx.ConnectTimeout,
+    httpcore.ReadTimeout: httpx.ReadTimeout,
+    httpcore.WriteTimeout: httpx.WriteTimeout,
+    httpcore.PoolTimeout: httpx.PoolTimeout,
+    httpcore.TimeoutException: httpx.TimeoutException,
+    httpcore.ConnectError: httpx.ConnectError,
+    httpcore.ReadError: httpx.ReadError,
+    httpcore.WriteError: httpx.WriteError,
+    httpcore.NetworkError: httpx.NetworkError,
+    httpcore.LocalProtocolError: httpx.LocalProtocolError,
+    httpcore.RemoteProtocolError: httpx.RemoteProtocolError,
+    httpcore.ProtocolError: httpx.ProtocolError,
+    httpcore.ProxyError: httpx.ProxyError,
+    httpcore.UnsupportedProtocol: httpx.UnsupportedProtocol,
+}
+_HTTPCORE_ERRORS = tuple(_ERRORS)
 
 
-def asyncio_transport(*, tls: ssl.SSLContext, keepalive_expiry: float | None = 5.0) -> httpx.AsyncHTTPTransport:
-    """httpx's own transport on one connection (:class:`OneConnection`) over asyncio's transports.
+def _httpx_error(exc: Exception) -> httpx.TransportError:
+    """httpx's exception for one of httpcore's: its nearest mapped ancestor's, the same message."""
+    return next(_ERRORS[cls] for cls in type(exc).__mro__ if cls in _ERRORS)(str(exc))
 
-    httpx takes no network backend and no pool, so the pool it built is replaced:
-    ``AsyncHTTPTransport._pool`` (httpx 0.27 and 0.28; a test checks that the connection runs on
-    :class:`AsyncioStream`). httpx still builds the request, maps httpcore's errors to its own, and h11 parses HTTP.
-    """
-    transport = httpx.AsyncHTTPTransport(verify=tls)
-    transport._pool = OneConnection(tls=tls, keepalive_expiry=keepalive_expiry)  # type: ignore[assignment]
-    return transport
+
+class _Body(httpx.AsyncByteStream):
+    """httpcore's response body as httpx's byte stream: a failed read raises httpx's error, and
+    closing it closes httpcore's response (a body left unread closes the connection)."""
+
+    def __init__(self, response: httpcore.Response):
+        self._response = response
+
+    async def __aiter__(self) -> typing.AsyncIterator[bytes]:
+        try:
+            async for chunk in typing.cast(typing.AsyncIterable[bytes], self._response.stream):
+                yield chunk
+        except _HTTPCORE_ERRORS as exc:
+            raise _httpx_error(exc) from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class AsyncioTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that sends each request on ``connection``: :class:`OneConnection` in the
+    product, httpcore's ``AsyncConnectionPool`` in the benchmark beside it."""
+
+    def __init__(self, connection: OneConnection | httpcore.AsyncConnectionPool):
+        self._connection = connection
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        sent = httpcore.Request(
+            request.method,
+            httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            headers=request.headers.raw,
+            content=typing.cast(httpx.AsyncByteStream, request.stream),
+            extensions=request.extensions,  # the per-phase timeouts among them
+        )
+        try:
+            response = await self._connection.handle_async_request(sent)
+        except _HTTPCORE_ERRORS as exc:
+            raise _httpx_error(exc) from exc
+        return httpx.Response(
+            response.status, headers=response.headers, stream=_Body(response), extensions=response.extensions
+        )
+
+    async def aclose(self) -> None:
+        await self._connection.aclose()
+
+
+def asyncio_transport(*, tls: ssl.SSLContext, keepalive_expiry: float | None = 5.0) -> AsyncioTransport:
+    """A worker's transport: one connection (:class:`OneConnection`) over asyncio's transports."""
+    return AsyncioTransport(OneConnection(tls=tls, keepalive_expiry=keepalive_expiry))

@@ -1,7 +1,7 @@
 """Probing a fleet of SGLang (or vLLM) servers, with no Dagster in sight (launching: ``launcher.py``).
 
 - ``probe_fleet`` reads what requests depend on from the servers themselves (through
-  ``server_api``, which knows each server's dialect): the context length, the longest prompt the
+  ``api``, which reads each in its dialect): the context length, the longest prompt the
   scheduler admits, the running-request slots, the model and the version. Servers that disagree
   are an error naming them.
 - Slots are never guessed: a server that does not report them (vLLM has no API for
@@ -24,13 +24,13 @@ import httpx
 from expansion_dag.core import FleetError, FleetMismatchError, ServerUnreachableError
 from expansion_dag.servers.api import (
     PROTECTED_PATH,
-    Dialect,
     parse_gen_throughput,
     read_server_facts,
     serves_without_key,
-    tool_choice_for,
 )
+from expansion_dag.servers.dialects import Dialect
 from expansion_dag.servers.http_client import tls_context
+from expansion_dag.servers.tools import tool_choice_for
 
 Backend = Literal["sglang", "vllm"]
 

@@ -1,14 +1,14 @@
-"""The generation workers' HTTP client: httpx's transport, without ``httpx.AsyncClient`` around it.
+"""The generation workers' HTTP client: an httpx transport, without ``httpx.AsyncClient`` around it.
 
 A worker sends one kind of request, a JSON POST, on one keep-alive connection, hundreds of
 thousands of times in a run. ``AsyncClient`` spent more of the client's CPU on each than the
 connection did: it merges the URL and the default headers, runs the auth, redirect and cookie
 machinery, and reads the body through four wrappers (text decoding, content decoding, chunking,
 timing), none of which a chat request needs. Here the request is an ``httpx.Request`` with its URL
-parsed once per server, handed to httpx's transport (one httpcore connection and h11, on
-:mod:`.asyncio_network`), and the body is read as the transport's own byte stream. Errors are
-httpx's, as before (the transport maps httpcore's). BENCHMARKS.md, "The client without
-AsyncClient", measures it side by side.
+parsed once per server, handed to the transport (:class:`.asyncio_network.AsyncioTransport`: one
+httpcore connection and h11 on asyncio's transports), and the body is read as the transport's own
+byte stream. Errors are httpx's, as before (the transport maps httpcore's). The log's "The client
+without AsyncClient" (docs/benchmarks-log.md) measures it side by side.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def make_client(
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> HttpClient:
-    """One worker's client: a single keep-alive connection (:class:`.asyncio_network.OneConnection`).
+    """One worker's client: a single keep-alive connection (:class:`.asyncio_network.OneConnection`
+    behind :class:`.asyncio_network.AsyncioTransport`).
 
     ``tls``: the process's shared context (:func:`tls_context`) unless given (tests trusting their
     own certificate). The connection runs on asyncio's own transports (:mod:`.asyncio_network`)

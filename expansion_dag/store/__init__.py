@@ -2,15 +2,7 @@
 (one sender per shard) over compare-and-swap files, local or on S3.
 """
 
-from expansion_dag.store.completions import (
-    DEFAULT_SEGMENT_INTERVAL_S,
-    DEFAULT_SEGMENT_RECORDS,
-    DIGEST_FIELDS,
-    SEGMENT_GLOB,
-    CompletionStore,
-    MixedStoreError,
-    SegmentWriter,
-)
+from expansion_dag.store.completions import DIGEST_FIELDS, SEGMENT_GLOB, CompletionStore, MixedStoreError
 from expansion_dag.store.conditional import conditional_file
 from expansion_dag.store.lease import (
     DEFAULT_LEASE_TIMEOUT_S,
@@ -22,6 +14,7 @@ from expansion_dag.store.lease import (
     ShardLease,
     this_machine,
 )
+from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
 __all__ = [
     "CompletionStore", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",

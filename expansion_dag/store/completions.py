@@ -5,11 +5,9 @@ fsspec URL (``s3://bucket/prefix/completions``). Each segment has one writer, so
 only be a segment's last line. A line is ``<key>\\t<status>\\t<json>\\n``: resuming reads keys and
 statuses without parsing JSON, which keeps the resume scan cheap when completions are long.
 
-Crash safety: a line is written with one ``os.write`` on an ``O_APPEND`` descriptor of a local
-file, so once ``append`` returns the line survives the death of the process (SIGKILL included);
-``fsync`` runs every ``fsync_interval_s`` and when a segment is closed, for machine crashes. A last
-line without its newline, or whose JSON does not parse, is a torn write: it is counted and ignored
-on read, never fatal.
+Crash safety: how a line is written is the writer's (``expansion_dag.store.segments``). A last line
+without its newline, or whose JSON does not parse, is a torn write: it is counted and ignored on
+read, never fatal.
 
 What is durable when:
 
@@ -58,11 +56,8 @@ import fnmatch
 import hashlib
 import json
 import os
-import queue
 import secrets
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,13 +78,11 @@ from expansion_dag.core import (
     write_atomically,
 )
 from expansion_dag.store.conditional import conditional_file
+from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
-DEFAULT_SEGMENT_RECORDS = 1000
-DEFAULT_SEGMENT_INTERVAL_S = 60.0
 _OK_BYTES, _FAILED_BYTES = OK.encode(), FAILED.encode()
 SEGMENT_GLOB = "seg-*.jsonl"
 IDENTITIES = "identities"  # the registry's folder under the root; every other folder is a shard
-_SEAL_CHECK_S = 1.0  # how often a quiet writer checks whether its segment is due for upload
 
 
 class MixedStoreError(ValueError):
@@ -468,157 +461,3 @@ def _read_record(loc: _Location) -> dict[str, Any] | None:
         return json.loads(line[2]) if line is not None else None
     except ValueError:
         return None  # a line cut inside its JSON by a crash: torn, ignored
-
-
-class _Segment:
-    """One fresh segment file and its one writer."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        # Created under a name that no reader and no spool recovery looks at, locked, then named:
-        # a segment is never seen unlocked while its writer lives.
-        opening = path.with_name(f".{path.name}.opening")
-        self._fd = os.open(opening, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
-        # Held until the segment is closed: spool recovery takes only segments whose writer died.
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        os.rename(opening, path)
-        self.opened = time.monotonic()
-        self.lines = 0
-        self._last_fsync = self.opened
-
-    def write(self, line: bytes, fsync_interval_s: float) -> None:
-        # One write call per line: a crash leaves whole lines plus at most one torn tail.
-        os.write(self._fd, line)
-        self.lines += 1
-        now = time.monotonic()
-        if now - self._last_fsync >= fsync_interval_s:
-            os.fsync(self._fd)
-            self._last_fsync = now
-
-    def sync(self) -> None:
-        os.fsync(self._fd)
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-class SegmentWriter:
-    """The one writer of a run of a shard.
-
-    Without ``publish`` (a local root) it appends to one segment in ``folder``. With ``publish`` (a
-    remote root) ``folder`` is the spool: each segment is sealed when due and handed to ``publish``
-    in a background thread, which uploads it and moves it out of the spool.
-    """
-
-    def __init__(
-        self,
-        folder: Path,
-        *,
-        fsync_interval_s: float,
-        publish: Callable[[Path], None] | None = None,
-        segment_records: int = DEFAULT_SEGMENT_RECORDS,
-        segment_interval_s: float = DEFAULT_SEGMENT_INTERVAL_S,
-        check: Callable[[], None] | None = None,
-    ):
-        folder.mkdir(parents=True, exist_ok=True)
-        self._folder = folder
-        self._check = check
-        self._fsync_interval_s = fsync_interval_s
-        self._publish = publish
-        self._segment_records = segment_records
-        self._segment_interval_s = segment_interval_s
-        self._segment: _Segment | None = None  # opened by the first line, so no empty segments
-        self._writer_id = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._segments_opened = 0
-        self._lock = threading.Lock()  # the appending thread and the publisher both seal
-        self._error: BaseException | None = None
-        self._closed = False
-        self.written = 0
-        if publish is not None:
-            self._sealed: queue.SimpleQueue[_Segment | None] = queue.SimpleQueue()
-            self._publisher = threading.Thread(target=self._publish_sealed, name=f"publish {folder.name}", daemon=True)
-            self._publisher.start()
-
-    @property
-    def path(self) -> Path | None:
-        """The segment being appended to."""
-        return self._segment.path if self._segment else None
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        # Compact UTF-8 JSON, as ``json.dumps(ensure_ascii=False)`` writes it, in a sixth of its
-        # CPU on answers with non-ASCII text (pydantic's Rust encoder): one record per request.
-        payload = pydantic_core.to_json(record)
-        line = b"%s\t%s\t%s\n" % (record["key"].encode(), record["status"].encode(), payload)
-        with self._lock:
-            if self._segment is None:
-                self._segment = _Segment(self._next_path())
-            self._segment.write(line, self._fsync_interval_s)
-            self.written += 1
-            if self._publish is not None and self._segment.lines >= self._segment_records:
-                self._seal()
-        self._raise_publish_error()
-        if self._check is not None:
-            self._check()
-
-    def _next_path(self) -> Path:
-        # Names sort in the order a writer wrote its segments: readers keep the first ok line
-        # of a key and the last failure.
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        self._segments_opened += 1
-        return self._folder / f"seg-{stamp}-{self._writer_id}-{self._segments_opened:06d}.jsonl"
-
-    def _seal(self) -> None:
-        """Hand the current segment, synced, to the publisher (the lock is held)."""
-        assert self._segment is not None
-        self._segment.sync()
-        self._sealed.put(self._segment)
-        self._segment = None
-
-    def _publish_sealed(self) -> None:
-        assert self._publish is not None
-        while True:
-            try:
-                segment = self._sealed.get(timeout=min(_SEAL_CHECK_S, self._segment_interval_s))
-            except queue.Empty:
-                with self._lock:
-                    current = self._segment
-                    if current is not None and time.monotonic() - current.opened >= self._segment_interval_s:
-                        self._seal()
-                continue
-            if segment is None:
-                return
-            try:
-                self._publish(segment.path)
-            except Exception as exc:  # the segment stays in the spool, unlocked, for recovery
-                self._error = self._error or exc
-            finally:
-                segment.close()
-
-    def _raise_publish_error(self) -> None:
-        if self._error is not None:
-            raise OSError(
-                f"a completion segment could not be uploaded: {self._error}. Its completions are kept in "
-                f"{self._folder}; the next run on this machine uploads them."
-            ) from self._error
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._lock:
-            if self._segment is not None and self._publish is not None:
-                self._seal()
-            elif self._segment is not None:
-                self._segment.sync()
-                self._segment.close()
-                self._segment = None
-        if self._publish is not None:
-            self._sealed.put(None)
-            self._publisher.join()
-        self._raise_publish_error()
-
-    def __enter__(self) -> SegmentWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -2,25 +2,13 @@
 trip that checks a built set against its records, its manifest and its card.
 """
 
-from expansion_dag.training.build import (
-    DEFAULT_FORMATS,
-    FOLDED,
-    FORMATS,
-    LEFT_OUT_REASONS,
-    ROW,
-    SCHEMA,
-    AnswerJudge,
-    BuildTrace,
-    TrainingSetConfig,
-    build_training_set,
-    check_round_trip,
-    data_files,
-    expected_renders,
-    manifest_markdown,
-    sample_rows,
-)
-from expansion_dag.training.dataset_card import dataset_card, specforge_template
+from expansion_dag.training.build import build_training_set, data_files
+from expansion_dag.training.config import DEFAULT_FORMATS, FORMATS, BuildTrace, TrainingSetConfig
+from expansion_dag.training.dataset_card import dataset_card, manifest_markdown, specforge_template
 from expansion_dag.training.manifest import MANIFEST_NAME, Manifest
+from expansion_dag.training.parquet import SCHEMA
+from expansion_dag.training.round_trip import check_round_trip, expected_renders, sample_rows
+from expansion_dag.training.samples import FOLDED, LEFT_OUT_REASONS, ROW, AnswerJudge
 
 __all__ = [
     "AnswerJudge", "BuildTrace", "DEFAULT_FORMATS", "FOLDED", "FORMATS", "LEFT_OUT_REASONS",

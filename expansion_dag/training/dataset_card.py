@@ -4,7 +4,7 @@ Its identity (model, settings, simulated or not), its generation modes (each one
 share beside the share of the rows it got), its counts (by source, whole conversations, and what
 was left out and why), the mask convention, each output's file, and how each trainer loads it,
 with the command to run from the folder. Written from the manifest alone, by the build that
-writes the manifest.
+writes the manifest; ``manifest_markdown`` is the manifest's summary for the Dagster UI.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import shlex
 from typing import Any
 
+from expansion_dag.core import bar_chart_png, png_data_uri
 from expansion_dag.training.manifest import Manifest
 
 #: How each trainer's own renderer differs from the set's rows when it reads the conversations
@@ -221,3 +222,49 @@ def dataset_card(manifest: Manifest) -> str:
         files = ", ".join(f"`{n}` (sha256 `{digests[n][:16]}`)" for n in names)
         lines += [f"### {output}", "", f"{files}. {what.format(**values)}", "", "```sh", command.format(**values), "```", ""]
     return "\n".join(lines)
+
+
+def manifest_markdown(manifest: Manifest) -> str:
+    """Totals, a histogram of tokens per sample (an embedded PNG), tables by source and reason."""
+    per = manifest.tokens_per_sample
+    model = manifest.identity["model"]
+    lines = [
+        f"**Built from SIMULATED completions** ({model}): simulator answers, not a model's; for "
+        "trying the pipeline, never for training a drafter."
+        if manifest.simulated
+        else f"Completions of **{model}**.",
+        f"Settings fingerprint `{manifest.identity['fingerprint']}` (model, sampling settings, cap).",
+        "",
+        f"**{manifest.samples:,} samples**, {manifest.tokens:,} tokens "
+        f"({manifest.assistant_tokens:,} written by the assistant). Tokens per sample: "
+        f"mean {per['mean']:,}, p50 {per['p50']:,}, p90 {per['p90']:,}, p99 {per['p99']:,}, "
+        f"max {per['max']:,}.",
+        "",
+    ]
+    histogram = manifest.histogram
+    if histogram["counts"]:
+        start, width = histogram["start"], histogram["bin_width"]
+        end = start + width * len(histogram["counts"]) - 1
+        uri = png_data_uri(bar_chart_png(histogram["counts"]))
+        lines += [
+            f"![tokens per sample]({uri})",
+            "",
+            f"*Tokens per sample from {start:,} to {end:,}, bins of {width:,}.*",
+            "",
+        ]
+    lines += ["| source | samples | tokens |", "|---|---:|---:|"]
+    lines += [
+        f"| {source} | {entry['samples']:,} | {entry['tokens']:,} |"
+        for source, entry in manifest.by_source.items()
+    ]
+    lines += ["", *mode_table(manifest)]
+    if manifest.conversations or manifest.conversation_turns_folded:
+        lines += ["", f"{manifest.conversations:,} of the samples are whole conversations (every assistant "
+                  f"turn trained), holding {manifest.conversation_turns_folded:,} records of earlier turns."]
+    lines += ["", *token_ids_lines(manifest)[:3]]
+    lines += ["", "| left out | records |", "|---|---:|"]
+    lines += [f"| {reason} | {count:,} |" for reason, count in manifest.left_out.items()]
+    if manifest.other_identities:
+        lines += ["", "| left out: other identity | records |", "|---|---:|"]
+        lines += [f"| {label} | {count:,} |" for label, count in manifest.other_identities.items()]
+    return "\n".join(lines) + "\n"

@@ -6,8 +6,8 @@ import subprocess
 import yaml
 
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
-from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.cli.test_cli import EXPANSION_DAG, clean_env
+from expansion_dag_tests.ports import free_port
 
 SOURCES = ("agentinstruct", "codefeedback", "hermes_fc", "infinity_instruct", "metamathqa", "webinstructsub")
 

@@ -6,7 +6,7 @@ fixtures/README.md). For each one the suite runs two providers:
 - ``fixture``: the recorded response itself;
 - ``simulator``: the same request sent to a simulated server of that dialect and version.
 
-For both, the client (``expansion_dag.servers.api``) must read the response as the server means
+For both, the client (``expansion_dag.servers``) must read the response as the server means
 it. For the simulator, its response must also have the fixture's shape (keys and JSON types,
 recursively; extra keys only from :data:`SIM_ONLY_KEYS`) and its error texts must match the
 server's own format strings. A simulator that drifts from the real server fails here.
@@ -160,7 +160,7 @@ def test_every_fixture_has_a_scenario_and_nothing_else_does():
     assert set(SCENARIOS) == {f.id for f in FIXTURES} - CLIENT_ONLY
 
 
-# --- the client's side: what server_api must read from each response -----------------------------
+# --- the client's side: what expansion_dag.servers must read from each response -------------------
 
 
 def check_models(fixture, body, version, sims):
@@ -308,7 +308,7 @@ CLIENT_EXPECTATIONS: dict[str, type | tuple[type, ...]] = {
     "vllm/error_prompt_fills_context": (ContextLengthError, RejectedError),
     "vllm/error_model_not_found": RejectedError,
     "vllm/error_unauthorized": AuthError,
-    # The request's own trouble: server_api.tool_choice_for sends "none" to such a server.
+    # The request's own trouble: servers.tool_choice_for sends "none" to such a server.
     "vllm/error_auto_tool_choice_without_parser": RejectedError,
 }
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import psycopg2
 import pytest
+
 from expansion_dag_tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.deployment.support import BIN, ROOT, isolated_env, make_dagster_home
+from expansion_dag_tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(420)
 

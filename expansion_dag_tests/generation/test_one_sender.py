@@ -27,7 +27,12 @@ from expansion_dag.defs.assets import budgeted_prompts, completions, shard_promp
 from expansion_dag.defs.resources import StorageResource
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import LEASES, CompletionStore, conditional_file
-from expansion_dag_tests.defs.assets.test_completions import FAST_SIM, latest_check, prompts_asset, small_frame
+from expansion_dag_tests.defs.assets.test_completions import (
+    FAST_SIM,
+    latest_check,
+    prompts_asset,
+    small_frame,
+)
 from expansion_dag_tests.defs.assets.test_kill_resume import dagster
 from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt, resources, wait_for
 

@@ -1,6 +1,6 @@
 """Streamed answers on a real SGLang server: a stopped stream frees its slot, as its /v1/loads shows.
 
-Closing the stream is how the client stops a degenerate answer (``server_api.send_chat`` leaves
+Closing the stream is how the client stops a degenerate answer (``servers.send_chat`` leaves
 its ``client.stream`` block with the body unread, and the connection closes). How SGLang learns
 of it, read in the installed server's source (sglang 0.5.23, ``.venv-sglang``): the stream's
 generator is cancelled when the client goes, the cancellation reaches

