@@ -130,6 +130,12 @@ class GenerationConfig(BaseModel):
         description="Outputs of the training set, written in one pass: parquet (always), specforge-pretokenized, "
         "specforge-conversations, speculators-pretokenized.",
     )
+    training_build_workers: int = Field(
+        default=1,
+        ge=1,
+        description="Processes that build the training set's new parts side by side (each part once: a "
+        "rebuild builds only the parts whose records are new).",
+    )
     train_newline_after_end_of_turn: bool = Field(
         default=False,
         description="Train the newline after the end-of-turn token, as SpecForge's and speculators' own "

@@ -2,7 +2,13 @@
 (one sender per shard) over compare-and-swap files, local or on S3.
 """
 
-from expansion_dag.store.completions import DIGEST_FIELDS, SEGMENT_GLOB, CompletionStore, MixedStoreError
+from expansion_dag.store.completions import (
+    DIGEST_FIELDS,
+    SEGMENT_GLOB,
+    CompletionStore,
+    MixedStoreError,
+    SegmentPart,
+)
 from expansion_dag.store.conditional import conditional_file
 from expansion_dag.store.lease import (
     DEFAULT_LEASE_TIMEOUT_S,
@@ -19,6 +25,6 @@ from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEG
 __all__ = [
     "CompletionStore", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",
     "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "LEASES", "LeaseLost", "Log",
-    "MixedStoreError", "SEGMENT_GLOB", "SegmentWriter", "ShardBusy", "ShardLease", "conditional_file",
-    "this_machine"
+    "MixedStoreError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter", "ShardBusy", "ShardLease",
+    "conditional_file", "this_machine"
 ]

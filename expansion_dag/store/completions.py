@@ -57,7 +57,7 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,30 @@ class _Location:
     path: Path
     offset: int
     length: int
+
+
+@dataclass(frozen=True)
+class SegmentPart:
+    """One segment's completions as a build takes them: fixed once the segment is sealed (it is only
+    ever appended to, so its name and size say which records it holds)."""
+
+    name: str  # "<shard>/<segment file>"
+    path: Path  # its local file (a cached copy of a remote one)
+    size: int
+    #: Keys whose completion an earlier segment holds: a second answer, never taken twice.
+    taken: frozenset[str]
+    digest: bool = False  # records cut to ``DIGEST_FIELDS``
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """The segment's completions in file order, each key's first once, less ``taken``."""
+        seen = set(self.taken)
+        for key, status, payload in _digest(self.path) if self.digest else _intact_lines(self.path):
+            if status != _OK_BYTES or key in seen:
+                continue
+            record = _parsed(payload)
+            if record is not None:
+                seen.add(key)
+                yield record
 
 
 class IdentityRegistry:
@@ -284,35 +308,28 @@ class CompletionStore:
         return [r for r in (_read_record(loc) for loc in latest.values()) if r is not None]
 
     def latest_records(self, shards: list[str] | None = None, *, digest: bool = False) -> Iterator[dict[str, Any]]:
-        """Each key's record once, in file order: one sequential read of every segment, no seeks.
-
-        A key's first completion as it comes (a later ``ok`` line of the same key is a duplicate,
-        skipped), then, once every segment is read, the last failure of each key that never
-        succeeded. Failure records are small and few, so they are held until the end; completions
-        are parsed one at a time and let go.
+        """Each key's record once, in file order: its first completion, or, for a key that never
+        succeeded, its last failure (after every completion). Completions are parsed one at a time
+        and let go.
 
         ``digest``: each record holds only ``DIGEST_FIELDS``, read from the segments' digests
         (``_digest``), so a shard run's checks and its length learning do not parse every
         completion's text again each night.
         """
-        done: set[str] = set()
-        failures: dict[str, dict[str, Any]] = {}
-        for shard in self.shards() if shards is None else shards:
-            for path in self._segments(shard):
-                for key, status, payload in _digest(path) if digest else _intact_lines(path):
-                    if status == _OK_BYTES and key in done:
-                        continue
-                    try:
-                        record = json.loads(payload)
-                    except ValueError:
-                        continue  # a line cut inside its JSON by a crash: torn, ignored
-                    if status == _OK_BYTES:
-                        done.add(key)
-                        failures.pop(key, None)
-                        yield record
-                    elif status == _FAILED_BYTES and key not in done:
-                        failures[key] = record
-        yield from failures.values()
+        parts, failures = self.parts(shards, digest=digest)
+        for part in parts:
+            yield from part.records()
+        yield from failures
+
+    def parts(
+        self, shards: list[str] | None = None, *, digest: bool = False
+    ) -> tuple[list[SegmentPart], list[dict[str, Any]]]:
+        """The store as fixed sets of records, for a build that keeps what it built from each: every
+        segment in file order (its completions less those of keys an earlier segment holds), and the
+        last failure of each key that never succeeded."""
+        segments = ((shard, path) for shard in (self.shards() if shards is None else shards)
+                    for path in self._segments(shard))
+        return _parts(segments, digest)
 
     def writer(
         self, shard: str, *, identities: Sequence[Identity] = (), fsync_interval_s: float = 2.0,
@@ -364,6 +381,29 @@ class CompletionStore:
             finally:
                 os.close(fd)
         self._recovered = True
+
+
+def _parts(segments: Iterable[tuple[str, Path]], digest: bool) -> tuple[list[SegmentPart], list[dict[str, Any]]]:
+    """``CompletionStore.parts`` of these (shard, segment) in file order: one read of every segment's
+    lines, keys and statuses only (a digest's with ``digest``); failure records are few, so held."""
+    done: set[str] = set()
+    failures: dict[str, bytes] = {}
+    parts = []
+    for shard, path in segments:
+        first: set[str] = set()  # keys this segment answers first
+        taken: set[str] = set()
+        size = path.stat().st_size
+        for key, status, payload in _digest(path) if digest else _intact_lines(path):
+            if status == _OK_BYTES and key not in done:
+                done.add(key)
+                first.add(key)
+                failures.pop(key, None)
+            elif status == _OK_BYTES and key not in first:
+                taken.add(key)
+            elif status == _FAILED_BYTES and key not in done:
+                failures[key] = payload
+        parts.append(SegmentPart(f"{shard}/{path.name}", path, size, frozenset(taken), digest))
+    return parts, [r for r in map(_parsed, failures.values()) if r is not None]
 
 
 def _split_line(raw: bytes) -> tuple[str, bytes, bytes] | None:
@@ -450,6 +490,13 @@ def _read_digest(cache: Path) -> tuple[int, list[tuple[str, bytes, bytes]]]:
         return 0, []
     intact = [line for line in lines if line is not None]
     return (covered, intact) if len(intact) == len(lines) else (0, [])
+
+
+def _parsed(payload: bytes) -> dict[str, Any] | None:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        return None  # a line cut inside its JSON by a crash: torn, ignored
 
 
 def _read_record(loc: _Location) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,42 @@ class _Stats:
                     self.measured[f"{name}tokens_differing_sum"] += tokens
                     self.most[f"{name}tokens_differing_max"] = max(self.most[f"{name}tokens_differing_max"], tokens)
                 self.measured["rows_measured"] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON keeps it with a part (``training.parts``): lengths as {length: rows}."""
+        return {
+            "length_counts": {str(n): int(c) for n, c in enumerate(self.length_counts) if c},
+            "assistant_tokens": self.assistant_tokens,
+            "by_source": self.by_source,
+            "by_mode": [[mode, kind, n] for (mode, kind), n in self.by_mode.items()],
+            "conversations": sorted(self.conversations),
+            "output_tokens": self.output_tokens,
+            "from_server": self.from_server,
+            "text_differs": self.text_differs,
+            "retokenized": dict(self.retokenized),
+            "measured": dict(self.measured),
+            "most": dict(self.most),
+        }
+
+    def add_part(self, part: Mapping[str, Any]) -> None:
+        """Another part's counts (``to_dict``) added to these, as one pass over both would count."""
+        for length, count in part["length_counts"].items():
+            self.length_counts[int(length)] += count
+        self.assistant_tokens += part["assistant_tokens"]
+        for source, figures in part["by_source"].items():
+            entry = self.by_source.setdefault(source, {"samples": 0, "tokens": 0})
+            entry["samples"] += figures["samples"]
+            entry["tokens"] += figures["tokens"]
+        for mode, kind, n in part["by_mode"]:
+            self.by_mode[mode, kind] += n
+        self.conversations.update(part["conversations"])
+        self.output_tokens += part["output_tokens"]
+        self.from_server += part["from_server"]
+        self.text_differs += part["text_differs"]
+        self.retokenized.update(part["retokenized"])
+        self.measured.update(part["measured"])
+        for name, most in part["most"].items():
+            self.most[name] = max(self.most[name], most)
 
     def retokenization(self, chunk_rows: int) -> dict[str, Any]:
         """The measured difference between rows from ids and their re-tokenization (``Manifest.retokenization``)."""
@@ -165,13 +201,23 @@ def build_training_set(
     so ``out_dir`` only ever holds a complete set (between the two renames that replace an old set
     it is briefly absent). The same records in the same order give byte-identical files.
     """
-    out_dir = Path(out_dir)
+    tally = _Tally(identities, known or {}, trace)
+
+    def write(directory: Path) -> Manifest:
+        files, stats = _write_rows(records, tokenizer, config, directory, tally)
+        return _write_manifest(directory, files, stats, tally, tokenizer, config)
+
+    return _publish(Path(out_dir), write)
+
+
+def _publish(out_dir: Path, write: Callable[[Path], Manifest]) -> Manifest:
+    """``write`` a whole set into a sibling temporary folder, then rename it into place as ``out_dir``."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run of a recycled pid
     staging.mkdir()
     try:
-        manifest = _write_training_set(records, tokenizer, config, staging, _Tally(identities, known or {}, trace))
+        manifest = write(staging)
         # On disk before the rename, so that a machine crash cannot leave a renamed set whose
         # files were still in the page cache.
         for path in [*staging.iterdir(), staging]:
@@ -184,13 +230,15 @@ def build_training_set(
     return manifest
 
 
-def _write_training_set(
+def _write_rows(
     records: Iterable[Mapping[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     config: TrainingSetConfig,
     directory: Path,
     tally: _Tally,
-) -> Manifest:
+) -> tuple[list[dict[str, Any]], _Stats]:
+    """The rows of ``records`` into ``directory``'s Parquet shards and trainers' files: those files
+    ({name, sha256}, and rows for a shard) and what was counted."""
     stats = _Stats(config.max_length)
     writer = _ShardWriter(directory, config.rows_per_file)
     jsonl = _JsonlOutputs(directory, config.formats)
@@ -207,9 +255,21 @@ def _write_training_set(
                     tally.trace.renders.setdefault(sample.id, []).append(digest)
     finally:
         files = writer.close() + jsonl.close()
+    return files, stats
+
+
+def _write_manifest(
+    directory: Path,
+    files: list[dict[str, Any]],
+    stats: _Stats,
+    tally: _Tally,
+    tokenizer: PreTrainedTokenizerBase,
+    config: TrainingSetConfig,
+    parts: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest and the card of a set whose files and counts are these, written last."""
     shards = [f["name"] for f in files if f["name"].endswith(".parquet")]
     samples, tokens, per_sample, histogram = stats.summary()
-    template = json.dumps(tokenizer.chat_template, sort_keys=True).encode()
     # A conversation's row holds its earlier turns' answers too.
     in_set = stats.output_tokens + sum(tally.folded_tokens[c] for c in stats.conversations)
     identity = _identity(tally.identities)
@@ -225,10 +285,7 @@ def _write_training_set(
         simulated=identity["simulated"],
         histogram=histogram,
         config=config.to_dict(),
-        tokenizer={
-            "vocab_size": len(tokenizer),
-            "chat_template_sha256": hashlib.sha256(template).hexdigest(),
-        },
+        tokenizer=tokenizer_facts(tokenizer),
         files=[f for f in files if f["name"] in shards],
         output_tokens=tally.output_tokens,
         output_tokens_in_set=in_set,
@@ -243,10 +300,17 @@ def _write_training_set(
         retokenized_because=dict(sorted(stats.retokenized.items())),
         ids_text_differs=stats.text_differs,
         retokenization=stats.retokenization(config.chunk_rows),
+        parts=parts or {},
     )
     (directory / CARD_NAME).write_text(dataset_card(manifest))
     (directory / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
+
+
+def tokenizer_facts(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """What the manifest says of the tokenizer: its size and its chat template's digest."""
+    template = json.dumps(tokenizer.chat_template, sort_keys=True).encode()
+    return {"vocab_size": len(tokenizer), "chat_template_sha256": hashlib.sha256(template).hexdigest()}
 
 
 def _identity(identities: ModeIdentities) -> dict[str, Any]:

@@ -52,6 +52,9 @@ class Manifest:
     # Rows from ids re-tokenized too, on a stated sample: how many, and how many of them differ in
     # their whole ids and in their prompt ids (the client's render against the server's), in tokens.
     retokenization: dict[str, Any] = field(default_factory=dict)
+    # A build in parts (``training.parts``): {"parts", "built", "reused", "rebuilt_all_because"}
+    # (the reason every part was built again, or null); empty for a set built in one pass.
+    parts: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"

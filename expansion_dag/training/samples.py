@@ -240,6 +240,31 @@ class _Tally:
     def left_out(self) -> dict[str, int]:
         return {reason: self.reasons[reason] for reason in LEFT_OUT_REASONS}
 
+    def to_dict(self) -> dict[str, Any]:
+        """What was counted, as JSON keeps it with a part (``training.parts``), the trace's share too."""
+        trace = self.trace
+        return {
+            "reasons": dict(self.reasons), "others": dict(self.others), "output_tokens": self.output_tokens,
+            "folded": self.folded, "folded_tokens": dict(self.folded_tokens),
+            "renders": {} if trace is None else {i: [d.hex() for d in ds] for i, ds in trace.renders.items()},
+            "completion_tokens": {} if trace is None else trace.completion_tokens,
+            "failed": [] if trace is None else sorted(trace.failed),
+        }
+
+    def add_part(self, part: Mapping[str, Any]) -> None:
+        """Another part's counts (``to_dict``) added to these, as one pass over both would count."""
+        self.reasons.update(part["reasons"])
+        self.others.update(part["others"])
+        self.output_tokens += part["output_tokens"]
+        self.folded += part["folded"]
+        self.folded_tokens.update(part["folded_tokens"])
+        if self.trace is not None:
+            for row, digests in part["renders"].items():
+                self.trace.renders.setdefault(row, []).extend(bytes.fromhex(d) for d in digests)
+            for prompt, tokens in part["completion_tokens"].items():
+                self.trace.completion_tokens[prompt] = self.trace.completion_tokens.get(prompt, 0) + tokens
+            self.trace.failed.update(part["failed"])
+
 
 def _output_tokens(record: Mapping[str, Any]) -> int:
     # A failure stopped mid-stream (a degenerate loop) records the tokens it streamed (stores

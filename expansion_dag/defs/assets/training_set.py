@@ -29,7 +29,7 @@ from expansion_dag.training import (
     BuildTrace,
     Manifest,
     TrainingSetConfig,
-    build_training_set,
+    build_training_set_in_parts,
     check_round_trip,
     data_files,
     dataset_card,
@@ -103,10 +103,11 @@ def training_set(
     # One pass over the store, in file order: every output, and (in the trace) what the round trip
     # and the nightly table need.
     trace = BuildTrace()
+    parts, failures = store.parts()
     with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging:
-        manifest = build_training_set(
-            store.latest_records(), tokenizer, config, staging, identities=identities, known=store.registry.known(),
-            trace=trace,
+        manifest = build_training_set_in_parts(
+            parts, failures, tokenizer, config, staging, parts_dir=storage.local_cache("training_set_parts"),
+            identities=identities, known=store.registry.known(), trace=trace, workers=settings.training_build_workers,
         )
 
     checks = training_set_checks(out_dir, trace.renders, tokenizer, config)

@@ -23,6 +23,7 @@ from expansion_dag.training import TrainingSetConfig
 #: the record the configuration drift check compares.
 _NOT_RECORDED = frozenset(
     {"progress_interval_s", "client_tick_s", "training_formats", "train_newline_after_end_of_turn",
+     "training_build_workers",
      "plan_output_tokens_per_s", "owner_wait_s"}
 )
 

@@ -6,6 +6,7 @@ for credentials and endpoints.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,6 +75,14 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
 
     def path(self, *parts: str) -> UPath:
         return as_upath(self.root).joinpath(*parts)
+
+    def local_cache(self, name: str) -> Path:
+        """A folder that outlives runs on this machine: beside the assets under a local root; under
+        ``local_dir``, one per root, for a remote one."""
+        root = as_upath(self.root)
+        if is_local(root):
+            return local_path(root / name)
+        return Path(self.local_dir, "cache", hashlib.sha256(str(root).encode()).hexdigest()[:16], name)
 
     @contextmanager
     def local_staging(self, target: UPath, *, last: str | None = None) -> Iterator[Path]:

@@ -1,0 +1,215 @@
+"""A training set built in parts, each part once: a rebuild tokenizes only what is new.
+
+The expensive step of a build is rendering and tokenizing each record; a nightly expansion adds one
+night's records to a store of many nights. So the set is made of parts, each built from a fixed set
+of records (one segment of the store, ``SegmentPart``) and kept in ``parts_dir``: its Parquet rows,
+its trainers' JSONL lines and its counts (``part.json``, written last). A build takes every part
+whose records (segment name and size, and the keys an earlier segment already answered) and whose
+build (the training configuration, tokenizer, identities and this folder's code: ``fingerprint``)
+are unchanged as they are, builds the others, in ``workers`` processes where asked, and assembles
+the set: the parts' Parquet files linked in order, their JSONL lines concatenated, their counts
+added. A changed build rebuilds every part, and the manifest's ``parts`` says which happened.
+
+The rows are those a single pass over the same records gives (``build_training_set``), in the same
+order; the Parquet files split at part boundaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from expansion_dag.core import Identity, ModeIdentities
+from expansion_dag.training.build import (
+    _identity,
+    _publish,
+    _ShardWriter,
+    _Stats,
+    _write_manifest,
+    _write_rows,
+    tokenizer_facts,
+)
+from expansion_dag.training.config import FORMATS, BuildTrace, TrainingSetConfig
+from expansion_dag.training.manifest import Manifest
+from expansion_dag.training.mode_rules import _mode_rules
+from expansion_dag.training.samples import _screened_chunks, _Tally
+
+PART_DONE = "part.json"
+STATE_NAME = "build.json"  # in parts_dir: what the parts there were built with
+#: The core's modules a row's ids and mask depend on, besides this folder's.
+RENDERING_CORE = ("modes", "records", "sampling", "token_ids", "tokenizer")
+
+
+class Part(Protocol):
+    """A fixed set of records (``expansion_dag.store.SegmentPart``)."""
+
+    name: str
+    size: int
+    taken: frozenset[str]
+
+    def records(self) -> Iterator[dict[str, Any]]: ...
+
+
+def build_training_set_in_parts(
+    parts: Sequence[Part],
+    failures: Iterable[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    config: TrainingSetConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    parts_dir: str | os.PathLike[str],
+    identities: ModeIdentities,
+    known: Mapping[str, Identity] | None = None,
+    trace: BuildTrace | None = None,
+    workers: int = 1,
+) -> Manifest:
+    """``build_training_set`` of ``parts``' records then ``failures`` (the store's ``parts()``),
+    building only the parts ``parts_dir`` does not hold yet."""
+    parts_dir = Path(parts_dir)
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    state = _build_state(tokenizer, config, identities, known or {})
+    why_all = _why_all(parts_dir, state)
+    keys = [_part_key(part, state["fingerprint"]) for part in parts]
+    todo = [(part, key) for part, key in zip(parts, keys) if not (parts_dir / key / PART_DONE).exists()]
+    _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers)
+    (parts_dir / STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    summary = {"parts": len(keys), "built": len(todo), "reused": len(keys) - len(todo), "rebuilt_all_because": why_all}
+    tally = _Tally(identities, known or {}, trace)
+
+    def write(directory: Path) -> Manifest:
+        files, stats = _assemble(keys, parts_dir, directory, config, tally)
+        # Failure records never make rows: screened for their counts alone.
+        for samples in _screened_chunks(failures, config, tally, _mode_rules(tokenizer, identities)):
+            assert not samples, "a failure record gave a row"
+        return _write_manifest(directory, files, stats, tally, tokenizer, config, parts=summary)
+
+    manifest = _publish(Path(out_dir), write)
+    for stale in set(os.listdir(parts_dir)) - {*keys, STATE_NAME}:
+        shutil.rmtree(parts_dir / stale, ignore_errors=True)  # parts of records gone or of another build
+    return manifest
+
+
+def _build_state(
+    tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig, identities: ModeIdentities,
+    known: Mapping[str, Identity],
+) -> dict[str, Any]:
+    """What a part's rows depend on besides its records, and its digest (``fingerprint``)."""
+    code = hashlib.sha256()
+    # A changed rule rebuilds every part, never mixes: this folder's code and the core's it renders with.
+    core = Path(__file__).parents[1] / "core"
+    for path in [*sorted(Path(__file__).parent.glob("*.py")), *(core / f"{m}.py" for m in RENDERING_CORE)]:
+        code.update(path.read_bytes())
+    state = {
+        "config": config.to_dict(),
+        "tokenizer": tokenizer_facts(tokenizer),
+        "identity": _identity(identities),
+        "modes": [[mode["name"], mode["share"]] for mode in identities.mix.describe()],
+        "known": sorted(identity.label for identity in known.values()),
+        "code": code.hexdigest()[:16],
+    }
+    state["fingerprint"] = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
+    return state
+
+
+def _why_all(parts_dir: Path, state: Mapping[str, Any]) -> str | None:
+    """Why every part is built again (None when the parts of the last build are taken as they are)."""
+    try:
+        last = json.loads((parts_dir / STATE_NAME).read_text())
+    except (OSError, ValueError):
+        return "no earlier build in parts"
+    if last.get("fingerprint") == state["fingerprint"]:
+        return None
+    changed = sorted(name for name in state if name != "fingerprint" and last.get(name) != state[name])
+    if changed == ["config"]:
+        changed = [f"config.{name}" for name in state["config"] if last["config"].get(name) != state["config"][name]]
+    return "changed since the last build: " + ", ".join(changed)
+
+
+def _part_key(part: Part, fingerprint: str) -> str:
+    described = json.dumps([fingerprint, part.name, part.size, sorted(part.taken)])
+    return hashlib.sha256(described.encode()).hexdigest()[:24]
+
+
+def _build_parts(
+    todo: Sequence[tuple[Part, str]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig,
+    identities: ModeIdentities, known: Mapping[str, Identity], parts_dir: Path, workers: int,
+) -> None:
+    if workers <= 1 or len(todo) <= 1:
+        for part, key in todo:
+            _build_part(part, key, tokenizer, config, identities, known, parts_dir)
+        return
+    # Spawned, not forked: a fork would copy the tokenizer's threads' locks mid-use.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
+        futures = [
+            pool.submit(_build_part, part, key, tokenizer, config, identities, known, parts_dir)
+            for part, key in todo
+        ]
+        for future in futures:
+            future.result()
+
+
+def _build_part(
+    part: Part, key: str, tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig,
+    identities: ModeIdentities, known: Mapping[str, Identity], parts_dir: Path,
+) -> None:
+    """One part's rows and counts into ``parts_dir/key``, renamed into place whole."""
+    staging = parts_dir / f".{key}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    tally = _Tally(identities, known, BuildTrace())
+    files, stats = _write_rows(part.records(), tokenizer, config, staging, tally)
+    done = {"name": part.name, "size": part.size, "files": files, "stats": stats.to_dict(), "tally": tally.to_dict()}
+    (staging / PART_DONE).write_text(json.dumps(done, sort_keys=True))
+    shutil.rmtree(parts_dir / key, ignore_errors=True)  # a part cut short by a crash
+    os.rename(staging, parts_dir / key)
+
+
+def _assemble(
+    keys: Sequence[str], parts_dir: Path, directory: Path, config: TrainingSetConfig, tally: _Tally
+) -> tuple[list[dict[str, Any]], _Stats]:
+    """The parts' files as one set in ``directory``, and their counts added up into ``tally``."""
+    stats = _Stats(config.max_length)
+    shards: list[dict[str, Any]] = []
+    trainer_names = sorted({FORMATS[f] for f in config.formats if f != "parquet"})
+    trainers = {name: (open(directory / name, "wb"), hashlib.sha256()) for name in trainer_names}
+    try:
+        for key in keys:
+            done = json.loads((parts_dir / key / PART_DONE).read_text())
+            for file in done["files"]:
+                source = parts_dir / key / file["name"]
+                if file["name"] in trainers:
+                    fh, digest = trainers[file["name"]]
+                    with open(source, "rb") as part_file:
+                        for block in iter(lambda: part_file.read(1 << 20), b""):
+                            fh.write(block)
+                            digest.update(block)
+                elif file.get("rows"):  # a part without rows has an empty shard: not carried
+                    name = f"part-{len(shards):05d}.parquet"
+                    _link(source, directory / name)
+                    shards.append({**file, "name": name})
+            stats.add_part(done["stats"])
+            tally.add_part(done["tally"])
+    finally:
+        for fh, _ in trainers.values():
+            fh.close()
+    if not shards:
+        shards = _ShardWriter(directory, config.rows_per_file).close()  # an empty set still has one shard
+    return shards + [{"name": name, "sha256": digest.hexdigest()} for name, (_, digest) in trainers.items()], stats
+
+
+def _link(source: Path, target: Path) -> None:
+    """The part's file in the set without copying it where the filesystem allows."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)

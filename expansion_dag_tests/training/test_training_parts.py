@@ -1,0 +1,128 @@
+"""The training set in parts (issue 38): each segment of the store is built once, a rebuild builds only
+the parts whose records are new, a changed setting rebuilds all and says why, and the set is the one
+a single pass over the same records gives."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from expansion_dag.core import FAILED, load_tokenizer
+from expansion_dag.store import CompletionStore
+from expansion_dag.training import (
+    BuildTrace,
+    Manifest,
+    TrainingSetConfig,
+    build_training_set,
+    build_training_set_in_parts,
+)
+from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.training.test_training_set import MODEL, record
+
+FORMATS = ("parquet", "specforge-pretokenized", "specforge-conversations")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return load_tokenizer()
+
+
+def night(store, shard, records):
+    """One run of a shard: its records in a segment of their own."""
+    with store.writer(shard, identities=[MODEL]) as writer:
+        for rec in records:
+            writer.append(rec)
+
+
+def in_parts(store, qwen3, out_dir, parts_dir, *, workers=1, trace=None, **config):
+    parts, failures = store.parts()
+    return build_training_set_in_parts(
+        parts, failures, qwen3, TrainingSetConfig(formats=FORMATS, **config), out_dir, parts_dir=parts_dir,
+        identities=one_mode(MODEL), trace=trace, workers=workers,
+    )
+
+
+def in_one_pass(store, qwen3, out_dir, trace=None):
+    return build_training_set(
+        store.latest_records(), qwen3, TrainingSetConfig(formats=FORMATS), out_dir, identities=one_mode(MODEL),
+        trace=trace,
+    )
+
+
+def rows(out_dir):
+    manifest = Manifest.read(out_dir)
+    return [row for f in manifest.files for row in pq.read_table(out_dir / f["name"]).to_pylist()]
+
+
+def counts(manifest):
+    """What a set says of its rows and its left-out records, whatever files hold them."""
+    keep = ("samples", "tokens", "assistant_tokens", "by_source", "left_out", "histogram", "output_tokens",
+            "output_tokens_in_set", "ids_from", "tokens_per_sample", "modes")
+    return {name: getattr(manifest, name) for name in keep}
+
+
+def assert_same_set(parts_dir_set, one_pass_set):
+    assert rows(parts_dir_set) == rows(one_pass_set)
+    for name in ("pretokenized.jsonl", "conversations.jsonl"):
+        assert (parts_dir_set / name).read_bytes() == (one_pass_set / name).read_bytes()
+    assert counts(Manifest.read(parts_dir_set)) == counts(Manifest.read(one_pass_set))
+
+
+def test_a_second_night_builds_only_its_own_parts_and_the_set_is_the_one_pass_set(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(i) for i in range(0, 6)])
+    night(store, "shard-01", [record(i) for i in range(6, 12)])
+    first = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    assert first.parts == {"parts": 2, "built": 2, "reused": 0, "rebuilt_all_because": "no earlier build in parts"}
+    assert first.samples == 12
+
+    # The next night: a new segment per shard; one of its prompts answered again (a duplicate) and
+    # one failure of a prompt a night before had answered: neither counts twice.
+    night(store, "shard-00", [record(i) for i in range(12, 16)] + [record(3)])
+    night(store, "shard-01", [record(i) for i in range(16, 20)] + [record(7, status=FAILED, error="rejected")])
+    trace, one_pass_trace = BuildTrace(), BuildTrace()
+    second = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", trace=trace)
+    assert second.parts == {"parts": 4, "built": 2, "reused": 2, "rebuilt_all_because": None}
+    assert second.samples == 20 and second.left_out["failed"] == 0
+    in_one_pass(store, qwen3, tmp_path / "one-pass", one_pass_trace)
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+    # The checks and the nightly table read the same trace as a single pass fills.
+    assert trace == one_pass_trace
+    # Nothing new: every part is taken as it is, and the set is the same.
+    again = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    assert again.parts["built"] == 0 and again.parts["reused"] == 4
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+
+
+def test_a_failure_stays_counted_until_a_later_night_answers_it(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(1), record(2, status=FAILED, error="rejected")])
+    assert in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts").left_out["failed"] == 1
+    night(store, "shard-00", [record(2)])
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    assert (manifest.samples, manifest.left_out["failed"], manifest.parts["built"]) == (2, 0, 1)
+
+
+def test_a_changed_setting_rebuilds_every_part_and_the_manifest_says_which(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(i) for i in range(4)])
+    night(store, "shard-01", [record(i) for i in range(4, 8)])
+    in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", train_newline_after_end_of_turn=True)
+    assert manifest.parts["built"] == 2 and manifest.parts["reused"] == 0
+    assert manifest.parts["rebuilt_all_because"] == "changed since the last build: config.train_newline_after_end_of_turn"
+    assert all(row["loss_mask"][-1] == 1 for row in rows(tmp_path / "set"))
+    # The parts of the old setting are gone: only this build's are kept.
+    kept = [p for p in (tmp_path / "parts").iterdir() if p.is_dir()]
+    assert len(kept) == 2
+    assert json.loads((tmp_path / "parts" / "build.json").read_text())["config"]["train_newline_after_end_of_turn"]
+
+
+def test_parts_built_in_processes_side_by_side_give_the_same_set(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    for shard in range(3):
+        night(store, f"shard-{shard:02d}", [record(i) for i in range(shard * 5, shard * 5 + 5)])
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", workers=2)
+    assert manifest.parts["built"] == 3 and manifest.samples == 15
+    in_one_pass(store, qwen3, tmp_path / "one-pass")
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
