@@ -116,9 +116,11 @@ class SegmentWriter:
             self._check()
 
     def _next_path(self) -> Path:
-        # Names sort in the order a writer wrote its segments: readers keep the first ok line
-        # of a key and the last failure.
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        # Names sort in the order a writer wrote its segments, and the runs of a shard theirs (to
+        # the microsecond: two runs in one second): readers keep the first ok line of a key and
+        # the last failure. (Names of whole seconds, older, sort before those of their second.)
+        now = time.time()
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}{int(now % 1 * 1e6):06d}"
         self._segments_opened += 1
         return self._folder / f"seg-{stamp}-{self._writer_id}-{self._segments_opened:06d}.jsonl"
 

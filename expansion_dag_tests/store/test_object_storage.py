@@ -166,6 +166,16 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
     table = pq.read_table(files[0].removeprefix("s3://"), filesystem=s3fs.S3FileSystem())
     assert table.schema.names[:3] == ["id", "source", "input_ids"]
 
+    # The parts the set was built from are kept in the object store: a build from a run pod's empty
+    # disk takes every one of them as it is, and tokenizes nothing again.
+    assert "training_set_parts/build.json" in stored
+    assert manifest.parts["built"] == manifest.parts["parts"] > len(SHARD_KEYS)
+    res["storage"] = StorageResource(root=root, local_dir=str(tmp_path / "another-pod"), segment_records=4)
+    assert dg.materialize(assets, resources=res, instance=instance, selection=["training_set"]).success
+    again = Manifest.read(out_dir)
+    assert (again.parts["built"], again.parts["reused"]) == (0, manifest.parts["parts"])
+    assert again.files == manifest.files
+
 
 def test_a_folder_upload_replaces_the_old_copy_with_its_marker_last(bucket, tmp_path, monkeypatch):
     target = as_upath(f"s3://{bucket}/training_set")

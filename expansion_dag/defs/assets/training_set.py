@@ -26,6 +26,7 @@ from expansion_dag.defs.resources import GenerationSettings, StorageResource
 from expansion_dag.prompts import nights
 from expansion_dag.training import (
     MANIFEST_NAME,
+    PART_DONE,
     BuildTrace,
     Manifest,
     TrainingSetConfig,
@@ -104,10 +105,13 @@ def training_set(
     # and the nightly table need.
     trace = BuildTrace()
     parts, failures = store.parts()
-    with storage.local_staging(out_dir, last=MANIFEST_NAME) as staging:
+    with (
+        storage.kept_parts("training_set_parts", last=PART_DONE) as parts_dir,
+        storage.local_staging(out_dir, last=MANIFEST_NAME) as staging,
+    ):
         manifest = build_training_set_in_parts(
-            parts, failures, tokenizer, config, staging, parts_dir=storage.local_cache("training_set_parts"),
-            identities=identities, known=store.registry.known(), trace=trace, workers=settings.training_build_workers,
+            parts, failures, tokenizer, config, staging, parts_dir=parts_dir, identities=identities,
+            known=store.registry.known(), trace=trace, workers=settings.training_build_workers,
         )
 
     checks = training_set_checks(out_dir, trace.renders, tokenizer, config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,8 +23,11 @@ from expansion_dag.config import LeaseSettings
 from expansion_dag.core import (
     as_upath,
     default_local_dir,
+    entry_name,
     is_local,
+    listing,
     local_path,
+    upload,
     upload_after,
     write_atomically,
 )
@@ -76,13 +80,40 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
     def path(self, *parts: str) -> UPath:
         return as_upath(self.root).joinpath(*parts)
 
-    def local_cache(self, name: str) -> Path:
-        """A folder that outlives runs on this machine: beside the assets under a local root; under
-        ``local_dir``, one per root, for a remote one."""
+    @contextmanager
+    def kept_parts(self, name: str, *, last: str) -> Iterator[Path]:
+        """A local folder of parts (a subfolder each, complete once it holds ``last``) that outlives
+        runs and machines: under a local root, the folder itself; for a remote one, a copy under
+        ``local_dir`` brought up to date from ``<root>/<name>`` first (a run pod starts with an
+        empty disk), and the object store made to hold what the block left in it afterwards."""
         root = as_upath(self.root)
         if is_local(root):
-            return local_path(root / name)
-        return Path(self.local_dir, "cache", hashlib.sha256(str(root).encode()).hexdigest()[:16], name)
+            yield local_path(root / name)
+            return
+        remote = root / name
+        local = Path(self.local_dir, "cache", hashlib.sha256(str(root).encode()).hexdigest()[:16], name)
+        local.mkdir(parents=True, exist_ok=True)
+        there = {entry_name(e): e["type"] for e in listing(remote)}
+        for entry, kind in there.items():
+            if kind == "directory" and not (local / entry / last).exists():
+                staged = local / f".{entry}.tmp-{os.getpid()}"  # never a half copy under its name
+                shutil.rmtree(staged, ignore_errors=True)
+                staged.mkdir()
+                for file in listing(remote / entry):
+                    remote.fs.get_file(file["name"], str(staged / entry_name(file)))
+                shutil.rmtree(local / entry, ignore_errors=True)
+                os.rename(staged, local / entry)
+            elif kind == "file":
+                remote.fs.get_file((remote / entry).path, str(local / entry))
+        yield local
+        here = set(os.listdir(local))
+        for entry in sorted(here):
+            if (local / entry).is_file():
+                upload(local / entry, remote / entry)
+            elif entry not in there and (local / entry / last).exists():
+                upload(local / entry, remote / entry, last=last)
+        for entry in sorted(set(there) - here):
+            remote.fs.rm((remote / entry).path, recursive=True)
 
     @contextmanager
     def local_staging(self, target: UPath, *, last: str | None = None) -> Iterator[Path]:
