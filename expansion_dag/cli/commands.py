@@ -25,7 +25,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from expansion_dag.config import CONFIG_ENV, ConfigError, current_config, load_config
+from expansion_dag.config import (
+    CONFIG_ENV,
+    SIMULATOR_LAUNCH_COMMAND,
+    ConfigError,
+    current_config,
+    load_config,
+)
 from expansion_dag.generation import ProgressDisplay, ShardProgress, quiet_third_party, retry_summary
 
 if TYPE_CHECKING:
@@ -338,7 +344,7 @@ def _print_summary(out_dir: UPath) -> None:
 
 def dry_run(args: argparse.Namespace) -> int:
     """Prove a configuration on simulators that mirror a real fleet, before GPU hours are spent."""
-    from expansion_dag.servers import probe_fleet
+    from expansion_dag.servers import dialect_for, probe_fleet
 
     use_config(args.config)
     config = current_config()
@@ -349,13 +355,22 @@ def dry_run(args: argparse.Namespace) -> int:
     api_key = os.environ.get(args.api_key_env or config.fleet.api_key_env) or None
     real = probe_fleet(urls, backend=args.backend or config.fleet.backend, api_key=api_key)
     slots = {s.slots for s in real.servers}
+    # The simulators speak the real servers' dialect (what they return, token ids included), as the
+    # oldest version of it, which the simulator emulates.
+    server = real.servers[0]
+    dialect = dialect_for(server.backend, server.version)
+    emulated = f"--backend {server.backend}" + (f" --emulate-version {dialect.since}" if dialect.since else "")
     print(
         f"mirroring {len(urls)} server(s): model {real.model_path}, context {real.context_length}, "
-        f"slots {sorted(slots)}; generating on SIMULATED servers with those settings",
+        f"slots {sorted(slots)}, {server.backend} {server.version} (token ids "
+        f"{'returned' if dialect.token_ids else 'not returned: rows re-tokenized'}); generating on SIMULATED "
+        f"servers with those settings, as {server.backend} {dialect.since or 'of the newest version'}",
         flush=True,
     )
     os.environ.update(
         {
+            "EXPANSION_LAUNCH_COMMAND": f"{SIMULATOR_LAUNCH_COMMAND} {emulated}",
+            "EXPANSION_BACKEND": server.backend,
             "EXPANSION_PROFILE": "local",
             # Its own storage: simulated answers must never sit beside real ones.
             "EXPANSION_STORAGE": os.environ.get("EXPANSION_DRY_RUN_STORAGE", os.path.abspath("storage-dry-run")),

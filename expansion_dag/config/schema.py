@@ -447,6 +447,7 @@ ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EXPANSION_BACKEND": ("fleet.backend", str),
     "EXPANSION_FLEET_FALLBACK": ("fleet.fallback_to_healthy", _flag),
     "EXPANSION_LAUNCH_SCOPE": ("fleet.launch.scope", str),
+    "EXPANSION_LAUNCH_COMMAND": ("fleet.launch.command", str),
     "EXPANSION_GPU_RUN_TAGS": ("fleet.launch.run_tags_file", str),
     "EXPANSION_SIM_BASE_PORT": ("fleet.launch.base_port", int),
     "EXPANSION_SIM_CONTEXT_LENGTH": ("fleet.launch.context_length", int),

@@ -18,6 +18,7 @@ import yaml
 from expansion_dag.core import pid_alive
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag.training import Manifest
 from expansion_dag_tests.ports import free_port
 
 EXPANSION_DAG = str(Path(sys.executable).parent / "expansion-dag")
@@ -93,8 +94,11 @@ def test_the_demo_shows_the_fleets_progress_in_one_place_and_no_progress_bars(de
 def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_path):
     from expansion_dag.sim import SimServerConfig, SimulatedFleet
 
-    # Stand-ins for a real fleet: the dry run only probes them.
-    real = SimServerConfig(port=0, context_length=4096, max_running_requests=12, model_path="org/served-model")
+    # Stand-ins for a real fleet: the dry run only probes them. SGLang 0.5.8 returns no token ids,
+    # so neither do the simulators mirroring it, and the rows are re-tokenized as the real run's would be.
+    real = SimServerConfig(
+        port=0, context_length=4096, max_running_requests=12, model_path="org/served-model", version="0.5.8"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EXPANSION_"))}
     env["EXPANSION_SIM_BASE_PORT"] = str(free_port(2))
     with SimulatedFleet([real, real]) as fleet:
@@ -104,7 +108,11 @@ def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_pat
         )
         probed_by_dry_run = fleet.stats(0)["chat_requests_by_status"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "context 4096, slots [12]" in result.stdout and "SIMULATED" in result.stdout
+    assert "context 4096, slots [12], sglang 0.5.8 (token ids not returned" in result.stdout
+    assert "SIMULATED servers with those settings, as sglang 0.5.8" in result.stdout
+    manifest = Manifest.read(tmp_path / "storage-dry-run" / "training_set")
+    assert manifest.samples > 0 and manifest.ids_from == {"server": 0, "retokenized": manifest.samples}
+    assert manifest.retokenized_because == {"no_ids": manifest.samples}
     assert probed_by_dry_run == {}  # the real fleet got no generation request
     home = tmp_path / ".dagster_home"
     assert (tmp_path / "storage-dry-run" / "training_set" / "manifest.json").exists()
