@@ -10,7 +10,7 @@ import pytest
 from expansion_dag.generation import MIN_OBSERVED, Observed, Throughput, make_plan
 from expansion_dag.servers import SGLANG, parse_gen_throughput
 
-FIXTURES = Path(__file__).parent / "contract" / "fixtures" / "sglang"
+FIXTURES = Path(__file__).parents[1] / "contract" / "fixtures" / "sglang"  # the contract suite's, read off the wheel
 
 
 def prompts(n: int, source: str = "alpaca", cap: int = 500) -> pl.DataFrame:

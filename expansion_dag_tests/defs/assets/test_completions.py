@@ -136,11 +136,14 @@ def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, i
     assert "SIMULATED" in materialization.metadata["summary"].value
     assert "training_formats" not in drift.metadata["changes"].value
     # The outputs the configuration chose, named in the metadata, and the card beside them.
+    # The set is built in parts, one a segment: each shard's new answers are a parquet file of their
+    # own, and the old answers' parts, with no rows, none.
+    shards = [f"part-{i:05d}.parquet" for i in range(len(SHARD_KEYS))]
     assert materialization.metadata["outputs"].value == {
-        "parquet": ["part-00000.parquet"], "speculators-pretokenized": ["pretokenized.jsonl"]
+        "parquet": shards, "speculators-pretokenized": ["pretokenized.jsonl"]
     }
     assert sorted(p.name for p in Path(out_dir).iterdir()) == [
-        "README.md", "manifest.json", "part-00000.parquet", "pretokenized.jsonl"
+        "README.md", "manifest.json", *shards, "pretokenized.jsonl"
     ]
     card = (Path(out_dir) / "README.md").read_text()
     assert card == materialization.metadata["dataset_card"].value
