@@ -29,7 +29,7 @@ import sys
 import time
 
 import httpx
-from harness import HOST, header, write_result  # (bench/ is on sys.path when run as a script)
+from harness import HOST, header, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
 from expansion_dag.servers import (
     SGLANG,
@@ -60,25 +60,15 @@ def events(n: int, seed: int = 0) -> list[bytes]:
 async def serve(port: int, n: int, gap_s: float) -> None:
     body = events(n)
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-            for event in body:
-                await asyncio.sleep(gap_s)
-                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-                await writer.drain()
-            writer.write(b"0\r\n\r\n")
+    async def respond(head: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in body:
+            await asyncio.sleep(gap_s)
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
 
-    server = await asyncio.start_server(handle, HOST, port)
-    async with server:
-        await server.serve_forever()
+    await serve_http(port, respond)
 
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}

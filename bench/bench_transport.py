@@ -36,7 +36,7 @@ import time
 
 import httpcore
 import httpx
-from harness import HOST, free_ports, header, write_result  # (bench/ is on sys.path when run as a script)
+from harness import HOST, free_ports, header, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
 from expansion_dag.servers import HttpClient, asyncio_network, tls_context
 
@@ -53,25 +53,15 @@ REFERENCE_REQUESTS_PER_S = 3.4
 
 
 async def serve(port: int, events: int) -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
-            if head.startswith(b"POST /plain"):
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(COMPLETION), COMPLETION))
-                continue
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-            writer.write(b"".join(b"%x\r\n%s\r\n" % (len(EVENT), EVENT) for _ in range(events)) + b"0\r\n\r\n")
+    async def respond(head: bytes, writer: asyncio.StreamWriter) -> None:
+        if head.startswith(b"POST /plain"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(COMPLETION), COMPLETION))
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"".join(b"%x\r\n%s\r\n" % (len(EVENT), EVENT) for _ in range(events)) + b"0\r\n\r\n")
 
-    server = await asyncio.start_server(handle, HOST, port)
-    async with server:
-        await server.serve_forever()
+    await serve_http(port, respond)
 
 
 def private_pool() -> httpx.AsyncBaseTransport:

@@ -8,6 +8,7 @@ they import this module as ``harness``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import importlib
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -414,6 +415,27 @@ class SimulatedFleet:
                 self.process.wait(10)
         if self.process.returncode in (0, -signal.SIGTERM):
             self.log_path.unlink(missing_ok=True)  # kept when the simulator failed, for its errors
+
+
+async def serve_http(port: int, respond: Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]) -> None:
+    """A bare HTTP/1.1 server on ``HOST``: each request on a kept-alive connection is read whole
+    (head and ``content-length`` body) and ``respond`` writes the answer, given the request's head.
+    The network benchmarks measure the client, so the server does as little as HTTP allows."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+            await reader.readexactly(length)
+            await respond(head, writer)
+
+    server = await asyncio.start_server(handle, HOST, port)
+    async with server:
+        await server.serve_forever()
 
 
 # ---------------------------------------------------------------------------------------------

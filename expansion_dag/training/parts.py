@@ -79,7 +79,7 @@ def build_training_set_in_parts(
     state = _build_state(tokenizer, config, identities, known or {})
     why_all = _why_all(parts_dir, state)
     keys = [_part_key(part, state["fingerprint"]) for part in parts]
-    todo = [(part, key) for part, key in zip(parts, keys) if not (parts_dir / key / PART_DONE).exists()]
+    todo = [(part, key) for part, key in zip(parts, keys) if _done(parts_dir / key) is None]
     _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers)
     (parts_dir / STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
     summary = {"parts": len(keys), "built": len(todo), "reused": len(keys) - len(todo), "rebuilt_all_because": why_all}
@@ -96,6 +96,16 @@ def build_training_set_in_parts(
     for stale in set(os.listdir(parts_dir)) - {*keys, STATE_NAME}:
         shutil.rmtree(parts_dir / stale, ignore_errors=True)  # parts of records gone or of another build
     return manifest
+
+
+def _done(part_dir: Path) -> dict[str, Any] | None:
+    """A built part's record (``part.json``, written last), or None for a part never finished or
+    damaged since (a torn download, a disk that filled): such a part is built again, never read."""
+    try:
+        done = json.loads((part_dir / PART_DONE).read_text())
+    except (OSError, ValueError):
+        return None
+    return done if isinstance(done, dict) and isinstance(done.get("files"), list) else None
 
 
 def _build_state(
@@ -184,7 +194,7 @@ def _assemble(
     trainers = {name: (open(directory / name, "wb"), hashlib.sha256()) for name in trainer_names}
     try:
         for key in keys:
-            done = json.loads((parts_dir / key / PART_DONE).read_text())
+            done = _done(parts_dir / key)
             for file in done["files"]:
                 source = parts_dir / key / file["name"]
                 if file["name"] in trainers:

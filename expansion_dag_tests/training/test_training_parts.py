@@ -126,3 +126,17 @@ def test_parts_built_in_processes_side_by_side_give_the_same_set(qwen3, tmp_path
     assert manifest.parts["built"] == 3 and manifest.samples == 15
     in_one_pass(store, qwen3, tmp_path / "one-pass")
     assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+
+
+def test_a_damaged_part_is_built_again_and_the_others_are_kept(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(i) for i in range(4)])
+    night(store, "shard-01", [record(i) for i in range(4, 8)])
+    in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    # A part's record torn (a disk that filled, a download cut short): never read as built.
+    [torn, *_] = sorted((tmp_path / "parts").glob("*/part.json"))
+    torn.write_text(torn.read_text()[:20])
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    assert manifest.parts == {"parts": 2, "built": 1, "reused": 1, "rebuilt_all_because": None}
+    in_one_pass(store, qwen3, tmp_path / "one-pass")
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
