@@ -25,6 +25,7 @@ from expansion_dag.defs.assets import (
     completions,
     shard_prompts,
     training_set,
+    training_set_parts,
 )
 from expansion_dag.defs.resources import (
     FleetResource,
@@ -141,6 +142,13 @@ def build_definitions(config: RunConfig) -> dg.Definitions:
         description="Generate one shard's completions on its GPU server (one run per shard).",
         tags=server_tags,
     )
+    training_parts_job = dg.define_asset_job(
+        "training_parts_job",
+        selection=dg.AssetSelection.assets(training_set_parts),
+        description="Build one shard's parts of the training set (one run per shard; training_set_job then "
+        "assembles them instead of building them itself).",
+        tags=tags,
+    )
     training_set_job = dg.define_asset_job(
         "training_set_job",
         selection=dg.AssetSelection.assets(training_set),
@@ -155,8 +163,8 @@ def build_definitions(config: RunConfig) -> dg.Definitions:
         quota=config.schedule.quota,
     )
     return dg.Definitions(
-        assets=[*raw_datasets, prompts, budgeted_prompts, shard_prompts, completions, training_set],
-        jobs=[prepare_job, generate_job, training_set_job],
+        assets=[*raw_datasets, prompts, budgeted_prompts, shard_prompts, completions, training_set_parts, training_set],
+        jobs=[prepare_job, generate_job, training_parts_job, training_set_job],
         schedules=[nightly_expansion],
         sensors=build_nightly_sensors(
             prepare_job=prepare_job, generate_job=generate_job, training_set_job=training_set_job

@@ -22,6 +22,10 @@ from expansion_dag.servers import HttpClient, read_idle_slots
 
 #: Load readings in a row that must show a server idle before its slots are claimed.
 STEADY_READINGS = 3
+#: Of a server with work on it that is not this shard's, the share of its slots never borrowed: its
+#: owner's workers between two requests read as idle slots, and a busy client can leave them so for
+#: readings in a row (issue 36: those were the 503s left once borrowers waited for the owners).
+OWNER_RESERVE = 1 / 16
 
 #: Why a helper's load reading did or did not lead to a claim: counted per helper, in the shard's metadata.
 OWNER_NOT_STARTED = "its shard not started"
@@ -51,9 +55,10 @@ class Borrowing:
     the same way). A helper is left alone until its owner has been seen filling it (its canary alone
     does not: the flood follows), or ``owner_wait_s`` has passed with no sign of it (a shard already
     done, or absent) or since its first request (a shard with fewer prompts than slots). From then on
-    only its idle slots are borrowed, and given back as soon as it queues. An owner that starts later
-    than ``owner_wait_s`` finds its server borrowed, and its first requests may be refused (503, waited
-    out as backpressure) until the borrowers have given back.
+    only its idle slots are borrowed, less a reserve (``OWNER_RESERVE`` of its slots, at least one)
+    while work that is not this shard's runs on it, and given back as soon as it queues. An owner that
+    starts later than ``owner_wait_s`` finds its server borrowed, and its first requests may be refused
+    (503, waited out as backpressure) until the borrowers have given back.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class Borrowing:
         #: The most of a helper this shard may hold: a share of its slots split by a fixed turn, so
         #: the borrowers' shares add up to the slots even when their readings are of different turns.
         self._cap = {h.url: claim_share(h.slots, *self._split[h.url]) for h in self.helpers}
+        self._reserve = {h.url: max(1, int(h.slots * OWNER_RESERVE)) for h in self.helpers}
         self._working = dict.fromkeys(self._split, 0)
         #: Per helper, its last readings of idle slots: a claim needs idle slots in each, and takes a
         #: share of the fewest, so a server whose own shard is only starting (its canary alone) or
@@ -169,6 +175,8 @@ class Borrowing:
             return NOT_STEADY
         between = working - in_flight(helper)
         steady = min(readings) - between
+        if helper.slots - idle > in_flight(helper):  # its owner (or another borrower) at work on it
+            steady -= self._reserve[helper.url]
         share = min(claim_share(steady, borrowers, rank, turn), len(queue))
         claimed = min(self._cap[helper.url], working + share)
         self._claimed[helper.url] = claimed

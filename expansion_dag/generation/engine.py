@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import httpx
 
@@ -70,16 +70,20 @@ class Sender:
         self._recorder = recorder
         self.report = recorder.report
 
-    async def send(self, client: HttpClient, item: WorkItem, server: Server, *, borrowed: bool = False) -> RequestError | None:
+    async def send(
+        self, client: HttpClient, item: WorkItem, server: Server, *, borrowed: bool = False,
+        on_output: Callable[[], None] | None = None,
+    ) -> RequestError | None:
         """Send one prompt and record its outcome; return the error if any.
 
         On a ``borrowed`` server there is one attempt, and only a content outcome is recorded: any
-        other failure leaves the prompt this shard's, to send to its own server.
+        other failure leaves the prompt this shard's, to send to its own server. ``on_output``: called
+        once a streamed answer's first text arrives.
         """
         self._queue.opened(item)
         following: WorkItem | None = None
         try:
-            error, answer = await self._exchange(client, item, server, borrowed)
+            error, answer = await self._exchange(client, item, server, borrowed, on_output)
             if answer is not None and self._planner is not None:
                 planned = self._planner.next_item(item, answer.content, answer.finish_reason, answer.tool_calls)
                 if isinstance(planned, Ended):
@@ -92,7 +96,7 @@ class Sender:
         return error
 
     async def _exchange(
-        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool
+        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool, on_output: Callable[[], None] | None
     ) -> tuple[RequestError | None, Answer | None]:
         stats = self.report.servers.get(server.url) or self.report.helpers[server.url]
         request = chat_request(
@@ -119,6 +123,7 @@ class Sender:
                 on_retry=self._count_retry,
                 thresholds=self._thresholds,
                 stream_interval=server.stream_interval,
+                on_output=on_output,
             )
         finally:
             stats.finished(time.monotonic())
@@ -141,6 +146,43 @@ class Sender:
         self.report.retries_by_kind[kind] += 1
         if kind == QueueFullError.kind:
             self.report.backpressure += 1
+
+
+async def send_canary(
+    send: Callable[..., Awaitable[RequestError | None]], client: Callable[[], HttpClient], queue: PromptQueue,
+    server: Server,
+) -> tuple[str | None, asyncio.Task[RequestError | None] | None]:
+    """One request to ``server``, alone, before the flood: a misconfigured fleet fails in seconds.
+
+    It judges the server, not the answer: its first streamed text passes it (its answer goes on
+    beside the flood, returned as a task: waiting for a whole answer would idle the GPU for
+    minutes), as does any whole answer (a plain request's), a loop included; a refused request
+    tries another prompt. It is the shortest expected answer, so a plain request's canary is waited
+    on the least. Returns why the shard stops (or None), and the canary still answering (or None).
+    """
+    for tried in range(1, CANARY_PROMPTS + 1):
+        if not len(queue):
+            break
+        answering = asyncio.Event()
+
+        async def ask(item: WorkItem) -> RequestError | None:
+            async with client() as http:
+                return await send(http, item, server, on_output=answering.set)
+
+        canary = asyncio.create_task(ask(queue.take(shortest=True)))
+        output = asyncio.create_task(answering.wait())
+        await asyncio.wait([canary, output], return_when=asyncio.FIRST_COMPLETED)
+        output.cancel()
+        if not canary.done():
+            return None, canary
+        error = canary.result()
+        verdict = canary_verdict(error, tried)
+        if verdict == "passed":
+            break
+        if verdict == "failed":
+            assert error is not None
+            return f"canary request to {server.url} failed ({describe(error)})", None
+    return None, None
 
 
 class ShardRun:
@@ -186,6 +228,8 @@ class ShardRun:
         self._start = time.monotonic()
         self._cpu_start = time.process_time()
         self._workers: list[asyncio.Task[None]] = []
+        #: Per server, its canary if it passed on its first text and its answer is still coming.
+        self._answering: dict[str, asyncio.Task[RequestError | None]] = {}
         #: Workers on the shard's own servers still taking prompts.
         self._own_workers = 0
 
@@ -234,30 +278,25 @@ class ShardRun:
         )
 
     async def _canaries(self) -> None:
-        # One request per server, alone, before the flood: a misconfigured fleet fails in seconds.
-        # It is the shortest expected answer, so a healthy fleet waits on it the least. It judges
-        # the server: any answer passes, a loop included; a refused request tries another prompt.
         for server in self._servers:
-            async with self._client() as client:
-                for tried in range(1, CANARY_PROMPTS + 1):
-                    if not len(self.queue):
-                        return
-                    error = await self._send(client, self.queue.take(shortest=True), server)
-                    verdict = canary_verdict(error, tried)
-                    if verdict == "passed":
-                        break
-                    if verdict == "failed":
-                        assert error is not None
-                        self.report.aborted = f"canary request to {server.url} failed ({describe(error)})"
-                        return
+            self.report.aborted, answering = await send_canary(self._send, self._client, self.queue, server)
+            if self.report.aborted:
+                return
+            if answering is not None:
+                self._answering[server.url] = answering
 
     async def _run_workers(self) -> None:
         if self.report.aborted or not len(self.queue):
-            return
+            for canary in self._answering.values():
+                if self.report.aborted:
+                    canary.cancel()
+            await asyncio.gather(*self._answering.values(), return_exceptions=True)
+            if self.report.aborted or not len(self.queue):  # (a conversation's next turn may have come)
+                return
         self._workers = [
-            asyncio.create_task(self._worker(server))
+            asyncio.create_task(self._worker(server, after=self._answering.get(server.url) if first else None))
             for server in self._servers
-            for _ in range(self._config.workers_for(server.slots))
+            for first in [True, *[False] * (self._config.workers_for(server.slots) - 1)]
         ]
         borrowed: list[asyncio.Task[None]] = []
         if self._borrowing.helpers:
@@ -288,7 +327,9 @@ class ShardRun:
                 task.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
 
-    async def _worker(self, server: Server) -> None:
+    async def _worker(self, server: Server, after: asyncio.Task[RequestError | None] | None = None) -> None:
+        if after is not None:
+            await after  # a canary still answering holds one worker's place, never one more
         self._own_workers += 1
         try:
             async with self._client() as client:

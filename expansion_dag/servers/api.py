@@ -341,6 +341,7 @@ async def send_chat(
     thresholds: LoopThresholds | None = None,
     *,
     stream_interval: int = 1,
+    on_output: Callable[[], None] | None = None,
 ) -> Answer:
     """One attempt: the complete answer, or the RequestError that says why there is none.
 
@@ -354,6 +355,9 @@ async def send_chat(
     needed (proved against the real server, ``real_engine/test_sglang_streaming.py``). vLLM's
     generator is cancelled on disconnect and ``AsyncLLM.generate`` aborts the request at once
     (proved against the real engine, ``real_engine/test_vllm_streaming.py``).
+
+    ``on_output`` is called once the stream carries generated text: the server took the request
+    (a streamed request's errors can come as events after a 200, SGLang's prompt checks among them).
     """
     if not request.get("stream"):
         return await _send_plain(client, url, request, dialect)
@@ -367,6 +371,9 @@ async def send_chat(
                 loop = stream.feed(data)
                 if loop is not None:
                     raise stream.degenerate(loop)
+                if on_output is not None and stream.chunks:
+                    on_output()
+                    on_output = None
             loop = stream.end()
             if loop is not None:
                 raise stream.degenerate(loop)
@@ -413,6 +420,7 @@ async def generate(
     on_retry: Callable[[str], None] | None = None,
     thresholds: LoopThresholds | None = None,
     stream_interval: int = 1,
+    on_output: Callable[[], None] | None = None,
 ) -> Exchange:
     """Send ``request`` until it has a complete answer or the policy gives up.
 
@@ -421,7 +429,7 @@ async def generate(
     to ``policy.backpressure_wait_s``. ``on_retry`` hears the kind of each error that caused a retry (``context_length`` for the
     one retry with a smaller ``max_tokens``). ``thresholds``: stop a streamed answer that loops
     (:class:`DegenerateError`, not retried); ``stream_interval``: the tokens per streamed event,
-    to count a stopped answer's tokens.
+    to count a stopped answer's tokens; ``on_output``: ``send_chat``'s, called at most once an attempt.
     """
     attempts = 0
     spent = 0  # attempts that count against the policy: backpressure spends none
@@ -443,7 +451,9 @@ async def generate(
             with attempt:
                 attempts += 1
                 try:
-                    return await send_chat(client, url, body, dialect, thresholds, stream_interval=stream_interval)
+                    return await send_chat(
+                        client, url, body, dialect, thresholds, stream_interval=stream_interval, on_output=on_output
+                    )
                 except QueueFullError:
                     raise
                 except TransientError as exc:

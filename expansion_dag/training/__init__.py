@@ -7,13 +7,13 @@ from expansion_dag.training.config import DEFAULT_FORMATS, FORMATS, BuildTrace, 
 from expansion_dag.training.dataset_card import dataset_card, manifest_markdown, specforge_template
 from expansion_dag.training.manifest import MANIFEST_NAME, Manifest
 from expansion_dag.training.parquet import SCHEMA
-from expansion_dag.training.parts import PART_DONE, build_training_set_in_parts
+from expansion_dag.training.parts import PART_DONE, build_parts, build_training_set_in_parts, part_names
 from expansion_dag.training.round_trip import check_round_trip, expected_renders, sample_rows
 from expansion_dag.training.samples import FOLDED, LEFT_OUT_REASONS, ROW, AnswerJudge
 
 __all__ = [
     "AnswerJudge", "BuildTrace", "DEFAULT_FORMATS", "FOLDED", "FORMATS", "LEFT_OUT_REASONS",
     "MANIFEST_NAME", "Manifest", "PART_DONE", "ROW", "SCHEMA", "TrainingSetConfig",
-    "build_training_set", "build_training_set_in_parts", "check_round_trip", "data_files",
-    "dataset_card", "expected_renders", "manifest_markdown", "sample_rows", "specforge_template"
+    "build_parts", "build_training_set", "build_training_set_in_parts", "check_round_trip", "data_files",
+    "dataset_card", "expected_renders", "manifest_markdown", "part_names", "sample_rows", "specforge_template"
 ]

@@ -12,6 +12,11 @@ added. A changed build rebuilds every part, and the manifest's ``parts`` says wh
 
 The rows are those a single pass over the same records gives (``build_training_set``), in the same
 order; the Parquet files split at part boundaries.
+
+``build_parts`` builds some parts alone (one shard's, in a Dagster run or pod of its own) into the
+same folder, and the build that assembles the set then takes them as they are. Builders of the
+same folder never clash: a part is renamed into place whole, and one that another builder placed
+first is kept.
 """
 
 from __future__ import annotations
@@ -75,14 +80,10 @@ def build_training_set_in_parts(
     """``build_training_set`` of ``parts``' records then ``failures`` (the store's ``parts()``),
     building only the parts ``parts_dir`` does not hold yet."""
     parts_dir = Path(parts_dir)
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    state = _build_state(tokenizer, config, identities, known or {})
-    why_all = _why_all(parts_dir, state)
-    keys = [_part_key(part, state["fingerprint"]) for part in parts]
-    todo = [(part, key) for part, key in zip(parts, keys) if _done(parts_dir / key) is None]
-    _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers)
-    (parts_dir / STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    summary = {"parts": len(keys), "built": len(todo), "reused": len(keys) - len(todo), "rebuilt_all_because": why_all}
+    summary = build_parts(
+        parts, tokenizer, config, parts_dir=parts_dir, identities=identities, known=known, workers=workers
+    )
+    keys = part_names(parts, tokenizer, config, identities, known)
     tally = _Tally(identities, known or {}, trace)
 
     def write(directory: Path) -> Manifest:
@@ -94,8 +95,60 @@ def build_training_set_in_parts(
 
     manifest = _publish(Path(out_dir), write)
     for stale in set(os.listdir(parts_dir)) - {*keys, STATE_NAME}:
-        shutil.rmtree(parts_dir / stale, ignore_errors=True)  # parts of records gone or of another build
+        if not _staging_of_a_live_builder(stale):
+            shutil.rmtree(parts_dir / stale, ignore_errors=True)  # parts of records gone or of another build
     return manifest
+
+
+def part_names(
+    parts: Sequence[Part], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig, identities: ModeIdentities,
+    known: Mapping[str, Identity] | None = None,
+) -> list[str]:
+    """The folder name of each part's build in ``parts_dir``: new records or a changed build, a new name."""
+    fingerprint = _build_state(tokenizer, config, identities, known or {})["fingerprint"]
+    return [_part_key(part, fingerprint) for part in parts]
+
+
+def build_parts(
+    parts: Sequence[Part],
+    tokenizer: PreTrainedTokenizerBase,
+    config: TrainingSetConfig,
+    *,
+    parts_dir: str | os.PathLike[str],
+    identities: ModeIdentities,
+    known: Mapping[str, Identity] | None = None,
+    workers: int = 1,
+) -> dict[str, Any]:
+    """Build into ``parts_dir`` each of ``parts`` it does not hold yet, and say how many were built,
+    how many taken as they were, and why all were built (a changed build) if they were."""
+    parts_dir = Path(parts_dir)
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    state = _build_state(tokenizer, config, identities, known or {})
+    why_all = _why_all(parts_dir, state)
+    keys = [_part_key(part, state["fingerprint"]) for part in parts]
+    todo = [(part, key) for part, key in zip(parts, keys) if _done(parts_dir / key) is None]
+    _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers)
+    # Other builders may write it at the same time, each the same state: replaced whole, never torn.
+    staged = parts_dir / f".{STATE_NAME}.tmp-{os.getpid()}"
+    staged.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    os.replace(staged, parts_dir / STATE_NAME)
+    return {"parts": len(keys), "built": len(todo), "reused": len(keys) - len(todo), "rebuilt_all_because": why_all}
+
+
+def _staging_of_a_live_builder(name: str) -> bool:
+    """Whether ``name`` is what a builder that still runs on this machine is writing (``.<key>.tmp-<pid>``)."""
+    if not name.startswith(".") or ".tmp-" not in name:
+        return False
+    pid = name.rsplit(".tmp-", 1)[1]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
 
 
 def _done(part_dir: Path) -> dict[str, Any] | None:
@@ -180,8 +233,16 @@ def _build_part(
     files, stats = _write_rows(part.records(), tokenizer, config, staging, tally)
     done = {"name": part.name, "size": part.size, "files": files, "stats": stats.to_dict(), "tally": tally.to_dict()}
     (staging / PART_DONE).write_text(json.dumps(done, sort_keys=True))
-    shutil.rmtree(parts_dir / key, ignore_errors=True)  # a part cut short by a crash
-    os.rename(staging, parts_dir / key)
+    target = parts_dir / key
+    if _done(target) is None:
+        shutil.rmtree(target, ignore_errors=True)  # a part cut short by a crash
+        try:
+            os.rename(staging, target)
+            return
+        except OSError:
+            if _done(target) is None:
+                raise
+    shutil.rmtree(staging, ignore_errors=True)  # another builder placed the same part first
 
 
 def _assemble(

@@ -23,13 +23,19 @@ def test_the_asset_graph_has_the_five_stages_in_order():
                          ["infinity_instruct", "webinstructsub", "codefeedback", "metamathqa", "hermes_fc", "agentinstruct"])
     assert graph.get(dg.AssetKey("prompts")).parent_keys == {dg.AssetKey(k) for k in raw}
     assert graph.get(dg.AssetKey("completions")).parent_keys == {dg.AssetKey("shard_prompts")}
-    # Every dependency declared: the set reads what the prompts were budgeted for from the budget.
-    assert graph.get(dg.AssetKey("training_set")).parent_keys == {dg.AssetKey("completions"), dg.AssetKey("budgeted_prompts")}
+    # Every dependency declared: the set reads what the prompts were budgeted for from the budget,
+    # and takes the parts a shard's run built.
+    assert graph.get(dg.AssetKey("training_set_parts")).parent_keys == {
+        dg.AssetKey("completions"), dg.AssetKey("budgeted_prompts")
+    }
+    assert graph.get(dg.AssetKey("training_set")).parent_keys == {
+        dg.AssetKey("completions"), dg.AssetKey("budgeted_prompts"), dg.AssetKey("training_set_parts")
+    }
 
 
 def test_generation_is_partitioned_by_shard():
     graph = defs.resolve_asset_graph()
-    for name in ("shard_prompts", "completions"):
+    for name in ("shard_prompts", "completions", "training_set_parts"):
         assert graph.get(dg.AssetKey(name)).partitions_def.get_partition_keys() == SHARD_KEYS
     assert SHARD_KEYS == ["shard-00", "shard-01"]
 

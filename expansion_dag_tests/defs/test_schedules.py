@@ -87,7 +87,7 @@ def test_nights_take_fresh_quotas_with_the_files_settings_and_a_rerun_generates_
         defs = build_definitions(run_config)
         first = run_night(defs, instance, 27)
         # Every raw dataset (nothing loaded yet), prompts and the budget; not shards nor training set.
-        assert len(first.asset_selection) == len(defs.assets) - 3
+        assert len(first.asset_selection) == len(defs.assets) - 4
         # A night's quota counts prompts; a conversation's every turn is a request of its own.
         prompts, answers = answered(tmp_path)
         assert prompts == QUOTA and completions_requests(fleet) == answers

@@ -67,6 +67,7 @@ class UIPipeline:
     second_backfill: dict[str, Any]
     after_second: dict[str, list[str]]
     checks_after_second: dict[str, dict[str, list[str]]]
+    parts_backfill: dict[str, Any]  # training_set_parts, a run per shard
     training_run: str  # status of the training_set_job run launched afterwards
 
 
@@ -125,9 +126,12 @@ def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
                 return sorted(dev.partition_statuses("completions")["materializedPartitions"]) == SHARDS
 
             wait_for("every shard to be materialized", all_materialized, BACKFILL_TIMEOUT_S, 1)
-            # Launched while the daemon closes the backfill: the two waits overlap.
-            training = dev.launch_run("training_set_job")
+            # Each shard's parts of the training set in a run of its own, launched while the daemon
+            # closes the re-execution: the waits overlap. The set then only assembles them.
+            parts_id = dev.launch_backfill(["training_set_parts"], SHARDS, {})
             second = wait_for("the re-execution to finish", lambda: _finished(dev, second_id), BACKFILL_TIMEOUT_S, 1)
+            parts = wait_for("the parts backfill to finish", lambda: _finished(dev, parts_id), BACKFILL_TIMEOUT_S, 1)
+            training = dev.launch_run("training_set_job")
             training_status = wait_for("training_set_job to finish", lambda: _run_finished(dev, training), 180)
             yield UIPipeline(
                 dev=dev,
@@ -142,6 +146,7 @@ def ui_pipeline(tmp_path_factory) -> Iterator[UIPipeline]:
                 second_backfill=second,
                 after_second=dev.partition_statuses("completions"),
                 checks_after_second=dev.check_statuses("completions"),
+                parts_backfill=parts,
                 training_run=training_status,
             )
         except BaseException:

@@ -8,6 +8,7 @@ import pytest
 
 from expansion_dag.core import ENDINGS, base_prompt_id
 from expansion_dag.store import CompletionStore
+from expansion_dag.training import Manifest
 from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,6 +47,14 @@ def test_re_execution_from_failure_runs_only_the_failed_shard_and_completes_ever
     assert sorted(ui_pipeline.after_second["materializedPartitions"]) == ["shard-00", "shard-01"]
     assert ui_pipeline.after_second["failedPartitions"] == []
     assert ui_pipeline.training_run == "SUCCESS"
+
+
+def test_the_set_assembles_the_parts_each_shards_own_run_built(ui_pipeline):
+    parts = ui_pipeline.parts_backfill
+    assert parts["status"] == "COMPLETED_SUCCESS"
+    assert runs_by_partition(parts) == {"shard-00": ["SUCCESS"], "shard-01": ["SUCCESS"]}
+    manifest = Manifest.read(ui_pipeline.storage / "training_set")
+    assert manifest.parts["built"] == 0 and manifest.parts["reused"] == manifest.parts["parts"] >= 2
 
 
 def test_the_failed_shard_holds_each_of_its_prompts_exactly_once(ui_pipeline):

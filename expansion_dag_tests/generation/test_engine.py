@@ -153,6 +153,32 @@ def test_queued_prompts_go_to_a_server_reporting_idle_slots_never_to_one_with_a_
     assert report.ok == 300
 
 
+def test_a_borrower_leaves_a_reserve_of_a_server_its_owner_is_using(tmp_path):
+    """An owner's workers between two requests read as idle slots; borrowers leave some to it."""
+    helper = "http://gpu-1:30000"
+    owners = 8  # requests of the helper's own shard, always running
+    ours, most = 0, 0
+
+    async def handler(request):
+        nonlocal ours, most
+        if request.url.path == "/v1/loads":
+            return loads(slots=16, running=owners + ours, waiting=0)
+        if request.url.host != "gpu-1":
+            await asyncio.sleep(0.01)
+            return httpx.Response(200, json=completion())
+        ours += 1
+        most = max(most, ours)
+        await asyncio.sleep(0.01)
+        ours -= 1
+        return httpx.Response(200, json=completion())
+
+    config = EngineConfig(**FAST, spill_poll_s=0.01)
+    report, _ = run(tmp_path, items(400), handler, slots=1, config=config, helpers=[Server(helper, 16)])
+    # 16 slots, 8 of them the owner's: 8 read idle, 1 of them left for the owner's next request.
+    assert most == 16 - owners - 1
+    assert report.ok == 400 and report.helpers[helper].requests > 0
+
+
 def test_an_older_sglang_is_borrowed_through_get_load_with_its_probed_slots(tmp_path):
     old = "http://gpu-1:30000"  # SGLang 0.5.7: /get_load counts requests, it has no /v1/loads
     chats = collections.Counter()

@@ -34,7 +34,7 @@ def work(n):
 def run_shard(tmp_path, sim, config, n=40, stream_interval=1):
     """``stream_interval``: what the probe would say of the server (its own, or what vLLM is asked)."""
     store = CompletionStore(tmp_path)
-    with SimulatedFleet([SimServerConfig(**SIM, **sim)]) as fleet:
+    with SimulatedFleet([SimServerConfig(**{**SIM, **sim})]) as fleet:
         dialect = dialect_for(sim.get("backend", "sglang"), sim.get("version"))
         server = Server(fleet.urls[0], 8, dialect, stream_interval=stream_interval)
         with store.writer(SHARD) as writer:
@@ -158,3 +158,16 @@ def test_a_legitimate_repetitive_answer_is_kept(tmp_path):
         )
     assert report.ok == 1
     assert next(iter(store.records(SHARD)))["content"] == table
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_the_flood_follows_the_canarys_first_text_not_its_whole_answer(tmp_path, streamed):
+    """A reasoning answer takes minutes on a GPU: the server has shown it works at its first streamed
+    text. A plain request says nothing until its answer is whole, so its canary is waited out."""
+    slow = dict(token_latency_s=0.01, output_median_tokens=200, output_sigma=0.0, keep_timeline=True)
+    report, records, stats = run_shard(tmp_path, slow, EngineConfig(**FAST, stop_degenerate=streamed), n=9)
+    assert report.ok == 9 and len(records) == 9
+    canary, *flood = sorted(stats["timeline"]["requests"], key=lambda r: r["arrived"])
+    # 200 tokens at 10 ms: the canary answers for 2 s; streamed, the flood came at its first text.
+    # (Loops are stopped on streamed answers only: ``stop_degenerate`` is what streams.)
+    assert (min(r["arrived"] for r in flood) < canary["ended"]) == streamed

@@ -16,7 +16,7 @@ import s3fs
 
 from expansion_dag.core import FAILED, OK, as_upath, upload
 from expansion_dag.defs import SHARD_KEYS
-from expansion_dag.defs.assets import budgeted_prompts, completions, shard_prompts, training_set
+from expansion_dag.defs.assets import budgeted_prompts, completions, shard_prompts, training_set, training_set_parts
 from expansion_dag.defs.resources import StorageResource
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
@@ -119,13 +119,21 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
     with SimulatedFleet([SimServerConfig(**fast)] * len(SHARD_KEYS)) as fleet:
         res = resources(fleet.urls, root)
         res["storage"] = StorageResource(root=root, local_dir=str(tmp_path / "local"), segment_records=4)
-        assets = [prompts_asset(frame), budgeted_prompts, shard_prompts, completions, training_set]
+        assets = [prompts_asset(frame), budgeted_prompts, shard_prompts, completions, training_set_parts, training_set]
         prepare = dg.materialize(assets, resources=res, instance=instance, selection=["prompts", "budgeted_prompts"])
         assert prepare.success
         for key in SHARD_KEYS:
             assert dg.materialize(
                 assets, resources=res, instance=instance, partition_key=key, selection=["shard_prompts", "completions"]
             ).success
+        # Each shard's parts built in a run of its own, on a pod's empty disk of its own.
+        built = {}
+        for key in SHARD_KEYS:
+            pod = StorageResource(root=root, local_dir=str(tmp_path / f"pod-{key}"), segment_records=4)
+            run = dg.materialize(assets, resources={**res, "storage": pod}, instance=instance, partition_key=key,
+                                 selection=["training_set_parts"])
+            [materialization] = run.asset_materializations_for_node("training_set_parts")
+            built[key] = {name: materialization.metadata[name].value for name in ("parts", "built", "reused")}
         result = dg.materialize(assets, resources=res, instance=instance, selection=["training_set"])
         sent = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
     assert result.success
@@ -166,10 +174,15 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
     table = pq.read_table(files[0].removeprefix("s3://"), filesystem=s3fs.S3FileSystem())
     assert table.schema.names[:3] == ["id", "source", "input_ids"]
 
-    # The parts the set was built from are kept in the object store: a build from a run pod's empty
-    # disk takes every one of them as it is, and tokenizes nothing again.
+    # The shards' runs built every part, each its shard's alone (a pod downloads no other shard's
+    # part); the set took them as they were. The parts are kept in the object store: a build from a
+    # run pod's empty disk takes every one of them as it is, and tokenizes nothing again.
     assert "training_set_parts/build.json" in stored
-    assert manifest.parts["built"] == manifest.parts["parts"] > len(SHARD_KEYS)
+    assert all(b["built"] == b["parts"] > 1 and b["reused"] == 0 for b in built.values())
+    for key in SHARD_KEYS:
+        assert len(list((tmp_path / f"pod-{key}").rglob("part.json"))) == built[key]["parts"]
+    assert manifest.parts["built"] == 0
+    assert manifest.parts["reused"] == manifest.parts["parts"] == sum(b["parts"] for b in built.values())
     res["storage"] = StorageResource(root=root, local_dir=str(tmp_path / "another-pod"), segment_records=4)
     assert dg.materialize(assets, resources=res, instance=instance, selection=["training_set"]).success
     again = Manifest.read(out_dir)

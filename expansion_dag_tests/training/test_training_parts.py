@@ -3,6 +3,8 @@ the parts whose records are new, a changed setting rebuilds all and says why, an
 a single pass over the same records gives."""
 
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,6 +15,7 @@ from expansion_dag.training import (
     BuildTrace,
     Manifest,
     TrainingSetConfig,
+    build_parts,
     build_training_set,
     build_training_set_in_parts,
 )
@@ -140,3 +143,30 @@ def test_a_damaged_part_is_built_again_and_the_others_are_kept(qwen3, tmp_path):
     assert manifest.parts == {"parts": 2, "built": 1, "reused": 1, "rebuilt_all_because": None}
     in_one_pass(store, qwen3, tmp_path / "one-pass")
     assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+
+
+def shard_parts(root, shard, parts_dir):
+    """What a Dagster run of one shard's ``training_set_parts`` does: that shard's parts alone."""
+    parts, _ = CompletionStore(root).parts([shard])
+    return build_parts(
+        parts, load_tokenizer(), TrainingSetConfig(formats=FORMATS), parts_dir=parts_dir, identities=one_mode(MODEL)
+    )
+
+
+def test_parts_built_by_each_shard_in_a_process_of_its_own_are_taken_by_the_set(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    shards = [f"shard-{shard:02d}" for shard in range(3)]
+    for i, shard in enumerate(shards):
+        night(store, shard, [record(n) for n in range(i * 5, i * 5 + 5)])
+    # One process a shard, as runs in pods of their own; shard-02 twice at once (a retried run).
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=4, mp_context=context) as pool:
+        runs = [*shards, "shard-02"]
+        built = list(pool.map(shard_parts, [tmp_path / "completions"] * 4, runs, [tmp_path / "parts"] * 4))
+    assert [run["parts"] for run in built] == [1, 1, 1, 1]
+    # The set takes every part as it is, and is the set one pass gives.
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    assert manifest.parts == {"parts": 3, "built": 0, "reused": 3, "rebuilt_all_because": None}
+    in_one_pass(store, qwen3, tmp_path / "one-pass")
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir() if p.name.startswith(".")) == []

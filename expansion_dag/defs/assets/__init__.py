@@ -26,6 +26,7 @@ from expansion_dag.defs.assets.training_set import (
     CHECK_ROUND_TRIP,
     training_set,
     training_set_checks,
+    training_set_parts,
 )
 
 __all__ = [
@@ -33,5 +34,5 @@ __all__ = [
     "CHECK_LENGTH", "CHECK_LOSS_MASK", "CHECK_NOT_EMPTY", "CHECK_NO_EMPTY", "CHECK_ROUND_TRIP",
     "CHECK_TRUNCATION", "budgeted_prompts", "build_prompts_asset", "build_raw_dataset_assets",
     "completions", "shard_prompts", "stored_checks", "stored_figures", "training_set",
-    "training_set_checks"
+    "training_set_checks", "training_set_parts"
 ]

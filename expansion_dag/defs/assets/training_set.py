@@ -9,6 +9,10 @@ every output the ``training_formats`` setting names (the trainers' files beside 
 the manifest and the dataset card, and keeps what the round trip (a digest of each row's render)
 and the nightly table (each prompt's outcome) need. The checks read the written Parquet files back
 and recompute from them; an empty set fails, naming what was left out and why.
+
+The set is built in parts, a segment of the store each, and builds the parts it does not find.
+``training_set_parts`` builds one shard's parts in a run of its own (a pod each on Kubernetes, a
+backfill of its partitions); the set then only assembles them.
 """
 
 from collections.abc import Collection, Mapping
@@ -19,6 +23,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from expansion_dag.core import ModeIdentities, as_upath
+from expansion_dag.defs import shard_partitions
 from expansion_dag.defs.assets.budget import FLEET_IDENTITY, SIMULATED_FLEET
 from expansion_dag.defs.assets.completions import BLOCKING_CHECKS
 from expansion_dag.defs.assets.metadata import markdown_table
@@ -30,11 +35,13 @@ from expansion_dag.training import (
     BuildTrace,
     Manifest,
     TrainingSetConfig,
+    build_parts,
     build_training_set_in_parts,
     check_round_trip,
     data_files,
     dataset_card,
     manifest_markdown,
+    part_names,
     sample_rows,
 )
 
@@ -45,6 +52,7 @@ CHECK_LENGTH = "within_context_length"
 CHECK_ROUND_TRIP = "round_trip"
 ROUND_TRIP_SAMPLE = 64
 FIGURES_BATCH_ROWS = 1024
+PARTS_FOLDER = "training_set_parts"  # under the storage root
 
 
 #: What the training set reads of ``budgeted_prompts``: what its prompts were budgeted for.
@@ -66,9 +74,50 @@ def blocking_failures(instance: dg.DagsterInstance) -> list[str]:
     return sorted(f"{i.partition_key}: {i.check_key.name}" for i in infos if i.latest_execution_status.value == "FAILED")
 
 
+def _build_inputs(
+    budgeted_prompts: pl.DataFrame, settings: GenerationSettings
+) -> tuple[ModeIdentities, TrainingSetConfig]:
+    """What the set takes (the identity the prompts were budgeted for) and how it is built."""
+    context_length, model, simulated = _budget_facts(budgeted_prompts)
+    return ModeIdentities(settings.mix(), model, simulated), settings.training_set_config(context_length)
+
+
 @dg.asset(
     group_name=GROUP,
+    partitions_def=shard_partitions,
     deps=["completions"],
+    ins={"budgeted_prompts": dg.AssetIn(metadata={"columns": BUDGET_FACTS})},
+)
+def training_set_parts(
+    context: dg.AssetExecutionContext, budgeted_prompts: pl.DataFrame, settings: GenerationSettings,
+    storage: StorageResource,
+) -> dg.MaterializeResult:
+    """This shard's parts of the training set (a segment each), built once and kept for training_set."""
+    store = storage.completion_store()
+    parts, _ = store.parts([context.partition_key])
+    tokenizer = settings.load_tokenizer()
+    identities, config = _build_inputs(budgeted_prompts, settings)
+    known = store.registry.known()
+    names = part_names(parts, tokenizer, config, identities, known)
+    with storage.kept_parts(PARTS_FOLDER, last=PART_DONE, only=names) as parts_dir:
+        summary = build_parts(
+            parts, tokenizer, config, parts_dir=parts_dir, identities=identities, known=known,
+            workers=settings.training_build_workers,
+        )
+    return dg.MaterializeResult(
+        metadata={
+            "parts": summary["parts"],
+            "built": summary["built"],
+            "reused": summary["reused"],
+            "rebuilt_all_because": summary["rebuilt_all_because"] or "",
+            "path": dg.MetadataValue.path(str(storage.path(PARTS_FOLDER))),
+        }
+    )
+
+
+@dg.asset(
+    group_name=GROUP,
+    deps=["completions", "training_set_parts"],
     ins={"budgeted_prompts": dg.AssetIn(metadata={"columns": BUDGET_FACTS})},
     check_specs=[
         dg.AssetCheckSpec(CHECK_NOT_EMPTY, asset="training_set", description="The set has samples."),
@@ -97,16 +146,14 @@ def training_set(
         )
     store = storage.completion_store()
     tokenizer = settings.load_tokenizer()
-    context_length, model, simulated = _budget_facts(budgeted_prompts)
-    identities = ModeIdentities(settings.mix(), model, simulated)
-    config = settings.training_set_config(context_length)
+    identities, config = _build_inputs(budgeted_prompts, settings)
     out_dir = storage.path("training_set")
     # One pass over the store, in file order: every output, and (in the trace) what the round trip
     # and the nightly table need.
     trace = BuildTrace()
     parts, failures = store.parts()
     with (
-        storage.kept_parts("training_set_parts", last=PART_DONE) as parts_dir,
+        storage.kept_parts(PARTS_FOLDER, last=PART_DONE) as parts_dir,
         storage.local_staging(out_dir, last=MANIFEST_NAME) as staging,
     ):
         manifest = build_training_set_in_parts(

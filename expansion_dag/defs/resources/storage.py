@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,11 +81,14 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
         return as_upath(self.root).joinpath(*parts)
 
     @contextmanager
-    def kept_parts(self, name: str, *, last: str) -> Iterator[Path]:
+    def kept_parts(self, name: str, *, last: str, only: Collection[str] | None = None) -> Iterator[Path]:
         """A local folder of parts (a subfolder each, complete once it holds ``last``) that outlives
         runs and machines: under a local root, the folder itself; for a remote one, a copy under
         ``local_dir`` brought up to date from ``<root>/<name>`` first (a run pod starts with an
-        empty disk), and the object store made to hold what the block left in it afterwards."""
+        empty disk), and the object store made to hold what the block left in it afterwards.
+
+        ``only``: the subfolders the block needs (one shard's parts); the others are neither
+        downloaded nor removed from the object store, whatever other runs do with them meanwhile."""
         root = as_upath(self.root)
         if is_local(root):
             yield local_path(root / name)
@@ -93,7 +96,10 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
         remote = root / name
         local = Path(self.local_dir, "cache", hashlib.sha256(str(root).encode()).hexdigest()[:16], name)
         local.mkdir(parents=True, exist_ok=True)
-        there = {entry_name(e): e["type"] for e in listing(remote)}
+        there = {
+            entry_name(e): e["type"] for e in listing(remote)
+            if only is None or e["type"] == "file" or entry_name(e) in only
+        }
         for entry, kind in there.items():
             if kind == "directory" and not (local / entry / last).exists():
                 staged = local / f".{entry}.tmp-{os.getpid()}"  # never a half copy under its name
@@ -108,9 +114,11 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
         yield local
         here = set(os.listdir(local))
         for entry in sorted(here):
+            if entry.startswith("."):
+                continue  # a builder's staging, never finished
             if (local / entry).is_file():
                 upload(local / entry, remote / entry)
-            elif entry not in there and (local / entry / last).exists():
+            elif entry not in there and (only is None or entry in only) and (local / entry / last).exists():
                 upload(local / entry, remote / entry, last=last)
         for entry in sorted(set(there) - here):
             remote.fs.rm((remote / entry).path, recursive=True)
