@@ -38,9 +38,8 @@ fleet-wide queue, a conversation's whole chain on one slot, each server's slots 
 first request: ``bench_waste.makespan_clairvoyant_units``), their ratio and the plain loop's makespan
 over the engine's bound; attempts, 503 refusals and their share; prompts failed (from 503s); loops
 asked and stopped; requests ending after the bound (conversation turns among them); each server's
-wait for its second request (the engine's canary runs alone before the flood: on an empty store
-every prompt expects the same prior, so the "shortest expected" canary is any prompt, waited for
-whole); client and simulator CPU; for the engine, each shard's borrowing, by the reason each
+wait for its second request (the engine's canary runs alone until its first streamed text);
+client and simulator CPU; for the engine, each shard's borrowing, by the reason each
 reading of a server's load did or did not lead to it. Seconds are the scaled run's
 (``*_reference_s``: times the factor). A streamed answer holds its slot a little longer in the
 simulator than the same answer sent plain (an event every 256 tokens, each a timer of the one
@@ -367,7 +366,7 @@ def timeline_figures(stats: list[dict[str, Any]], night: Night, time_factor: flo
         "refused_share": round(refused / attempts, 5) if attempts else 0.0,
         "answers_by_status": dict(statuses),
         "requests_run": len(done),
-        # The engine's canary: each server's first request runs alone, the flood after its answer.
+        # The engine's canary: each server's first request runs alone until its first streamed text.
         "second_request_after_first_s": [round(s, 3) for s in second_request],
         "slot_seconds": round(sum(service.values()), 1),
         "requests_ending_after_bound": len(late),

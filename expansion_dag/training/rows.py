@@ -145,6 +145,8 @@ def _prepared(
             if row.ids is None and row.texts is not None:
                 # A conversation whose earlier turns cannot be found in the server's prompt: its text.
                 row.sample = dataclasses.replace(row.sample, prompt_ids=None, output_ids=None, retokenized=PROMPT_NOT_LOCATED)
+            else:  # unpacked: the packed copies would live on with the chunk (a third of its memory)
+                row.sample = dataclasses.replace(row.sample, prompt_ids=None, output_ids=None)
             row.measured = row.measured and row.ids is not None and row.texts is not None
         if row.ids is not None or row.texts is not None:
             kept.append(row)
@@ -162,10 +164,11 @@ def _server_segments(row: _Row, rules: _ModeRules, tokenizer: PreTrainedTokenize
     exactly; None where it does not (or the render does not split).
     """
     sample, texts = row.sample, row.texts
-    prompt, output = unpack(sample.prompt_ids or ""), row.output or []
+    prompt, answer = unpack(sample.prompt_ids or ""), row.output or []
+    row.output = None  # the row's segments hold it from here
     eot = rules.end_of_turn_ids
-    closed = output[-len(eot) :] == eot or (output and output[-1] in rules.special_ids)
-    answer = output if closed else output + eot
+    if not (answer[-len(eot) :] == eot or (answer and answer[-1] in rules.special_ids)):
+        answer.extend(eot)  # in place: a chunk's answers are most of its memory
     if not sample.conversation:
         return [prompt, answer, rules.trailer_ids]
     if texts is None or rules.token_bytes is None:
@@ -255,7 +258,8 @@ def _tokenize(rows: Sequence[_Row], tokenizer: PreTrainedTokenizerBase, config: 
                 row=_differing_tokens(_flat(row.ids), _flat(retokenized)),
                 prompt=_differing_tokens(_flat(row.ids[:-2]), next(client_prompts)),
             )
-        chunk.add(row.sample, row.ids, None, _agrees(next(decoded), row.sample), difference)
+        agrees = _agrees(next(decoded), row.sample)
+        chunk.add(dataclasses.replace(row.sample, said=""), row.ids, None, agrees, difference)  # said: compared, done
     return chunk
 
 
