@@ -356,8 +356,8 @@ async def send_chat(
     generator is cancelled on disconnect and ``AsyncLLM.generate`` aborts the request at once
     (proved against the real engine, ``real_engine/test_vllm_streaming.py``).
 
-    ``on_output`` is called once the stream carries generated text: the server took the request
-    (a streamed request's errors can come as events after a 200, SGLang's prompt checks among them).
+    ``on_output`` is called once the stream carries generated text, not at the 200: an error can
+    still come as an event in the stream (``ChatStream`` raises it) before any text.
     """
     if not request.get("stream"):
         return await _send_plain(client, url, request, dialect)
