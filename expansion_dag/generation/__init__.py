@@ -34,18 +34,21 @@ from expansion_dag.generation.progress import (
     render_table,
     retry_summary,
     silence_retry_logging,
+    speed_line,
 )
 from expansion_dag.generation.recorder import ended_record
 from expansion_dag.generation.shard_figures import ShardFigures, shard_figures
-from expansion_dag.generation.shard_report import Progress, ShardReport, spearman
+from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport, spearman
 from expansion_dag.generation.shard_work import ShardWork, prompt_keys
+from expansion_dag.generation.speed import MIN_ANSWERS, ShardPlan, Speed, SpeedMeter, outlook
 
 __all__ = [
-    "AnswerLengths", "AnswerYield", "CoalescingSelector", "EngineConfig", "Estimate", "MIN_OBSERVED",
-    "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress", "ProgressDisplay",
-    "PromptQueue", "Server", "ShardFigures", "ShardProgress", "ShardReport", "ShardRun", "ShardWork",
-    "Throughput", "Turn", "TurnPlanner", "WorkItem", "YieldGate", "bucket_label", "cell_estimates",
-    "claim_share", "ended_record", "expected_per_prompt", "generate_shard", "learn", "make_plan",
-    "prompt_bucket", "prompt_features", "prompt_keys", "quiet_third_party", "render_table",
-    "retry_summary", "run_ticked", "shard_figures", "silence_retry_logging", "spearman", "turn_id"
+    "AnswerLengths", "AnswerYield", "CoalescingSelector", "EngineConfig", "Estimate", "MIN_ANSWERS",
+    "MIN_OBSERVED", "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress",
+    "ProgressDisplay", "PromptQueue", "Server", "ServerStats", "ShardFigures", "ShardPlan", "ShardProgress",
+    "ShardReport", "ShardRun", "ShardWork", "Speed", "SpeedMeter", "Throughput", "Turn", "TurnPlanner",
+    "WorkItem", "YieldGate", "bucket_label", "cell_estimates", "claim_share", "ended_record",
+    "expected_per_prompt", "generate_shard", "learn", "make_plan", "outlook", "prompt_bucket",
+    "prompt_features", "prompt_keys", "quiet_third_party", "render_table", "retry_summary", "run_ticked",
+    "shard_figures", "silence_retry_logging", "spearman", "speed_line", "turn_id"
 ]

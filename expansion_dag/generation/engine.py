@@ -112,7 +112,13 @@ class Sender:
             token_ids=server.dialect.token_ids,
         )
         started = time.monotonic()
-        stats.started(started)
+        stream = stats.started(started, streamed=self._thresholds is not None)
+
+        def output() -> None:
+            stream.output(time.monotonic())  # it decodes from here: the run's speed (generation.speed)
+            if on_output is not None:
+                on_output()
+
         try:
             exchange = await generate(
                 client,
@@ -123,10 +129,10 @@ class Sender:
                 on_retry=self._count_retry,
                 thresholds=self._thresholds,
                 stream_interval=server.stream_interval,
-                on_output=on_output,
+                on_output=output,
             )
         finally:
-            stats.finished(time.monotonic())
+            stats.finished(time.monotonic(), stream)
         latency = time.monotonic() - started
         self.report.attempts += exchange.attempts
         error = exchange.error
@@ -137,6 +143,7 @@ class Sender:
             features = self._queue.features(item)
             expected = self._queue.ordered_on(item)
             self._recorder.answer(item, server.url, exchange.answer, exchange, latency, expected=expected, features=features)
+            stats.meter.answered(stream, exchange.answer.completion_tokens)
             self._queue.learn(item, exchange.answer.completion_tokens)
         elif not borrowed or of_error(error) == CONTENT:
             self._recorder.failure(item, server.url, error, exchange, latency)

@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from expansion_dag.core import OK
+from expansion_dag.generation.speed import MIN_ANSWERS, PLAN_MARGIN
 
 #: Spread assumed around a configured estimate (lognormal sigma): real answer lengths spread about
 #: this much (the reference run's sources: 0.8 to 1.3).
@@ -40,6 +41,12 @@ _PRIOR_POINTS = 400
 STORE_BYTES_PER_TOKEN = 5.0
 STORE_BYTES_PER_RECORD = 700
 TRAINING_BYTES_PER_TOKEN = 2.0
+#: What the plan says of the time when it has no throughput: how the run will know it.
+MEASURED_IN_THE_RUN = (
+    "no throughput yet: measured in the run's first minute from the tokens each server streams with its "
+    f"slots full (its first {MIN_ANSWERS} answers' decode rate, times the streams decoding), then the time to "
+    "finish and the GPU-hours are printed and kept up to date"
+)
 
 
 class Observed:
@@ -200,9 +207,13 @@ class Plan:
             "plan_store_bytes": self.store_bytes,
             "plan_training_set_bytes": self.training_set_bytes,
             "plan_tokens_per_s_per_server": self.throughput.tokens_per_s or 0.0,
-            "plan_gpu_hours": round(self.gpu_hours, 3) if self.gpu_hours is not None else "unknown",
-            "plan_wall_s": round(self.wall_s, 1) if self.wall_s is not None else "unknown",
+            "plan_gpu_hours": round(self.gpu_hours, 3) if self.gpu_hours is not None else self._unknown_time,
+            "plan_wall_s": round(self.wall_s, 1) if self.wall_s is not None else self._unknown_time,
         }
+
+    @property
+    def _unknown_time(self) -> str:
+        return "measured in the run's first minute" if self.throughput.tokens_per_s is None else "unknown"
 
     def lines(self) -> list[str]:
         """The plan as a person reads it, estimates marked as such."""
@@ -225,8 +236,11 @@ class Plan:
         if self.gpu_hours is not None and self.wall_s is not None:
             out.append(
                 f"  time: {self.gpu_hours:,.2f} GPU-hours{sim}, {_duration(self.wall_s)} wall on {self.servers} server(s) at "
-                f"{self.throughput.tokens_per_s:,.0f} output tokens/s each [{self.throughput.basis}; decode only]"
+                f"{self.throughput.tokens_per_s:,.0f} output tokens/s each [{self.throughput.basis}; decode only]; "
+                f"the run measures its own speed in its first minute and says if this is off by over {PLAN_MARGIN:.0%}"
             )
+        elif self.throughput.tokens_per_s is None:
+            out.append(f"  time: {MEASURED_IN_THE_RUN} [{self.throughput.basis}]")
         out += [f"  cannot plan: {p}" for p in self.problems]
         return out
 
@@ -265,8 +279,6 @@ def make_plan(
         problems.append("the catalog yields no prompts (after dedup, filters, quotas and budgets)")
     if throughput.tokens_per_s is not None and throughput.tokens_per_s <= 0:
         problems.append(f"a throughput of 0 output tokens/s ({throughput.basis}): no time or GPU-hours")
-    elif throughput.tokens_per_s is None:
-        problems.append(f"no throughput ({throughput.basis}): no time or GPU-hours")
     tokens, cut = expected_per_prompt(prompts, observed, priors)
     frame = prompts.select("source", "prompt_tokens").with_columns(
         pl.Series("output", tokens), pl.Series("cut", cut)

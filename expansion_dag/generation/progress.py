@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 from expansion_dag.generation.shard_report import Progress
+from expansion_dag.generation.speed import PLAN_MARGIN, ShardPlan, outlook
 
 
 @dataclass(frozen=True)
 class ShardProgress:
-    """What a person watching a shard wants: done, rate, ETA, failures and retries."""
+    """What a person watching a shard wants: done, rate, ETA, failures and retries, and the speed
+    measured so far with the time to finish and GPU-hours it gives (``expansion_dag.generation.speed``)."""
 
     done: int
     total: int
@@ -34,9 +36,19 @@ class ShardProgress:
     elapsed_s: float
     #: What the answers so far will yield: ``rows 96%; truncated 3%`` (``AnswerYield.summary``).
     answer_yield: str = ""
+    #: Output tokens a second per server, measured; None until it is defensible.
+    speed_tokens_per_s: float | None = None
+    #: What the speed rests on, or what it still waits for (``measuring: ...``).
+    speed_basis: str | None = None
+    #: Seconds to finish and GPU-hours of the run's prompts, at the measured speed.
+    finish_s: float | None = None
+    gpu_hours: float | None = None
+    #: The plan's throughput per server (None: it had none), which the measurement checks.
+    plan_tokens_per_s: float | None = None
+    simulated: bool | None = None
 
     @classmethod
-    def from_engine(cls, progress: Progress) -> ShardProgress:
+    def from_engine(cls, progress: Progress, plan: ShardPlan | None = None) -> ShardProgress:
         return cls(
             done=progress.done,
             total=progress.total,
@@ -47,6 +59,7 @@ class ShardProgress:
             eta_s=None if progress.eta_s is None else round(progress.eta_s, 1),
             elapsed_s=round(progress.elapsed_s, 1),
             answer_yield=progress.answer_yield,
+            **(_speed_fields(progress, plan) if plan is not None else {}),
         )
 
     def as_metadata(self) -> dict[str, Any]:
@@ -55,6 +68,23 @@ class ShardProgress:
     @classmethod
     def from_metadata(cls, values: Mapping[str, Any]) -> ShardProgress:
         return cls(**{name: values.get(name) for name in cls.__dataclass_fields__})
+
+
+def _speed_fields(progress: Progress, plan: ShardPlan) -> dict[str, Any]:
+    speed = progress.speed
+    fields: dict[str, Any] = {"plan_tokens_per_s": plan.tokens_per_s, "simulated": plan.simulated}
+    if speed is None:
+        return fields | {"speed_basis": "measuring: slots not full yet"}
+    ahead = outlook(speed, plan, answered_tokens=progress.answered_tokens, answers=progress.done - progress.failed,
+                    left=progress.total - progress.done)
+    if ahead is None:
+        return fields | {"speed_basis": f"measuring: {speed.answers} of {speed.needed} answers since the slots filled"}
+    return fields | {
+        "speed_tokens_per_s": round(ahead.tokens_per_s, 1),
+        "speed_basis": speed.basis(),
+        "finish_s": round(ahead.finish_s, 1),
+        "gpu_hours": round(ahead.gpu_hours, 4),
+    }
 
 
 class ObservationThrottle:
@@ -72,13 +102,17 @@ class ObservationThrottle:
         self._kept_at: float | None = None
         self._kept_percent = -1
         self._held: ShardProgress | None = None
+        self._speed_kept = False
 
     def keep(self, figures: ShardProgress) -> bool:
         """Whether to observe ``figures`` now; if not, they are held for :meth:`last`."""
         now = self._clock()
         percent = 100 * figures.done // figures.total if figures.total else 100
-        if self._kept_at is None or now - self._kept_at >= self._every_s or percent > self._kept_percent:
+        # The first measured speed is shown at once: the time to finish is what the run waited for.
+        first_speed = figures.speed_tokens_per_s is not None and not self._speed_kept
+        if self._kept_at is None or now - self._kept_at >= self._every_s or percent > self._kept_percent or first_speed:
             self._kept_at, self._kept_percent, self._held = now, percent, None
+            self._speed_kept = self._speed_kept or first_speed
             return True
         self._held = figures
         return False
@@ -107,11 +141,17 @@ def _cells(shard: str, state: str, p: ShardProgress | None) -> list[str]:
         share,
         f"{p.requests_per_s:,.2f}/s",
         f"{p.output_tokens_per_s:,.0f}",
-        _duration(p.eta_s) if state == "running" else "-",
+        _duration(_eta(p)) if state == "running" else "-",
         f"{p.failed:,}",
         f"{p.retries:,}",
         p.answer_yield or "-",  # observations written before the yield was counted have none
     ]
+
+
+def _eta(p: ShardProgress) -> float | None:
+    # From the measured speed once there is one: early answers are the short ones, so a rate of
+    # answers says the run ends too soon.
+    return p.finish_s if p.finish_s is not None else p.eta_s
 
 
 HEADER = ["shard", "state", "done", "rate", "tok/s", "ETA", "failed", "retries", "yield"]
@@ -141,8 +181,80 @@ def render_line(states: Mapping[str, str], figures: Mapping[str, ShardProgress |
     return "progress: " + " | ".join(parts)
 
 
+@dataclass(frozen=True)
+class FleetSpeed:
+    """The fleet's speed once every shard reporting one has measured it."""
+
+    tokens_per_s: float  # per server, the shards' mean
+    servers: int
+    #: When the last shard ends at this speed, on the shards' clocks (seconds from their start).
+    ends_at_s: float
+    finish_s: float
+    gpu_hours: float
+    said_at_s: float
+
+    @staticmethod
+    def of(figures: Mapping[str, ShardProgress | None]) -> FleetSpeed | None:
+        """None until every shard has measured its speed: a fleet's time to finish is its slowest shard's."""
+        shards = [p for p in figures.values() if p is not None and p.speed_basis is not None]
+        if len(shards) < len(figures) or any(p.speed_tokens_per_s is None or p.finish_s is None for p in shards):
+            return None
+        return FleetSpeed(
+            tokens_per_s=sum(p.speed_tokens_per_s or 0.0 for p in shards) / len(shards),
+            servers=len(shards),
+            ends_at_s=max(p.elapsed_s + (p.finish_s or 0.0) for p in shards),
+            finish_s=max(p.finish_s or 0.0 for p in shards),
+            gpu_hours=sum(p.gpu_hours or 0.0 for p in shards),
+            said_at_s=max(p.elapsed_s for p in shards),
+        )
+
+
+def speed_line(figures: Mapping[str, ShardProgress | None]) -> str | None:
+    """The fleet's measured speed, the time to finish and the GPU-hours it gives, and the plan's
+    throughput checked against it; what it still waits for before that; None: no shard says."""
+    shards = {shard: p for shard, p in figures.items() if p is not None and p.speed_basis is not None}
+    if not shards:
+        return None
+    fleet = FleetSpeed.of(figures)
+    if fleet is None:
+        waiting = "; ".join(
+            f"{shard} {'no report yet' if p is None else p.speed_basis}"
+            for shard, p in figures.items() if p is None or p.speed_tokens_per_s is None
+        )
+        return f"speed: {waiting}"
+    planned = next((p.plan_tokens_per_s for p in shards.values() if p.plan_tokens_per_s), None)
+    if planned is None:
+        check = "the plan had no throughput"
+    else:
+        off = fleet.tokens_per_s / planned - 1
+        check = f"the plan's {planned:,.0f} " + (
+            f"is off by {off:+.0%}" if abs(off) > PLAN_MARGIN else f"holds (within {PLAN_MARGIN:.0%})"
+        )
+    label = " (simulator: not a GPU figure)" if any(p.simulated for p in shards.values()) else ""
+    shard, first = next(iter(shards.items()))
+    return (
+        f"speed: {fleet.tokens_per_s:,.0f} output tokens/s per server{label} measured on {fleet.servers} "
+        f"server(s) [{shard}: {first.speed_basis}]: time to finish {_duration(fleet.finish_s)}, "
+        f"{fleet.gpu_hours:,.2f} GPU-hours for this run's prompts; {check}"
+    )
+
+
+def estimate_line(first: FleetSpeed, figures: Mapping[str, ShardProgress | None]) -> str:
+    """The first time to finish said, against when the shards ended."""
+    ended = max(p.elapsed_s for p in figures.values() if p is not None)
+    error = first.ends_at_s / ended - 1 if ended > 0 else 0.0
+    return (
+        f"speed: said at {_duration(first.said_at_s)}, the shards would end at {_duration(first.ends_at_s)}; "
+        f"they ended at {_duration(ended)} (estimate {error:+.0%})"
+    )
+
+
 class ProgressDisplay:
-    """Shows the fleet's progress: redrawn in place on a terminal, a plain line per interval otherwise."""
+    """Shows the fleet's progress: redrawn in place on a terminal, a plain line per interval otherwise.
+
+    Under it, the fleet's speed (``speed_line``), printed at once the first time it is measured, and
+    at the end the first time to finish it gave against the actual one.
+    """
 
     def __init__(self, out: TextIO = sys.stdout, *, line_interval_s: float = 15.0, live: bool | None = None):
         self._out = out
@@ -150,18 +262,26 @@ class ProgressDisplay:
         self._line_interval_s = line_interval_s
         self._drawn = 0
         self._last_line = float("-inf")
+        #: The first measured figures: checked against the end.
+        self.first_speed: FleetSpeed | None = None
 
     def update(
         self, states: Mapping[str, str], figures: Mapping[str, ShardProgress | None], *, final: bool = False
     ) -> None:
+        speed = speed_line(figures)
+        first = self.first_speed is None and FleetSpeed.of(figures) is not None
+        if first:
+            self.first_speed = FleetSpeed.of(figures)
+        ending = [estimate_line(self.first_speed, figures)] if final and self.first_speed is not None else []
         if self._live:
-            lines = render_table(states, figures)
+            lines = render_table(states, figures) + ([speed] if speed else []) + ending
             # Up to the table's first line, clear to the end, draw again.
             prefix = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
             self._out.write(prefix + "\n".join(lines) + "\n")
             self._drawn = len(lines)
-        elif final or time.monotonic() - self._last_line >= self._line_interval_s:
-            self._out.write(render_line(states, figures) + "\n")
+        elif final or first or time.monotonic() - self._last_line >= self._line_interval_s:
+            lines = [render_line(states, figures)] + ([speed] if speed else []) + ending
+            self._out.write("\n".join(lines) + "\n")
             self._last_line = time.monotonic()
         self._out.flush()
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from expansion_dag.generation.answer_yield import AnswerYield
+from expansion_dag.generation.speed import MIN_ANSWERS, Speed, SpeedMeter, Stream
 
 
 @dataclass
@@ -25,19 +26,26 @@ class ServerStats:
     #: (``borrowing.Borrowing``), e.g. its own shard not started yet.
     borrowing: collections.Counter = field(default_factory=collections.Counter)
     _since: float = field(default_factory=time.monotonic)
+    #: The output speed of this shard's requests here (``expansion_dag.generation.speed``).
+    meter: SpeedMeter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.meter = SpeedMeter(self.slots)
 
     def _account(self, now: float) -> None:
         # Busy slots are what the server is running: requests beyond its slots wait in its queue.
         self.busy_slot_seconds += min(self.in_flight, self.slots) * (now - self._since)
         self._since = now
 
-    def started(self, now: float) -> None:
+    def started(self, now: float, *, streamed: bool = False) -> Stream:
         self._account(now)
         self.in_flight += 1
+        return self.meter.sent(now, streamed=streamed)
 
-    def finished(self, now: float) -> None:
+    def finished(self, now: float, stream: Stream) -> None:
         self._account(now)
         self.in_flight -= 1
+        self.meter.ended(stream, now)
 
 
 @dataclass
@@ -80,6 +88,11 @@ class ShardReport:
     answers: list[tuple[int, int, float]] = field(default_factory=list)
     #: This run's answers judged by the training set's rules as they arrived: rows, and why not.
     answer_yield: AnswerYield = field(default_factory=AnswerYield)
+
+    def __post_init__(self) -> None:
+        # A run with fewer prompts than slots never fills them: its speed is measured once all are in flight.
+        for stats in self.servers.values():
+            stats.meter.fill = max(1, min(stats.slots, -(-self.total // len(self.servers))))
 
     @property
     def done(self) -> int:
@@ -130,7 +143,13 @@ class ShardReport:
         """The makespan had the answers' service times been known: longest first on the own slots."""
         return longest_first_makespan([a[2] for a in self.answers], sum(s.slots for s in self.servers.values()))
 
-    def progress(self, elapsed_s: float) -> Progress:
+    def speed(self, now: float) -> Speed | None:
+        """The output speed of the shard's own servers so far (``expansion_dag.generation.speed``)."""
+        needed = max(1, min(MIN_ANSWERS, self.total))
+        return Speed.combined([s.meter.sample(now, needed) for s in self.servers.values()], needed)
+
+    def progress(self, elapsed_s: float, now: float | None = None) -> Progress:
+        """The figures at ``elapsed_s`` into the run; ``now``: the clock the servers' times are on."""
         rate = self.done / elapsed_s if elapsed_s > 0 else 0.0
         return Progress(
             done=self.done,
@@ -145,6 +164,8 @@ class ShardReport:
             failed=self.failed,
             retries=dict(self.retries_by_kind),
             answer_yield=self.answer_yield.summary() if self.answer_yield.judged else "",
+            speed=self.speed(time.monotonic() if now is None else now),
+            answered_tokens=self.output_tokens,
         )
 
     def utilization(self) -> float:
@@ -168,6 +189,10 @@ class Progress:
     retries: dict[str, int] = field(default_factory=dict)
     #: What the answers so far will yield (``AnswerYield.summary``); empty before the first.
     answer_yield: str = ""
+    #: The output speed measured so far; None until the slots are full.
+    speed: Speed | None = None
+    #: Output tokens of the answers so far.
+    answered_tokens: int = 0
 
     def __str__(self) -> str:
         eta = "unknown" if self.eta_s is None else f"{self.eta_s:,.0f} s"

@@ -91,6 +91,19 @@ def test_the_demo_shows_the_fleets_progress_in_one_place_and_no_progress_bars(de
     assert "retry" not in result.stderr.lower()
 
 
+def test_the_demo_plans_with_no_throughput_then_measures_its_speed_and_says_when_it_will_end(demo):
+    _, _, result = demo
+    lines = result.stdout.splitlines()
+    # The plan cannot know the speed of servers that have answered nothing: it says how the run will.
+    assert "  time: no throughput yet: measured in the run's first minute from the tokens each server streams" in result.stdout
+    speeds = [line for line in lines if line.startswith("speed: ") and " output tokens/s per server " in line]
+    assert speeds, lines
+    assert all("(simulator: not a GPU figure) measured on 2 server(s) [shard-0" in line for line in speeds)
+    assert ": time to finish " in speeds[-1] and "GPU-hours for this run's prompts; the plan had no throughput" in speeds[-1]
+    [said] = [line for line in lines if line.startswith("speed: said at ")]
+    assert ", the shards would end at " in said and "; they ended at " in said
+
+
 def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_path):
     from expansion_dag.sim import SimServerConfig, SimulatedFleet
 
@@ -138,13 +151,17 @@ def test_run_with_an_edited_file_sends_its_settings_to_its_fleet(tmp_path):
         config = write_config(tmp_path / "my-run.yaml", {
             "fleet": {"mode": "attach", "urls": fleet.urls},
             "storage": {"root": "my-storage"},
-            "generation": {**EDITED, "backoff_initial_s": 0.01, "progress_interval_s": 0.5},
+            # A throughput far above the simulators': the run's own measurement says the plan is off.
+            "generation": {**EDITED, "backoff_initial_s": 0.01, "progress_interval_s": 0.5,
+                           "plan_output_tokens_per_s": 10_000_000.0},
         })
         result = subprocess.run([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
                                 capture_output=True, text=True, timeout=540)
         sent = [fleet.stats(i) for i in range(2)]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"run configuration: {config}" in result.stdout
+    assert "at 10,000,000 output tokens/s each [setting: generation.plan_output_tokens_per_s; decode only]" in result.stdout
+    assert "; the plan's 10,000,000 is off by -" in result.stdout
     for stats in sent:
         assert stats["completed"] > 40
         request = stats["last_chat_request"]

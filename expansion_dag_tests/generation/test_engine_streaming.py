@@ -8,7 +8,7 @@ import pytest
 
 from expansion_dag import servers
 from expansion_dag.core import FAILED, IDS_LEFT_OUT, OK, OUTPUT_IDS, PROMPT_IDS, SamplingSettings, unpack
-from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.generation import MIN_ANSWERS, EngineConfig, Server, WorkItem, generate_shard
 from expansion_dag.servers import SGLANG, dialect_for
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
@@ -171,3 +171,20 @@ def test_the_flood_follows_the_canarys_first_text_not_its_whole_answer(tmp_path,
     # 200 tokens at 10 ms: the canary answers for 2 s; streamed, the flood came at its first text.
     # (Loops are stopped on streamed answers only: ``stop_degenerate`` is what streams.)
     assert (min(r["arrived"] for r in flood) < canary["ended"]) == streamed
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "plain"])
+def test_a_shard_measures_its_speed_from_its_own_answers_once_its_slots_are_full(tmp_path, streamed):
+    reports = []
+    with SimulatedFleet([SimServerConfig(**{**SIM, "token_latency_s": 0.002})]) as fleet:
+        with CompletionStore(tmp_path).writer(SHARD) as writer:
+            report = generate_shard(
+                work(40), [Server(fleet.urls[0], 8, SGLANG)], writer=writer, model=MODEL, sampling=SamplingSettings(),
+                config=EngineConfig(**FAST, stop_degenerate=streamed), on_progress=reports.append,
+            )
+    speed = reports[-1].speed  # the run's last report
+    assert report.ok == 40 and speed is not None and speed.defensible
+    # Every answer that ended once the 8 slots were full (the canary's first text is before them).
+    assert MIN_ANSWERS <= speed.answers <= 40 and speed.servers == 1
+    assert speed.tokens_per_s > 0 and 0 < speed.streams <= 8 + 2  # never more than the workers in flight
+    assert reports[-1].answered_tokens == report.output_tokens

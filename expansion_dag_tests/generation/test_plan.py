@@ -68,7 +68,6 @@ def test_without_the_stores_answers_the_configured_estimate_is_used_and_said():
     [
         (prompts(0), 1000.0, "the catalog yields no prompts"),
         (prompts(10), 0.0, "a throughput of 0 output tokens/s (setting)"),
-        (prompts(10), None, "no throughput (setting)"),
     ],
 )
 def test_what_cannot_be_planned_is_said_and_the_rest_still_printed(frame, tokens_per_s, said):
@@ -78,6 +77,21 @@ def test_what_cannot_be_planned_is_said_and_the_rest_still_printed(frame, tokens
     assert lines[0].startswith(f"plan: {frame.height:,} prompts to send")
     assert any(line.startswith("  disk: store +") for line in lines)
     assert any(line.startswith("  time:") for line in lines) == bool(tokens_per_s)
+
+
+def test_with_no_throughput_the_plan_says_how_the_run_will_know_its_time_and_gpu_hours():
+    plan = plan_of(prompts(10), answers(list(range(1, 101))), tokens_per_s=None)
+    text = "\n".join(plan.lines())
+    assert "cannot plan" not in text
+    assert "  time: no throughput yet: measured in the run's first minute from the tokens each server streams" in text
+    assert text.endswith("then the time to finish and the GPU-hours are printed and kept up to date [setting]")
+    assert plan.figures()["plan_gpu_hours"] == plan.figures()["plan_wall_s"] == "measured in the run's first minute"
+
+
+def test_a_known_throughput_is_planned_with_and_the_run_checks_it():
+    [time_line] = [line for line in plan_of(prompts(10), answers([100] * MIN_OBSERVED)).lines() if "time:" in line]
+    assert "at 1,000 output tokens/s each [setting; decode only]" in time_line
+    assert time_line.endswith("the run measures its own speed in its first minute and says if this is off by over 25%")
 
 
 def test_a_busy_sglang_server_says_its_throughput_in_v1_loads():

@@ -2,16 +2,21 @@
 
 import io
 
+import pytest
 import stamina.instrumentation
 
 from expansion_dag.generation import (
+    MIN_ANSWERS,
     ObservationThrottle,
     Progress,
     ProgressDisplay,
+    ShardPlan,
     ShardProgress,
+    Speed,
     quiet_third_party,
     render_table,
     retry_summary,
+    speed_line,
 )
 
 STATES = {"shard-00": "running", "shard-01": "running", "shard-02": "running"}
@@ -111,3 +116,90 @@ def test_a_short_shard_observes_every_percent_of_its_progress():
         now[0] = 5.0 * i
         kept.append(throttle.keep(figures(done)))
     assert all(kept) and throttle.last() is None
+
+
+def measured(done: int, *, elapsed: float = 60.0, speed: Speed | None = None, plan_rate: float | None = None,
+             simulated: bool = False) -> ShardProgress:
+    """A shard 60 s in whose plan expects 400 answers of 1,000 tokens; ``speed``: what it measured."""
+    engine = Progress(done=done, total=400, elapsed_s=elapsed, output_tokens_per_s=900.0, in_flight={}, eta_s=30.0,
+                      speed=speed, answered_tokens=done * 500)
+    return ShardProgress.from_engine(engine, ShardPlan(400_000.0, plan_rate, simulated))
+
+
+SPEED = Speed(tokens_per_s=2000.0, servers=1, answers=40, window_s=50.0, streams=70.0, in_flight_tokens=30_000.0)
+
+
+def test_a_shard_reports_its_time_to_finish_and_gpu_hours_at_its_measured_speed():
+    p = measured(40, speed=SPEED)
+    # 400,000 planned less 20,000 answered and 30,000 still decoding, at 2,000 tokens/s.
+    assert p.speed_tokens_per_s == 2000.0 and p.finish_s == 175.0
+    assert p.gpu_hours == round(400_000 / 2000 / 3600, 4)
+    assert p.speed_basis == "40 answers and 70.0 streams decoding a server over 50 s with its slots full"
+    assert ShardProgress.from_metadata(p.as_metadata()) == p
+    # The ETA column says the time to finish, not the rate of the short first answers (30 s).
+    assert render_table({"shard-00": "running"}, {"shard-00": p})[1].split()[6] == "2m55s"
+
+
+def test_until_the_speed_is_defensible_the_shard_says_what_it_waits_for():
+    assert measured(0).speed_basis == "measuring: slots not full yet" and measured(0).finish_s is None
+    early = Speed(tokens_per_s=2000.0, servers=1, answers=3, window_s=4.0, streams=70.0, in_flight_tokens=0.0)
+    assert measured(3, speed=early).speed_basis == f"measuring: 3 of {MIN_ANSWERS} answers since the slots filled"
+    line = speed_line({"shard-00": measured(40, speed=SPEED), "shard-01": measured(3, speed=early)})
+    assert line == f"speed: shard-01 measuring: 3 of {MIN_ANSWERS} answers since the slots filled"
+
+
+@pytest.mark.parametrize(
+    ("plan_rate", "said"),
+    [
+        (None, "the plan had no throughput"),
+        (1600.0, "the plan's 1,600 holds (within 25%)"),
+        (5000.0, "the plan's 5,000 is off by -67%"),
+    ],
+)
+def test_the_fleets_speed_line_gives_time_to_finish_gpu_hours_and_checks_the_plans_throughput(plan_rate, said):
+    slower = Speed(tokens_per_s=1000.0, servers=1, answers=20, window_s=40.0, streams=70.0, in_flight_tokens=0.0)
+    figures = {"shard-00": measured(40, speed=SPEED, plan_rate=plan_rate, simulated=True),
+               "shard-01": measured(40, speed=slower, plan_rate=plan_rate, simulated=True), "shard-02": None}
+    assert speed_line(figures) == "speed: shard-02 no report yet"  # the fleet waits for its every shard
+    line = speed_line({**figures, "shard-02": measured(400, speed=SPEED, simulated=True)})  # done: nothing left
+    # The mean of 2,000, 1,000 and 2,000 a server; the slower shard's 380,000 tokens left at 1,000/s end the run.
+    assert line.startswith("speed: 1,667 output tokens/s per server (simulator: not a GPU figure) measured on 3 "
+                           "server(s) [shard-00: 40 answers and 70.0 streams decoding a server over 50 s with its slots full]")
+    assert ": time to finish 6m20s, 0.22 GPU-hours for this run's prompts; " in line
+    assert line.endswith(said)
+
+
+def test_a_file_gets_the_speed_at_once_when_first_measured_and_the_first_estimate_against_the_end():
+    out = io.StringIO()
+    display = ProgressDisplay(out, live=False, line_interval_s=3600)
+    states = {"shard-00": "running"}
+    display.update(states, {"shard-00": measured(3)})
+    display.update(states, {"shard-00": measured(40, speed=SPEED)})  # within the interval, but the first speed
+    display.update(states, {"shard-00": measured(60, speed=SPEED)})  # within the interval: nothing
+    done = measured(400, elapsed=250.0, speed=SPEED)
+    display.update({"shard-00": "done"}, {"shard-00": done}, final=True)
+    lines = out.getvalue().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["progress", "speed", "progress", "speed", "progress", "speed", "speed"]
+    assert lines[1] == "speed: shard-00 measuring: slots not full yet"
+    assert lines[3].startswith("speed: 2,000 output tokens/s per server measured on 1 server(s)")
+    # Said 60 s in, 175 s to go: 3m55s; it ended at 4m10s.
+    assert lines[-1] == "speed: said at 1m00s, the shards would end at 3m55s; they ended at 4m10s (estimate -6%)"
+
+
+def test_a_terminal_gets_the_speed_under_the_table():
+    out = io.StringIO()
+    ProgressDisplay(out, live=True).update({"shard-00": "running"}, {"shard-00": measured(40, speed=SPEED)})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("shard") and lines[2].startswith("speed: 2,000 output tokens/s")
+
+
+def test_the_first_measured_speed_is_observed_at_once():
+    now = [0.0]
+    throttle = ObservationThrottle(every_s=60.0, clock=lambda: now[0])
+    assert throttle.keep(measured(1))
+    now[0] = 5.0
+    assert not throttle.keep(measured(2))  # within the minute and the same percent
+    now[0] = 10.0
+    assert throttle.keep(measured(3, speed=SPEED))  # the first speed: the UI and the CLI see it now
+    now[0] = 15.0
+    assert not throttle.keep(measured(3, speed=SPEED))

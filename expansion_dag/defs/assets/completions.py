@@ -21,7 +21,7 @@ import polars as pl
 from expansion_dag.core import DEFAULT_MODE, ModeIdentities, ShardAborted
 from expansion_dag.defs import resource_fields, run_configuration_file, shard_index, shard_partitions
 from expansion_dag.defs.assets.metadata import markdown_table
-from expansion_dag.defs.assets.plan import plan_against_actual, planned_throughput
+from expansion_dag.defs.assets.plan import ShardExpectation, plan_against_actual
 from expansion_dag.defs.assets.progress import ShardProgressReporter
 from expansion_dag.defs.resources import FleetResource, GenerationSettings, StorageResource
 from expansion_dag.generation import (
@@ -151,12 +151,13 @@ def _generate(
     )
     cells = [(i.source, i.prompt_tokens, i.expected_output_tokens) for i in items]
     estimates_before = cell_estimates(lengths, cells)
+    expected = ShardExpectation(items, observed, settings, context.instance, simulated=fleet_info.simulated)
     aborted: str | None = None
     # Registering the identity refuses a simulated run in a real store (and the reverse) before any request.
     with store.writer(shard, identities=identities.identities, check=lease.check) as writer:
         for ended, item in endings:  # resumed conversations whose next turn no longer fits
             writer.append(ended_record(ended, item, url))
-        progress = ShardProgressReporter(context, shard)
+        progress = ShardProgressReporter(context, shard, plan=expected.shard_plan)
         try:
             report = generate_shard(
                 items,
@@ -211,7 +212,7 @@ def _generate(
     metadata |= _mode_metadata(identities, shard_prompts)
     metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": figures.degenerate}
     metadata |= _yield_metadata(report)
-    metadata |= plan_against_actual(items, observed, settings, planned_throughput(context.instance), report)
+    metadata |= plan_against_actual(expected, report, progress.first_speed)
     if work.conversations:
         metadata |= {"conversations": work.conversations, "conversations_ended_early": figures.ended}
     metadata |= _order_metadata(learned_from_store, estimates_before, cell_estimates(lengths, cells))

@@ -13,6 +13,8 @@ from expansion_dag.defs.resources import FleetResource, GenerationSettings
 from expansion_dag.generation import (
     Observed,
     Plan,
+    ShardPlan,
+    ShardProgress,
     ShardReport,
     Throughput,
     WorkItem,
@@ -38,8 +40,9 @@ def throughput(fleet: FleetResource, fleet_info: FleetInfo, settings: Generation
         return Throughput(sum(busy) / len(busy), f"live: /v1/loads gen_throughput of {len(busy)} busy server(s){label}")
     if settings.plan_output_tokens_per_s is not None:
         return Throughput(settings.plan_output_tokens_per_s, "setting: generation.plan_output_tokens_per_s")
-    return Throughput(None, "no server is busy enough to say (/v1/loads gen_throughput) and "
-                      "generation.plan_output_tokens_per_s is not set")
+    says = ("no server is busy enough to say (/v1/loads gen_throughput)"
+            if any(s.dialect.loads_path for s in fleet_info.servers) else "the servers have no loads API to say it")
+    return Throughput(None, f"{says} and generation.plan_output_tokens_per_s is not set")
 
 
 def budget_plan(
@@ -74,25 +77,56 @@ def planned_throughput(instance: dg.DagsterInstance) -> float | None:
     return float(value) if value else None  # type: ignore[arg-type]
 
 
+class ShardExpectation:
+    """What the plan expects of the prompts a shard's run sends: each one's output tokens and chance
+    of being cut, and the throughput the budget's plan used."""
+
+    def __init__(
+        self, items: Sequence[WorkItem], observed: Observed, settings: GenerationSettings,
+        instance: dg.DagsterInstance, *, simulated: bool,
+    ):
+        frame = pl.DataFrame({"source": [i.source for i in items], "max_tokens": [i.max_tokens for i in items]},
+                             schema={"source": pl.String, "max_tokens": pl.Int64})
+        self.tokens, self.cut = expected_per_prompt(frame, observed, priors(settings))
+        self.shard_plan = ShardPlan(float(self.tokens.sum()), planned_throughput(instance), simulated)
+
+
 def plan_against_actual(
-    items: Sequence[WorkItem], observed: Observed, settings: GenerationSettings, tokens_per_s: float | None,
-    report: ShardReport,
+    expected: ShardExpectation, report: ShardReport, first_speed: ShardProgress | None
 ) -> dict[str, Any]:
-    """The plan's figures for the prompts this run sent, beside what they did."""
-    if not items or not report.ok:
+    """The plan's figures for the prompts this run sent, the run's first measured speed and the time
+    to finish it gave, beside what they did."""
+    if not expected.tokens.size or not report.ok:
         return {}
-    frame = pl.DataFrame({"source": [i.source for i in items], "max_tokens": [i.max_tokens for i in items]})
-    tokens, cut = expected_per_prompt(frame, observed, priors(settings))
-    planned_per_answer = float(tokens.mean())
+    plan = expected.shard_plan
+    planned_per_answer = float(expected.tokens.mean())
     actual_per_answer = report.output_tokens / report.ok
-    planned_wall = float(tokens.sum()) / tokens_per_s if tokens_per_s else None
+    planned_wall = plan.output_tokens / plan.tokens_per_s if plan.tokens_per_s else None
+    servers = max(len(report.servers), 1)
+    actual_speed = report.output_tokens / report.elapsed_s / servers if report.elapsed_s else 0.0
+    said = (
+        f"{first_speed.speed_tokens_per_s:,.1f} at {first_speed.elapsed_s:,.1f} s" if first_speed else "never measured"
+    )
+    said_wall = first_speed.elapsed_s + (first_speed.finish_s or 0.0) if first_speed else None
     rows = [
-        ("output tokens an answer", round(planned_per_answer, 1), round(actual_per_answer, 1)),
-        ("share cut at the cap", round(float(cut.mean()), 4), round(report.finish_reasons["length"] / report.ok, 4)),
-        ("wall time of the shard, s", round(planned_wall, 1) if planned_wall else "no throughput", round(report.elapsed_s, 1)),
+        ("output tokens an answer", round(planned_per_answer, 1), "", round(actual_per_answer, 1)),
+        ("share cut at the cap", round(float(expected.cut.mean()), 4), "",
+         round(report.finish_reasons["length"] / report.ok, 4)),
+        ("output tokens/s per server", plan.tokens_per_s or "no throughput", said, round(actual_speed, 1)),
+        ("wall time of the shard, s", round(planned_wall, 1) if planned_wall else "no throughput",
+         round(said_wall, 1) if said_wall is not None else "never measured", round(report.elapsed_s, 1)),
     ]
+    speed = {
+        "speed_first_measured_at_s": first_speed.elapsed_s,
+        "speed_first_tokens_per_s_per_server": first_speed.speed_tokens_per_s,
+        "speed_first_wall_estimate_s": round(said_wall, 1),
+        "speed_first_wall_estimate_error": round(said_wall / report.elapsed_s - 1, 4) if report.elapsed_s else 0.0,
+    } if first_speed is not None and said_wall is not None else {}
     return {
-        "plan_against_actual": dg.MetadataValue.md(markdown_table(columns=["figure", "plan", "actual"], rows=rows)),
+        "plan_against_actual": dg.MetadataValue.md(
+            markdown_table(columns=["figure", "plan", "measured in the run", "actual"], rows=rows)
+        ),
         "plan_output_tokens_per_answer": round(planned_per_answer, 1),
         "actual_output_tokens_per_answer": round(actual_per_answer, 1),
+        **speed,
     }

@@ -9,21 +9,30 @@ its table.
 
 import dagster as dg
 
-from expansion_dag.generation import ObservationThrottle, Progress, ShardProgress, silence_retry_logging
+from expansion_dag.generation import ObservationThrottle, Progress, ShardPlan, ShardProgress, silence_retry_logging
 
 
 class ShardProgressReporter:
     """The engine's ``on_progress`` for one shard's materialization; :meth:`close` observes the
-    last report the throttle held back."""
+    last report the throttle held back. With the ``plan`` of the prompts it sends, each report also
+    carries the measured speed, the time to finish and the GPU-hours; ``first_speed`` keeps the
+    first report that had them, to set beside what the run then took."""
 
-    def __init__(self, context: dg.AssetExecutionContext, shard: str, throttle: ObservationThrottle | None = None):
+    def __init__(
+        self, context: dg.AssetExecutionContext, shard: str, throttle: ObservationThrottle | None = None,
+        plan: ShardPlan | None = None,
+    ):
         silence_retry_logging()  # the observations count retries; one log line per retry drowns them
         self._context = context
         self._shard = shard
         self._throttle = throttle or ObservationThrottle()
+        self._plan = plan
+        self.first_speed: ShardProgress | None = None
 
     def __call__(self, progress: Progress) -> None:
-        figures = ShardProgress.from_engine(progress)
+        figures = ShardProgress.from_engine(progress, self._plan)
+        if self.first_speed is None and figures.finish_s is not None:
+            self.first_speed = figures
         if self._throttle.keep(figures):
             self._observe(figures)
 
