@@ -183,7 +183,7 @@ def render_line(states: Mapping[str, str], figures: Mapping[str, ShardProgress |
 
 @dataclass(frozen=True)
 class FleetSpeed:
-    """The fleet's speed once every shard reporting one has measured it."""
+    """The fleet's speed, time to finish and GPU-hours, once every shard has measured its speed."""
 
     tokens_per_s: float  # per server, the shards' mean
     servers: int
@@ -227,7 +227,7 @@ def speed_line(figures: Mapping[str, ShardProgress | None]) -> str | None:
         check = "the plan had no throughput"
     else:
         off = fleet.tokens_per_s / planned - 1
-        check = f"the plan's {planned:,.0f} " + (
+        check = f"the plan's {planned:,.0f} tokens/s " + (
             f"is off by {off:+.0%}" if abs(off) > PLAN_MARGIN else f"holds (within {PLAN_MARGIN:.0%})"
         )
     label = " (simulator: not a GPU figure)" if any(p.simulated for p in shards.values()) else ""
@@ -269,9 +269,10 @@ class ProgressDisplay:
         self, states: Mapping[str, str], figures: Mapping[str, ShardProgress | None], *, final: bool = False
     ) -> None:
         speed = speed_line(figures)
-        first = self.first_speed is None and FleetSpeed.of(figures) is not None
+        fleet = FleetSpeed.of(figures) if self.first_speed is None else None
+        first = fleet is not None
         if first:
-            self.first_speed = FleetSpeed.of(figures)
+            self.first_speed = fleet
         ending = [estimate_line(self.first_speed, figures)] if final and self.first_speed is not None else []
         if self._live:
             lines = render_table(states, figures) + ([speed] if speed else []) + ending

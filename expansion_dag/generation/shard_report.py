@@ -145,7 +145,8 @@ class ShardReport:
 
     def speed(self, now: float) -> Speed | None:
         """The output speed of the shard's own servers so far (``expansion_dag.generation.speed``)."""
-        needed = max(1, min(MIN_ANSWERS, self.total))
+        # A run of fewer prompts says its speed on all their answers (those that fail give none).
+        needed = max(1, min(MIN_ANSWERS, self.total - self.failed))
         return Speed.combined([s.meter.sample(now, needed) for s in self.servers.values()], needed)
 
     def progress(self, elapsed_s: float, now: float | None = None) -> Progress:

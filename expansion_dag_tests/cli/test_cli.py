@@ -161,7 +161,7 @@ def test_run_with_an_edited_file_sends_its_settings_to_its_fleet(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"run configuration: {config}" in result.stdout
     assert "at 10,000,000 output tokens/s each [setting: generation.plan_output_tokens_per_s; decode only]" in result.stdout
-    assert "; the plan's 10,000,000 is off by -" in result.stdout
+    assert "; the plan's 10,000,000 tokens/s is off by -" in result.stdout
     for stats in sent:
         assert stats["completed"] > 40
         request = stats["last_chat_request"]

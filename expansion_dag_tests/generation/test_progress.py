@@ -152,8 +152,8 @@ def test_until_the_speed_is_defensible_the_shard_says_what_it_waits_for():
     ("plan_rate", "said"),
     [
         (None, "the plan had no throughput"),
-        (1600.0, "the plan's 1,600 holds (within 25%)"),
-        (5000.0, "the plan's 5,000 is off by -67%"),
+        (1600.0, "the plan's 1,600 tokens/s holds (within 25%)"),
+        (5000.0, "the plan's 5,000 tokens/s is off by -67%"),
     ],
 )
 def test_the_fleets_speed_line_gives_time_to_finish_gpu_hours_and_checks_the_plans_throughput(plan_rate, said):

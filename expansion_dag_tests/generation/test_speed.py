@@ -144,6 +144,20 @@ def test_a_run_with_fewer_prompts_than_slots_is_measured_once_all_are_in_flight(
     assert speed.needed == 3 and speed.defensible and speed.tokens_per_s == pytest.approx(10 * (1 + 2 + 3) / 3.1)
 
 
+def test_a_small_run_whose_answer_loops_is_measured_on_the_answers_it_has():
+    report = ShardReport(total=4, servers={"http://gpu-0": ServerStats(16)})
+    stats = report.servers["http://gpu-0"]
+    streams = [stats.started(0.0, streamed=True) for _ in range(4)]
+    for i, stream in enumerate(streams):
+        stream.output(0.1)
+        stats.finished(1.1, stream)
+        if i:
+            stats.meter.answered(stream, 11)
+    assert not report.speed(1.1).defensible  # 3 answers of 4 prompts: one may still come
+    report.failed = 1  # the fourth was a loop, stopped: no answer will come
+    assert report.speed(1.1).defensible
+
+
 def test_the_time_to_finish_and_gpu_hours_follow_from_the_measured_speed_and_the_plan():
     requests = batch(reference_lengths(3000), slots=72, rate=35.0, ttft=0.4, headroom=7)
     speed = measure(requests, SpeedMeter(72), 60)
