@@ -7,8 +7,10 @@ cap; then the store's and the training set's growth on disk, and GPU-hours and w
 throughput per server (read from live servers' ``/v1/loads`` ``gen_throughput``, or a setting).
 Every figure says what it rests on: the store's answers of a source, or the configured estimate
 (``expected_output_by_source``, spread assumed lognormal, ``PRIOR_SIGMA``) where the store has
-too few. What cannot be planned (no prompts, no servers, no throughput) is said, and the rest is
-still planned. Prefill time is not counted: decode dominates the GPU time of long answers.
+too few. What cannot be planned (no prompts, no servers, a throughput of 0) is said, and the rest
+is still planned; with no throughput at all, the plan says how the run will measure it
+(``expansion_dag.generation.speed``). Prefill time is not counted: decode dominates the GPU time of
+long answers.
 
 An answer that ended by itself tells its length; one cut at its cap tells only that it was at
 least that long, which still says whether a prompt budgeted no higher would be cut too.
