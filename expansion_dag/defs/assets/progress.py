@@ -2,9 +2,9 @@
 
 Each report of the engine that ``expansion_dag.generation.progress.ObservationThrottle`` keeps becomes an
 observation of the shard's partition carrying the figures of ``ShardProgress`` (done, total, rate,
-ETA, failures, retries, yield): a bounded number over a day-long shard, the last one always
-current, so the UI shows them while the shard runs, and ``expansion-dag run`` reads them back for
-its table.
+ETA, failures, retries, yield, and the speed measured with the time to finish and GPU-hours it
+gives): a bounded number over a day-long shard, the last one always current, so the UI shows them
+while the shard runs, and ``expansion-dag run`` reads them back for its table.
 """
 
 import dagster as dg
