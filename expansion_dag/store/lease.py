@@ -139,8 +139,8 @@ def _gone_here(local_dir: str | os.PathLike[str], token: Any) -> bool:
     path = _alive_file(local_dir, token)
     try:
         fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False  # not a holder of this machine (or not yet locked): only its heartbeat tells
+    except OSError:
+        return False  # not a holder of this machine (or not one whose lock can be tried): only its heartbeat tells
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -19,9 +19,9 @@ from expansion_dag_tests.helpers import wait_for
 from expansion_dag_tests.store.test_lease import SHARD, Said, held_by, killed_holder
 from expansion_dag_tests.store.test_object_storage import objects
 
-#: Long enough that a loaded machine's store answers every renewal in time (a quarter of it), short
-#: enough that a fault shows within seconds.
-TIMEOUT_S = 8.0
+#: Long enough that a loaded machine's moto answers every renewal within its timeout (on S3 an
+#: attempt gets a sixth of the lease), short enough that a fault shows within seconds.
+TIMEOUT_S = 16.0
 
 
 @pytest.fixture(params=["local", "s3"])
