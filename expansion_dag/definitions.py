@@ -83,6 +83,7 @@ def resources_for(config: RunConfig) -> dict[str, object]:
         **({"local_dir": config.storage.local_dir} if config.storage.local_dir else {}),
         "lease_timeout_s": config.storage.lease_timeout_s,
         "when_shard_busy": config.storage.when_shard_busy,
+        "training_set_versions": config.storage.training_set_versions,
     }
     resources = {
         "fleet": fleet_for(config),

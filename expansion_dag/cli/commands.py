@@ -328,12 +328,14 @@ def _print_plan(run_id: str) -> None:
 
 
 def _print_summary(out_dir: UPath) -> None:
-    from expansion_dag.training import Manifest
+    from expansion_dag.training import Manifest, current_version
 
-    manifest = Manifest.read(out_dir)
+    # The version's own folder, which no later build changes (storage.md: the training set's versions).
+    version = current_version(out_dir)
+    manifest = Manifest.read(version)
     made_from = " (built from SIMULATED answers: not training data)" if manifest.simulated else ""
     print(
-        f"training set{made_from}: {out_dir}\n  {manifest.samples:,} samples, {manifest.tokens:,} tokens "
+        f"training set{made_from}: {version}\n  {manifest.samples:,} samples, {manifest.tokens:,} tokens "
         f"({manifest.assistant_tokens:,} trained on), mean {manifest.tokens_per_sample['mean']:,.0f} "
         f"tokens per sample; left out: {manifest.left_out}",
         flush=True,

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from expansion_dag.core import DEFAULT_TOKENIZER, RETRYABLE_CONTENT, ModeError, ModeMix, SamplingSettings
 from expansion_dag.servers import DEFAULT_STREAM_INTERVAL
 from expansion_dag.store import DEFAULT_LEASE_TIMEOUT_S
-from expansion_dag.training import DEFAULT_FORMATS, FORMATS
+from expansion_dag.training import DEFAULT_FORMATS, DEFAULT_VERSIONS_KEPT, FORMATS
 
 CONFIG_ENV = "EXPANSION_CONFIG"
 DEFAULT_CONFIG = "default"
@@ -364,6 +364,11 @@ class LeaseSettings(BaseModel):
 class StorageConfig(_Section, LeaseSettings):
     root: str = Field(default="./storage", min_length=1)
     local_dir: Optional[str] = None
+    training_set_versions: int = Field(
+        default=DEFAULT_VERSIONS_KEPT,
+        ge=1,
+        description="Versions of the training set kept, the current one included; older ones are removed.",
+    )
 
 
 class ScheduleConfig(_Section):

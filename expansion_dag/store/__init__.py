@@ -9,22 +9,23 @@ from expansion_dag.store.completions import (
     MixedStoreError,
     SegmentPart,
 )
-from expansion_dag.store.conditional import conditional_file
+from expansion_dag.store.conditional import ConditionalWritesIgnored, conditional_file
 from expansion_dag.store.lease import (
     DEFAULT_LEASE_TIMEOUT_S,
     LEASES,
+    BuildClaim,
     Holder,
     LeaseLost,
     Log,
     ShardBusy,
     ShardLease,
-    this_machine,
+    process_id,
 )
 from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
 __all__ = [
-    "CompletionStore", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",
+    "BuildClaim", "CompletionStore", "ConditionalWritesIgnored", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",
     "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "LEASES", "LeaseLost", "Log",
     "MixedStoreError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter", "ShardBusy", "ShardLease",
-    "conditional_file", "this_machine"
+    "conditional_file", "process_id"
 ]

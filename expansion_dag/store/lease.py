@@ -3,19 +3,32 @@
 The CLI, a run launched from the UI, a backfill, the nightly schedule and a pod on another host all
 take the shard's lease before choosing what to send, and hold it until the shard's writer is
 closed. It is a small JSON file in the storage root, ``leases/<shard>.json``, that names its
-holder (run id, host, pid, when it started, its last heartbeat, its timeout), taken and renewed
-by compare-and-swap (``expansion_dag.store.conditional``: an exclusive create on a local root, S3's
-conditional writes on an object store).
+holder (run id, a random id of its process, and as hints its host and pid, when it started, its
+last heartbeat, its timeout), taken and renewed by compare-and-swap
+(``expansion_dag.store.conditional``: an exclusive create on a local root, S3's conditional writes
+on an object store, proven enforced before the first lease there).
 
 A second sender is told who holds it, once, and waits for it (then sends only what is still
 missing), or fails at once naming the holder. A holder is taken over, with a warning naming it,
-when its heartbeat is older than its timeout, or at once when it ran on this machine and its
-process is gone. A lease that cannot be read is reported with the fields that could be, and taken
-over only under the same rules (its file's date standing for the heartbeat).
+when its heartbeat is older than its timeout, or at once when its process is known gone: it holds
+a lock on a file of its own in its machine's local folder (``<local_dir>/leases/<token>.alive``)
+while it holds the lease, and a sender that shares that folder and can take the lock knows. A
+host name, a pid and a pid namespace prove nothing: cloned machines and containers share them.
+A lease that cannot be read is reported with the fields that could be, and taken over only under
+the same rules (its file's date standing for the heartbeat).
+
+The holder stops sending (``check`` raises ``LeaseLost``) as soon as it cannot be sure the lease is
+still its own: it was taken over, a renewal failed in any way, or no renewal has succeeded for
+three quarters of the timeout (a renewal still waiting for its store). Renewals carry a timeout
+of half the lease's.
+
+``BuildClaim`` is the same lease for a builder of the training set: whatever folder it writes
+is its own while its claim is alive, and no other builder removes it before.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -24,20 +37,28 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from upath import UPath
 
-from expansion_dag.core import pid_alive
+from expansion_dag.core import default_local_dir
 from expansion_dag.store.conditional import Versioned, conditional_file
 
-LEASES = "leases"  # the leases' folder under the storage root
-LEASE_VERSION = 1
+LEASES = "leases"  # the leases' folder under the storage root, and the live holders' under a local dir
+BUILDERS = "builders"  # the builders' claims, under the leases' folder
+LEASE_VERSION = 2
 DEFAULT_LEASE_TIMEOUT_S = 120.0
 #: Renewals per timeout: a holder misses three before it can be taken over.
 HEARTBEATS_PER_TIMEOUT = 4
+#: A holder stops sending once its last renewal is this old (a share of the timeout): before any
+#: other run may take the lease over, with a heartbeat to spare for clocks that differ.
+SURE_FOR = 0.75
+#: A renewal's timeout, a share of the lease's: a store that does not answer cannot hold it longer.
+RENEWAL_TIMEOUT = 0.5
 #: How often a waiting sender looks at the lease again, at most.
 MAX_POLL_S = 2.0
+_TOKEN = re.compile(r"[0-9a-f]{16}")
 
 
 class Log(Protocol):
@@ -51,16 +72,22 @@ class ShardBusy(RuntimeError):
 
 
 class LeaseLost(RuntimeError):
-    """The lease was taken over while this sender held it: it stops sending."""
+    """The lease was taken over, or could not be kept, while this sender held it: it stops sending."""
 
 
-def this_machine() -> tuple[str, str]:
-    """(host name, pid namespace): the pids of a lease are comparable only where both are equal."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = ""
-    return socket.gethostname(), namespace
+def _new_process_id() -> None:
+    global _PROCESS_ID
+    _PROCESS_ID = secrets.token_hex(8)
+
+
+_PROCESS_ID = ""
+_new_process_id()
+os.register_at_fork(after_in_child=_new_process_id)  # a forked child is another holder
+
+
+def process_id() -> str:
+    """This process's random id: what names a holder (a host name and a pid can be anyone's)."""
+    return _PROCESS_ID
 
 
 @dataclass(frozen=True)
@@ -69,9 +96,9 @@ class Holder:
 
     shard: str
     run_id: str
-    host: str
-    pid: int
-    pid_namespace: str
+    holder: str  # the holder's process: process_id()
+    host: str  # a hint for the reader: another machine may have the same name
+    pid: int  # a hint too: a pid of another machine
     started: float
     heartbeat: float
     timeout_s: float
@@ -80,10 +107,48 @@ class Holder:
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
-        return f"run {self.run_id} on host {self.host}, pid {self.pid}, since {since}"
+        return f"run {self.run_id} on host {self.host}, pid {self.pid} (holder {self.holder}), since {since}"
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), indent=2) + "\n").encode()
+
+
+def _alive_file(local_dir: str | os.PathLike[str], token: str) -> Path:
+    return Path(local_dir, LEASES, f"{token}.alive")
+
+
+class _Alive:
+    """A lock held on ``<local_dir>/leases/<token>.alive`` while a lease is: released by the kernel
+    when the process ends, however it ends."""
+
+    def __init__(self, local_dir: str | os.PathLike[str], token: str):
+        self.path = _alive_file(local_dir, token)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+
+
+def _gone_here(local_dir: str | os.PathLike[str], token: Any) -> bool:
+    """Whether the holder of ``token`` held its lock in ``local_dir`` and its process has ended."""
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        return False
+    path = _alive_file(local_dir, token)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False  # not a holder of this machine (or not one whose lock can be tried): only its heartbeat tells
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    path.unlink(missing_ok=True)
+    return True
 
 
 @dataclass(frozen=True)
@@ -125,14 +190,11 @@ class Seen:
         named = ", ".join(f"{k} {self.fields[k]}" for k in ("run_id", "host", "pid", "started") if k in self.fields)
         return f"an unreadable lease ({named or 'no holder fields readable'})"
 
-    def stale(self, default_timeout_s: float, now: float) -> str | None:
+    def stale(self, default_timeout_s: float, now: float, local_dir: str | os.PathLike[str]) -> str | None:
         """Why the holder may be taken over, or None while it may be alive."""
         fields = self.fields
-        host, namespace = this_machine()
-        pid = fields.get("pid")
-        same_machine = fields.get("host") == host and fields.get("pid_namespace", "") == namespace
-        if same_machine and isinstance(pid, int) and not pid_alive(pid):
-            return f"its process {pid} on this machine is gone"
+        if self.holder is not None and _gone_here(local_dir, self.holder.token):
+            return f"its process (pid {self.holder.pid}) on this machine is gone"
         heartbeat = fields.get("heartbeat")
         heartbeat = heartbeat if isinstance(heartbeat, (int, float)) else self.found.modified
         timeout = fields.get("timeout_s")
@@ -157,56 +219,77 @@ class ShardLease:
     """The lease of one shard under a storage root: ``with`` it, or ``acquire`` then ``release``.
 
     ``wait``: wait for a live holder (then look again at what is missing), or raise ``ShardBusy``.
-    While held, a background thread renews it every ``timeout_s / 4``; if it finds the lease taken
-    over, ``check`` raises ``LeaseLost`` (the store's writer calls it after each line).
+    While held, a background thread renews it every ``timeout_s / 4``; ``check`` raises ``LeaseLost``
+    once the lease is not surely this run's (the store's writer calls it after each line).
+    ``local_dir``: this machine's folder (``storage.local_dir``), where a live holder keeps its lock.
     """
 
     def __init__(self, root: UPath, shard: str, *, run_id: str, log: Log, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-                 wait: bool = True):
+                 wait: bool = True, local_dir: str | os.PathLike[str] | None = None):
         if timeout_s <= 0:
             raise ValueError(f"a lease timeout must be positive, got {timeout_s!r}")
         self.path = root / LEASES / f"{shard}.json"
-        self._file = conditional_file(self.path)
+        self._timeout_s = float(timeout_s)
+        self._file = conditional_file(self.path, timeout_s=self._timeout_s * RENEWAL_TIMEOUT)
         self._shard = shard
         self._run_id = run_id
         self._log = log
-        self._timeout_s = float(timeout_s)
         self._wait = wait
+        self._local_dir = local_dir or default_local_dir()
         self._holder: Holder | None = None
+        self._token = ""
+        self._alive: _Alive | None = None
         self._version: str | None = None
+        self._renewed = 0.0  # time.monotonic() of the heartbeat last written
         self._lost: str | None = None
+        self._failed: str | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
     def _mine(self, now: float) -> Holder:
-        host, namespace = this_machine()
         started = self._holder.started if self._holder else now
-        token = self._holder.token if self._holder else secrets.token_hex(8)
-        return Holder(shard=self._shard, run_id=self._run_id, host=host, pid=os.getpid(), pid_namespace=namespace,
-                      started=started, heartbeat=now, timeout_s=self._timeout_s, token=token)
+        return Holder(shard=self._shard, run_id=self._run_id, holder=process_id(), host=socket.gethostname(),
+                      pid=os.getpid(), started=started, heartbeat=now, timeout_s=self._timeout_s, token=self._token)
 
     def acquire(self) -> None:
+        self._file.prove_conditional_writes()
+        self._token = secrets.token_hex(8)
+        self._alive = _Alive(self._local_dir, self._token)  # held before any lease names it
+        try:
+            self._holder, self._renewed = self._take()
+        except BaseException:
+            self._alive.close()
+            self._alive = None
+            raise
+        self._lost = self._failed = None
+        self._stop.clear()
+        self._beat = threading.Thread(target=self._heartbeats, name=f"lease {self._shard}", daemon=True)
+        self._beat.start()
+
+    def _take(self) -> tuple[Holder, float]:
+        """Wait for the lease (or raise ``ShardBusy``), then take it: this holder, and when (monotonic)."""
         said: set[str] = set()  # what was already said: of each holder, once
         while True:
+            at = time.monotonic()
             mine = self._mine(time.time())
             found = self._file.read()
             if found is None:
                 self._version = self._file.create(mine.to_bytes())
                 if self._version is None:
                     continue  # another sender created it first: look again
-                break
+                return mine, at
             seen = Seen.parse(found)
             if seen.problem and "bad " + seen.who() not in said:
                 said.add("bad " + seen.who())
                 self._log.warning(f"{self._shard}: the lease {self.path} cannot be read: {seen.problem}; readable "
                                   f"fields: {seen.fields or 'none'}. It is taken over only as a dead holder's is.")
-            why = seen.stale(self._timeout_s, time.time())
+            why = seen.stale(self._timeout_s, time.time(), self._local_dir)
             if why is not None:
                 self._version = self._file.swap(mine.to_bytes(), found.version)
                 if self._version is None:
                     continue  # changed meanwhile: look again
                 self._log.warning(f"{self._shard}: took over the lease {self.path} from {seen.describe()}: {why}")
-                break
+                return mine, at
             if not self._wait:
                 raise ShardBusy(
                     f"{self._shard} is being generated by {seen.describe()} (lease {self.path}); not waiting "
@@ -217,36 +300,43 @@ class ShardLease:
                 self._log.warning(f"{self._shard} is being generated by {seen.describe()}; waiting "
                                   "(then only what is still missing is sent)")
             time.sleep(min(MAX_POLL_S, self._timeout_s / HEARTBEATS_PER_TIMEOUT))
-        self._holder = mine
-        self._stop.clear()
-        self._beat = threading.Thread(target=self._heartbeats, name=f"lease {self._shard}", daemon=True)
-        self._beat.start()
 
     def _heartbeats(self) -> None:
-        failing = False
-        while not self._stop.wait(self._timeout_s / HEARTBEATS_PER_TIMEOUT):
-            try:
+        try:
+            while not self._stop.wait(self._timeout_s / HEARTBEATS_PER_TIMEOUT):
+                at = time.monotonic()
                 renewed = self._file.swap(self._mine(time.time()).to_bytes(), self._version or "")
-            except Exception as exc:  # a store briefly unreachable: tried again at the next beat
-                if not failing:
-                    self._log.warning(f"{self._shard}: the lease {self.path} could not be renewed ({exc}); retrying")
-                failing = True
-                continue
-            failing = False
-            if renewed is None:
-                found = self._file.read()
-                self._lost = Seen.parse(found).describe() if found is not None else "nobody (it was removed)"
-                self._log.error(f"{self._shard}: the lease {self.path} was taken over by {self._lost}; this run "
-                                "stops sending so that no prompt is sent twice")
-                return
-            self._version = renewed
+                if renewed is None:
+                    found = self._file.read()
+                    self._lost = Seen.parse(found).describe() if found is not None else "nobody (it was removed)"
+                    self._log.error(f"{self._shard}: the lease {self.path} was taken over by {self._lost}; this run "
+                                    "stops sending so that no prompt is sent twice")
+                    return
+                self._version, self._renewed = renewed, at
+        except BaseException as exc:  # whatever it is, the lease can no longer be kept for sure
+            self._failed = f"{type(exc).__name__}: {exc}"
+            self._log.error(f"{self._shard}: the lease {self.path} could not be renewed ({self._failed}); this run "
+                            "stops sending so that no prompt is sent twice")
 
     def check(self) -> None:
-        """Raise ``LeaseLost`` once the lease was found taken over."""
+        """Raise ``LeaseLost`` once the lease is not surely this run's any more."""
+        kept = "What it wrote is kept; run the shard again and only what is still missing is sent."
         if self._lost is not None:
             raise LeaseLost(
                 f"{self._shard}: the lease {self.path} was taken over by {self._lost}, so this run stopped "
-                "sending; what it wrote is kept"
+                f"sending. {kept}"
+            )
+        fix = ("Fix: make the storage root answer this host again (the network, its credentials, a full disk or "
+               f"a stuck lock file: the error says which); until then another run may take the shard over. {kept}")
+        if self._failed is not None:
+            raise LeaseLost(f"{self._shard}: the lease {self.path} could not be renewed ({self._failed}), so this "
+                            f"run stopped sending. {fix}")
+        quiet = time.monotonic() - self._renewed
+        if self._holder is not None and quiet > SURE_FOR * self._timeout_s:
+            raise LeaseLost(
+                f"{self._shard}: the lease {self.path} has not been renewed for {quiet:.0f} s (a renewal is still "
+                f"waiting for the store), so this run stopped sending before its {self._timeout_s:g} s timeout "
+                f"could let another run take the shard over. {fix}"
             )
 
     def release(self) -> None:
@@ -255,15 +345,17 @@ class ShardLease:
         if self._beat is not None:
             self._beat.join()
             self._beat = None
-        if self._version is None or self._lost is not None:
-            return
         try:
-            if not self._file.delete(self._version):
-                self._log.warning(f"{self._shard}: the lease {self.path} was no longer this run's; left as it is")
+            if self._version is not None and self._lost is None:
+                if not self._file.delete(self._version):
+                    self._log.warning(f"{self._shard}: the lease {self.path} was no longer this run's; left as it is")
         except Exception as exc:  # the work is done and kept: a lease left behind only times out
             self._log.warning(f"{self._shard}: the lease {self.path} could not be removed ({exc}); the next "
                               f"run takes it over {self._timeout_s:g} s after this run's last heartbeat")
-        self._version = self._holder = None
+        finally:
+            if self._alive is not None:
+                self._alive.close()
+            self._version = self._holder = self._alive = None
 
     def __enter__(self) -> ShardLease:
         self.acquire()
@@ -271,3 +363,44 @@ class ShardLease:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class BuildClaim:
+    """A builder's claim on the folders it writes under the storage root (a version of the training
+    set, a part it is building): a lease of its own, ``leases/builders/<id>.json``, renewed while it
+    works. Another builder removes such a folder only once its claim is gone or stale (``alive``)."""
+
+    def __init__(self, root: UPath, *, run_id: str, log: Log, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+                 local_dir: str | os.PathLike[str] | None = None):
+        self.id = secrets.token_hex(8)
+        self._root = root
+        self._timeout_s = timeout_s
+        self._local_dir = local_dir or default_local_dir()
+        self._lease = ShardLease(root, f"{BUILDERS}/{self.id}", run_id=run_id, log=log, timeout_s=timeout_s,
+                                 wait=False, local_dir=self._local_dir)
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` once the claim is not surely held: what it wrote may be removed."""
+        self._lease.check()
+
+    def alive(self, owner: str) -> bool:
+        """Whether the builder ``owner`` (a ``BuildClaim.id``) may still be writing; a stale claim is removed."""
+        if owner == self.id:
+            return True
+        if not _TOKEN.fullmatch(owner):
+            return False
+        claim = conditional_file(self._root / LEASES / BUILDERS / f"{owner}.json")
+        found = claim.read()
+        if found is None:
+            return False
+        if Seen.parse(found).stale(self._timeout_s, time.time(), self._local_dir) is None:
+            return True
+        claim.delete(found.version)
+        return False
+
+    def __enter__(self) -> BuildClaim:
+        self._lease.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lease.release()

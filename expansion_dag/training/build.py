@@ -29,11 +29,11 @@ import numpy as np
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
-from expansion_dag.core import Identity, ModeIdentities, as_upath
+from expansion_dag.core import Identity, ModeIdentities
 from expansion_dag.training.config import FORMATS, BuildTrace, TrainingSetConfig, mask_convention
 from expansion_dag.training.dataset_card import dataset_card
 from expansion_dag.training.exports import _JsonlOutputs
-from expansion_dag.training.manifest import MANIFEST_NAME, Manifest
+from expansion_dag.training.manifest import MANIFEST_NAME, Manifest, current_version
 from expansion_dag.training.parquet import _digests, _ShardWriter, _table
 from expansion_dag.training.rows import FROM_SERVER, MEASURED_PER_CHUNK, RETOKENIZED, _Chunk, _encoded_chunks
 from expansion_dag.training.samples import _Tally
@@ -345,5 +345,7 @@ def _fsync(path: Path) -> None:
 
 
 def data_files(out_dir: str | os.PathLike[str]) -> list[str]:
-    """The shard paths (URLs) of a built set, for ``datasets.load_dataset("parquet", data_files=...)``."""
-    return [str(as_upath(out_dir) / f["name"]) for f in Manifest.read(out_dir).files]
+    """The shard paths (URLs) of a built set, for ``datasets.load_dataset("parquet", data_files=...)``:
+    of the one version ``out_dir`` names, however many are published meanwhile."""
+    version = current_version(out_dir)
+    return [str(version / f["name"]) for f in Manifest.read(version).files]

@@ -211,7 +211,10 @@ def dataset_card(manifest: Manifest) -> str:
         *(line + "\n" for line in token_ids_lines(manifest)),
         "## Files and how to load them",
         "",
-        "Run the commands from this folder.",
+        "Run the commands from this folder. A build of the set that the pipeline publishes is a version of "
+        "its own (`training_set_versions/<version>/`) that no later build changes; `training_set` names the "
+        "newest, and a later build switches it: `cd \"$(realpath training_set)\"` reads one version "
+        "however long the training takes.",
         "",
     ]
     digests = {f["name"]: f["sha256"] for f in [*manifest.files, *manifest.trainer_files]}

@@ -1,5 +1,6 @@
 """What a training set folder's ``manifest.json`` holds: read by the dataset card, the checks and
-the CLI's summary, written by ``expansion_dag.training.build`` last, so its presence marks a whole set."""
+the CLI's summary, written by ``expansion_dag.training.build`` last, so its presence marks a whole set.
+And which folder a published set's name stands for (``current_version``: ``training.publish``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,25 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from expansion_dag.core import as_upath
+from upath import UPath
+
+from expansion_dag.core import as_upath, is_local, local_path
 
 MANIFEST_NAME = "manifest.json"
+
+
+def current_version(set_path: str | os.PathLike[str]) -> UPath:
+    """The folder of the version ``set_path`` (``<root>/training_set``) names now, read once: its link
+    followed on a local root, its pointer (``training_set.json`` beside it) read on an object store.
+    A folder that is a set itself (a version, an earlier release's set, a test's) is itself."""
+    path = as_upath(set_path)
+    if is_local(path):
+        return as_upath(os.path.realpath(local_path(path)))
+    try:
+        named = json.loads((path.parent / f"{path.name}.json").read_text())
+    except FileNotFoundError:
+        return path
+    return path.parent / named["path"]
 
 
 @dataclass(frozen=True)
@@ -61,4 +78,5 @@ class Manifest:
 
     @classmethod
     def read(cls, out_dir: str | os.PathLike[str]) -> Manifest:
-        return cls(**json.loads((as_upath(out_dir) / MANIFEST_NAME).read_text()))
+        """The manifest of the set ``out_dir`` is, or names (``current_version``)."""
+        return cls(**json.loads((current_version(out_dir) / MANIFEST_NAME).read_text()))

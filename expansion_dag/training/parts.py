@@ -15,8 +15,12 @@ order; the Parquet files split at part boundaries.
 
 ``build_parts`` builds some parts alone (one shard's, in a Dagster run or pod of its own) into the
 same folder, and the build that assembles the set then takes them as they are. Builders of the
-same folder never clash: a part is renamed into place whole, and one that another builder placed
-first is kept.
+same folder never clash: a part is built in a staging folder named by its builder (``Owner``: the
+builder's claim, ``expansion_dag.store.BuildClaim``) and renamed into place whole, and one that
+another builder placed first is kept. The assembling build removes only what no build needs:
+parts of another build (their fingerprint), parts of a segment it holds under another name, and
+staging folders whose builder is gone; never a part of a segment it does not know (another
+builder's, newer than what it read) nor anything a live builder is writing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import secrets
 import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -64,6 +69,25 @@ class Part(Protocol):
     def records(self) -> Iterator[dict[str, Any]]: ...
 
 
+class Owner(Protocol):
+    """A builder, as the folders it writes name it (``expansion_dag.store.BuildClaim``)."""
+
+    id: str
+
+    def alive(self, owner: str) -> bool: ...
+
+
+class Unshared:
+    """A builder whose folder no other builder shares (a test's, a benchmark's): it never judges
+    another builder gone, so it leaves every other builder's staging folder alone."""
+
+    def __init__(self) -> None:
+        self.id = secrets.token_hex(8)
+
+    def alive(self, owner: str) -> bool:
+        return True
+
+
 def build_training_set_in_parts(
     parts: Sequence[Part],
     failures: Iterable[Mapping[str, Any]],
@@ -76,14 +100,18 @@ def build_training_set_in_parts(
     known: Mapping[str, Identity] | None = None,
     trace: BuildTrace | None = None,
     workers: int = 1,
+    owner: Owner | None = None,
 ) -> Manifest:
     """``build_training_set`` of ``parts``' records then ``failures`` (the store's ``parts()``),
-    building only the parts ``parts_dir`` does not hold yet."""
+    building only the parts ``parts_dir`` does not hold yet, as ``owner``."""
     parts_dir = Path(parts_dir)
+    owner = owner or Unshared()
     summary = build_parts(
-        parts, tokenizer, config, parts_dir=parts_dir, identities=identities, known=known, workers=workers
+        parts, tokenizer, config, parts_dir=parts_dir, identities=identities, known=known, workers=workers,
+        owner=owner,
     )
-    keys = part_names(parts, tokenizer, config, identities, known)
+    fingerprint = _build_state(tokenizer, config, identities, known or {})["fingerprint"]
+    keys = [_part_key(part, fingerprint) for part in parts]
     tally = _Tally(identities, known or {}, trace)
 
     def write(directory: Path) -> Manifest:
@@ -94,9 +122,7 @@ def build_training_set_in_parts(
         return _write_manifest(directory, files, stats, tally, tokenizer, config, parts=summary)
 
     manifest = _publish(Path(out_dir), write)
-    for stale in set(os.listdir(parts_dir)) - {*keys, STATE_NAME}:
-        if not _staging_of_a_live_builder(stale):
-            shutil.rmtree(parts_dir / stale, ignore_errors=True)  # parts of records gone or of another build
+    _prune(parts_dir, keys, {part.name for part in parts}, fingerprint, owner)
     return manifest
 
 
@@ -118,37 +144,39 @@ def build_parts(
     identities: ModeIdentities,
     known: Mapping[str, Identity] | None = None,
     workers: int = 1,
+    owner: Owner | None = None,
 ) -> dict[str, Any]:
-    """Build into ``parts_dir`` each of ``parts`` it does not hold yet, and say how many were built,
-    how many taken as they were, and why all were built (a changed build) if they were."""
+    """Build into ``parts_dir`` each of ``parts`` it does not hold yet, as ``owner``, and say how many
+    were built, how many taken as they were, and why all were built (a changed build) if they were."""
     parts_dir = Path(parts_dir)
     parts_dir.mkdir(parents=True, exist_ok=True)
+    builder = (owner or Unshared()).id
     state = _build_state(tokenizer, config, identities, known or {})
     why_all = _why_all(parts_dir, state)
     keys = [_part_key(part, state["fingerprint"]) for part in parts]
     todo = [(part, key) for part, key in zip(parts, keys) if _done(parts_dir / key) is None]
-    _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers)
+    _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers, builder, state["fingerprint"])
     # Other builders may write it at the same time, each the same state: replaced whole, never torn.
-    staged = parts_dir / f".{STATE_NAME}.tmp-{os.getpid()}"
+    staged = parts_dir / f".{STATE_NAME}.tmp-{builder}"
     staged.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
     os.replace(staged, parts_dir / STATE_NAME)
     return {"parts": len(keys), "built": len(todo), "reused": len(keys) - len(todo), "rebuilt_all_because": why_all}
 
 
-def _staging_of_a_live_builder(name: str) -> bool:
-    """Whether ``name`` is what a builder that still runs on this machine is writing (``.<key>.tmp-<pid>``)."""
-    if not name.startswith(".") or ".tmp-" not in name:
-        return False
-    pid = name.rsplit(".tmp-", 1)[1]
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, another user's
-    return True
+def _prune(parts_dir: Path, keys: Sequence[str], segments: set[str], fingerprint: str, owner: Owner) -> None:
+    """Remove from ``parts_dir`` what no build needs (the module's docstring says what that is)."""
+    for name in sorted(set(os.listdir(parts_dir)) - {*keys, STATE_NAME}):
+        path = parts_dir / name
+        if name.startswith(".") and ".tmp-" in name:
+            if owner.alive(name.rsplit(".tmp-", 1)[1]):
+                continue  # a part, or the build's state, a live builder is writing
+        elif (done := _done(path)) is not None and done.get("fingerprint") == fingerprint:
+            if done.get("name") not in segments:
+                continue  # a segment this build did not see: another builder's, newer
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _done(part_dir: Path) -> dict[str, Any] | None:
@@ -204,17 +232,18 @@ def _part_key(part: Part, fingerprint: str) -> str:
 
 def _build_parts(
     todo: Sequence[tuple[Part, str]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig,
-    identities: ModeIdentities, known: Mapping[str, Identity], parts_dir: Path, workers: int,
+    identities: ModeIdentities, known: Mapping[str, Identity], parts_dir: Path, workers: int, builder: str,
+    fingerprint: str,
 ) -> None:
     if workers <= 1 or len(todo) <= 1:
         for part, key in todo:
-            _build_part(part, key, tokenizer, config, identities, known, parts_dir)
+            _build_part(part, key, tokenizer, config, identities, known, parts_dir, builder, fingerprint)
         return
     # Spawned, not forked: a fork would copy the tokenizer's threads' locks mid-use.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
         futures = [
-            pool.submit(_build_part, part, key, tokenizer, config, identities, known, parts_dir)
+            pool.submit(_build_part, part, key, tokenizer, config, identities, known, parts_dir, builder, fingerprint)
             for part, key in todo
         ]
         for future in futures:
@@ -223,15 +252,18 @@ def _build_parts(
 
 def _build_part(
     part: Part, key: str, tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig,
-    identities: ModeIdentities, known: Mapping[str, Identity], parts_dir: Path,
+    identities: ModeIdentities, known: Mapping[str, Identity], parts_dir: Path, builder: str,
+    fingerprint: str,
 ) -> None:
-    """One part's rows and counts into ``parts_dir/key``, renamed into place whole."""
-    staging = parts_dir / f".{key}.tmp-{os.getpid()}"
+    """One part's rows and counts into ``parts_dir/key``, built in a staging folder of ``builder``'s
+    and renamed into place whole."""
+    staging = parts_dir / f".{key}.tmp-{builder}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     tally = _Tally(identities, known, BuildTrace())
     files, stats = _write_rows(part.records(), tokenizer, config, staging, tally)
-    done = {"name": part.name, "size": part.size, "files": files, "stats": stats.to_dict(), "tally": tally.to_dict()}
+    done = {"name": part.name, "size": part.size, "files": files, "stats": stats.to_dict(), "tally": tally.to_dict(),
+            "fingerprint": fingerprint}
     (staging / PART_DONE).write_text(json.dumps(done, sort_keys=True))
     target = parts_dir / key
     if _done(target) is None:

@@ -1,6 +1,7 @@
 """Every asset on object storage: S3 (moto's server on 127.0.0.1, the ``bucket`` fixture of conftest.py) as
 the storage root."""
 
+import json
 import os
 import signal
 import subprocess
@@ -141,7 +142,11 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
 
     stored = objects(root)
     assert {"assets/prompts.parquet", "assets/budgeted_prompts.parquet", "set_aside/budgeted_prompts.parquet",
-            "training_set/manifest.json", "training_set/README.md", "training_set/conversations.jsonl"} <= set(stored)
+            "training_set.json"} <= set(stored)
+    # The set is a version, and the pointer names it; no lease nor builder's claim is left.
+    version = json.loads((as_upath(root) / "training_set.json").read_text())["path"]
+    assert {f"{version}/manifest.json", f"{version}/README.md", f"{version}/conversations.jsonl"} <= set(stored)
+    assert not [o for o in stored if o.startswith("leases/")]
     assert {f"assets/shard_prompts/{key}.parquet" for key in SHARD_KEYS} <= set(stored)
     assert sum(o.startswith("completions/") for o in stored) > len(SHARD_KEYS)  # rolled segments
     # No partial download (nor staged digest) left: both are hidden files named after their segment.
@@ -163,7 +168,7 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
     out_dir = res["storage"].path("training_set")
     manifest = Manifest.read(out_dir)
     files = data_files(out_dir)
-    assert all(f.startswith(f"{root}/training_set/part-") for f in files)
+    assert all(f.startswith(f"{root}/{version}/part-") for f in files)
     rows = datasets.load_dataset(
         "parquet", data_files=files, split="train", cache_dir=str(tmp_path / "hf"),
         storage_options={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]},

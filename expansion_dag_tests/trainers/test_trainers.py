@@ -20,16 +20,19 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from expansion_dag.core import Identity, load_tokenizer
+from expansion_dag.core import Identity, as_upath, load_tokenizer
+from expansion_dag.store import BuildClaim
 from expansion_dag.training import (
     FORMATS,
     Manifest,
     TrainingSetConfig,
     build_training_set,
     data_files,
+    publishing,
     specforge_template,
 )
 from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.trainers.conftest import consume
 from expansion_dag_tests.training import test_training_set_conversations as conversations
 from expansion_dag_tests.training.test_training_set_ids import sampled, with_ids
@@ -99,9 +102,14 @@ def consumed(tmp_path_factory, qwen3, render_server) -> dict[str, Consumed]:
         config = TrainingSetConfig(
             formats=tuple(FORMATS), train_newline_after_end_of_turn=newline, max_length=MAX_LENGTH,
         )
-        out = tmp / name
         identities = one_mode(MODEL, {} if thinking else {"enable_thinking": False})
-        manifest = build_training_set(records(thinking, qwen3), qwen3, config, out, identities=identities)
+        # Published as a run publishes it; the trainers are given the set's stable path, the link.
+        root = as_upath(str(tmp / name))
+        with (BuildClaim(root, run_id=name, log=Said(), local_dir=tmp / "machine") as claim,
+              publishing(root, claim=claim, keep=1, scratch=tmp / "scratch", log=Said()) as version):
+            manifest = build_training_set(records(thinking, qwen3), qwen3, config, version.directory,
+                                          identities=identities)
+        out = tmp / name / "training_set"
         assert manifest.samples == manifest.ids_from["server"] == len(PROMPTS), manifest.left_out
         built[name] = (out, manifest)
         pretokenized, conversations = str(out / "pretokenized.jsonl"), str(out / "conversations.jsonl")

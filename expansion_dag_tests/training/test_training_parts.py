@@ -9,17 +9,20 @@ from concurrent.futures import ProcessPoolExecutor
 import pyarrow.parquet as pq
 import pytest
 
-from expansion_dag.core import FAILED, load_tokenizer
-from expansion_dag.store import CompletionStore
+from expansion_dag.core import FAILED, as_upath, load_tokenizer
+from expansion_dag.store import BuildClaim, CompletionStore
 from expansion_dag.training import (
+    PART_DONE,
     BuildTrace,
     Manifest,
     TrainingSetConfig,
     build_parts,
     build_training_set,
     build_training_set_in_parts,
+    part_names,
 )
 from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.training.test_training_set import MODEL, record
 
 FORMATS = ("parquet", "specforge-pretokenized", "specforge-conversations")
@@ -37,11 +40,11 @@ def night(store, shard, records):
             writer.append(rec)
 
 
-def in_parts(store, qwen3, out_dir, parts_dir, *, workers=1, trace=None, **config):
+def in_parts(store, qwen3, out_dir, parts_dir, *, workers=1, trace=None, owner=None, **config):
     parts, failures = store.parts()
     return build_training_set_in_parts(
         parts, failures, qwen3, TrainingSetConfig(formats=FORMATS, **config), out_dir, parts_dir=parts_dir,
-        identities=one_mode(MODEL), trace=trace, workers=workers,
+        identities=one_mode(MODEL), trace=trace, workers=workers, owner=owner,
     )
 
 
@@ -170,3 +173,40 @@ def test_parts_built_by_each_shard_in_a_process_of_its_own_are_taken_by_the_set(
     in_one_pass(store, qwen3, tmp_path / "one-pass")
     assert_same_set(tmp_path / "set", tmp_path / "one-pass")
     assert sorted(p.name for p in (tmp_path / "parts").iterdir() if p.name.startswith(".")) == []
+
+
+def test_the_set_never_removes_a_part_another_live_builder_is_writing(qwen3, tmp_path):
+    """Builder A, on another host sharing the root, is writing a part when B assembles the set."""
+    root = as_upath(str(tmp_path))
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(i) for i in range(4)])
+    with BuildClaim(root, run_id="a", log=Said(), local_dir=tmp_path / "host-a") as a:
+        staging = tmp_path / "parts" / f".{'0' * 24}.tmp-{a.id}"
+        staging.mkdir(parents=True)
+        (staging / "part-00000.parquet").write_bytes(b"the first file of a part being written")
+        with BuildClaim(root, run_id="b", log=Said(), local_dir=tmp_path / "host-b") as b:
+            in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", owner=b)
+        assert staging.exists()
+    # A's claim is gone (its run ended, or was killed and timed out): the next build removes its folder.
+    with BuildClaim(root, run_id="c", log=Said(), local_dir=tmp_path / "host-b") as c:
+        in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", owner=c)
+    assert not staging.exists()
+
+
+def test_a_part_of_a_segment_the_set_did_not_see_is_kept_and_a_part_of_another_build_is_not(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(i) for i in range(4)])
+    night(store, "shard-01", [record(i) for i in range(4, 8)])
+    parts, failures = store.parts()
+    config = TrainingSetConfig(formats=FORMATS)
+    # shard-01's run builds its part after the set's build listed the store: the set sees shard-00 only.
+    build_parts(parts[1:], qwen3, config, parts_dir=tmp_path / "parts", identities=one_mode(MODEL))
+    build_training_set_in_parts(parts[:1], failures, qwen3, config, tmp_path / "set", parts_dir=tmp_path / "parts",
+                                identities=one_mode(MODEL))
+    newer = part_names(parts[1:], qwen3, config, one_mode(MODEL))[0]
+    assert (tmp_path / "parts" / newer / PART_DONE).exists()
+    # A changed setting makes another build: the parts of the earlier one are no build's now.
+    in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", train_newline_after_end_of_turn=True)
+    changed = TrainingSetConfig(formats=FORMATS, train_newline_after_end_of_turn=True)
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == sorted(
+        [*part_names(parts, qwen3, changed, one_mode(MODEL)), "build.json"])

@@ -12,7 +12,9 @@ and recompute from them; an empty set fails, naming what was left out and why.
 
 The set is built in parts, a segment of the store each, and builds the parts it does not find.
 ``training_set_parts`` builds one shard's parts in a run of its own (a pod each on Kubernetes, a
-backfill of its partitions); the set then only assembles them.
+backfill of its partitions); the set then only assembles them. Each build is a new version of the
+set, published whole by switching a pointer (``expansion_dag.training.publish``); each builder
+holds a claim on what it writes, so that no other builder removes it meanwhile.
 """
 
 from collections.abc import Collection, Mapping
@@ -30,7 +32,6 @@ from expansion_dag.defs.assets.metadata import markdown_table
 from expansion_dag.defs.resources import GenerationSettings, StorageResource
 from expansion_dag.prompts import nights
 from expansion_dag.training import (
-    MANIFEST_NAME,
     PART_DONE,
     BuildTrace,
     Manifest,
@@ -99,10 +100,13 @@ def training_set_parts(
     identities, config = _build_inputs(budgeted_prompts, settings)
     known = store.registry.known()
     names = part_names(parts, tokenizer, config, identities, known)
-    with storage.kept_parts(PARTS_FOLDER, last=PART_DONE, only=names) as parts_dir:
+    with (
+        storage.build_claim(run_id=context.run.run_id, log=context.log) as claim,
+        storage.kept_parts(PARTS_FOLDER, last=PART_DONE, claim=claim, only=names) as parts_dir,
+    ):
         summary = build_parts(
             parts, tokenizer, config, parts_dir=parts_dir, identities=identities, known=known,
-            workers=settings.training_build_workers,
+            workers=settings.training_build_workers, owner=claim,
         )
     return dg.MaterializeResult(
         metadata={
@@ -147,20 +151,21 @@ def training_set(
     store = storage.completion_store()
     tokenizer = settings.load_tokenizer()
     identities, config = _build_inputs(budgeted_prompts, settings)
-    out_dir = storage.path("training_set")
     # One pass over the store, in file order: every output, and (in the trace) what the round trip
-    # and the nightly table need.
+    # and the nightly table need. Written as a new version, published whole once built.
     trace = BuildTrace()
     parts, failures = store.parts()
     with (
-        storage.kept_parts(PARTS_FOLDER, last=PART_DONE) as parts_dir,
-        storage.local_staging(out_dir, last=MANIFEST_NAME) as staging,
+        storage.build_claim(run_id=context.run.run_id, log=context.log) as claim,
+        storage.kept_parts(PARTS_FOLDER, last=PART_DONE, claim=claim) as parts_dir,
+        storage.training_set_version(claim, context.log) as version,
     ):
         manifest = build_training_set_in_parts(
-            parts, failures, tokenizer, config, staging, parts_dir=parts_dir, identities=identities,
-            known=store.registry.known(), trace=trace, workers=settings.training_build_workers,
+            parts, failures, tokenizer, config, version.directory, parts_dir=parts_dir, identities=identities,
+            known=store.registry.known(), trace=trace, workers=settings.training_build_workers, owner=claim,
         )
-
+    # The checks read the version this run built, whichever is current by now.
+    out_dir = version.url
     checks = training_set_checks(out_dir, trace.renders, tokenizer, config)
     if manifest.samples == 0:
         yield from checks  # no materialization to carry them
@@ -186,7 +191,9 @@ def training_set(
             **_left_out_metadata(manifest),
             "tokenizer": settings.tokenizer,
             "summary": dg.MetadataValue.md(manifest_markdown(manifest)),
+            # This version's own folder: it never changes. The current set: storage.md.
             "path": dg.MetadataValue.path(str(out_dir)),
+            "current": version.current,
             "files": dg.MetadataValue.json(data_files(out_dir)),
             # Each output by format, and what a trainer needs to know (README.md in the folder).
             "outputs": dg.MetadataValue.json(manifest.outputs),

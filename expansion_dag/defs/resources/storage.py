@@ -28,17 +28,18 @@ from expansion_dag.core import (
     listing,
     local_path,
     upload,
-    upload_after,
     write_atomically,
 )
 from expansion_dag.defs import run_configuration_metadata
 from expansion_dag.store import (
     DEFAULT_SEGMENT_INTERVAL_S,
     DEFAULT_SEGMENT_RECORDS,
+    BuildClaim,
     CompletionStore,
     Log,
     ShardLease,
 )
+from expansion_dag.training import DEFAULT_VERSIONS_KEPT, Version, publishing
 
 ASSETS = "assets"  # where the IO manager keeps asset files: <root>/assets/<asset>[/<partition>].parquet
 
@@ -76,12 +77,16 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
         gt=0,
         description="Remote root: seconds after its first completion that a segment is uploaded, at most.",
     )
+    training_set_versions: int = Field(
+        default=DEFAULT_VERSIONS_KEPT, ge=1, description="Versions of the training set kept, the current one included."
+    )
 
     def path(self, *parts: str) -> UPath:
         return as_upath(self.root).joinpath(*parts)
 
     @contextmanager
-    def kept_parts(self, name: str, *, last: str, only: Collection[str] | None = None) -> Iterator[Path]:
+    def kept_parts(self, name: str, *, last: str, claim: BuildClaim, only: Collection[str] | None = None
+                   ) -> Iterator[Path]:
         """A local folder of parts (a subfolder each, complete once it holds ``last``) that outlives
         runs and machines: under a local root, the folder itself; for a remote one, a copy under
         ``local_dir`` brought up to date from ``<root>/<name>`` first (a run pod starts with an
@@ -100,9 +105,11 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
             entry_name(e): e["type"] for e in listing(remote)
             if only is None or e["type"] == "file" or entry_name(e) in only
         }
+        # The parts the object store holds whole; the others may be another builder's uploads under way.
+        whole = {path.rsplit("/", 2)[-2] for path in remote.fs.find(remote.path) if path.endswith(f"/{last}")}
         for entry, kind in there.items():
             if kind == "directory" and not (local / entry / last).exists():
-                staged = local / f".{entry}.tmp-{os.getpid()}"  # never a half copy under its name
+                staged = local / f".{entry}.tmp-{claim.id}"  # never a half copy under its name
                 shutil.rmtree(staged, ignore_errors=True)
                 staged.mkdir()
                 for file in listing(remote / entry):
@@ -118,26 +125,24 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
                 continue  # a builder's staging, never finished
             if (local / entry).is_file():
                 upload(local / entry, remote / entry)
-            elif entry not in there and (only is None or entry in only) and (local / entry / last).exists():
+            elif entry not in whole and (only is None or entry in only) and (local / entry / last).exists():
                 upload(local / entry, remote / entry, last=last)
-        for entry in sorted(set(there) - here):
+        # Only what the build removed as no build's (training.parts): never a part being uploaded.
+        for entry in sorted((whole & set(there)) - here):
             remote.fs.rm((remote / entry).path, recursive=True)
 
-    @contextmanager
-    def local_staging(self, target: UPath, *, last: str | None = None) -> Iterator[Path]:
-        """A local path to build the file or flat folder ``target`` in; uploaded when the block succeeds.
+    def build_claim(self, *, run_id: str, log: Log) -> BuildClaim:
+        """The claim a build of the training set (or of its parts) holds on the folders it writes."""
+        return BuildClaim(as_upath(self.root), run_id=run_id, log=log, timeout_s=self.lease_timeout_s,
+                          local_dir=self.local_dir)
 
-        A local target is given as is (the builders of the training set and the export replace
-        their output atomically themselves). A remote one is built under ``local_dir`` and uploaded
-        at the end, ``last`` (the file marking a complete folder) after every other file.
-        """
-        if is_local(target):
-            path = local_path(target)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            yield path
-            return
-        with upload_after(target, scratch=Path(self.local_dir, "staging"), last=last) as path:
-            yield path
+    @contextmanager
+    def training_set_version(self, claim: BuildClaim, log: Log) -> Iterator[Version]:
+        """A new version of the training set to build, published whole when the block succeeds
+        (``expansion_dag.training.publish``)."""
+        with publishing(self.root, claim=claim, keep=self.training_set_versions,
+                        scratch=Path(self.local_dir, "staging"), log=log) as version:
+            yield version
 
     def read_asset(self, asset: str, partition: str | None = None) -> pl.DataFrame:
         """An asset's file as the IO manager stored it, read back (checks verify what was written)."""
@@ -154,7 +159,7 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
     def shard_lease(self, shard: str, *, run_id: str, log: Log) -> ShardLease:
         """The lease a run holds while it chooses and sends ``shard``'s prompts (``expansion_dag.store.lease``)."""
         return ShardLease(as_upath(self.root), shard, run_id=run_id, log=log, timeout_s=self.lease_timeout_s,
-                          wait=self.when_shard_busy == "wait")
+                          wait=self.when_shard_busy == "wait", local_dir=self.local_dir)
 
     def completion_store(self) -> CompletionStore:
         return CompletionStore(
