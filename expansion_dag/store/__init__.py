@@ -10,6 +10,7 @@ from expansion_dag.store.completions import (
     SegmentPart,
 )
 from expansion_dag.store.conditional import conditional_file
+from expansion_dag.store.lines import BAD_LINE_REASONS, decode_line, encode_line
 from expansion_dag.store.lease import (
     DEFAULT_LEASE_TIMEOUT_S,
     LEASES,
@@ -23,8 +24,8 @@ from expansion_dag.store.lease import (
 from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
 __all__ = [
-    "CompletionStore", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",
+    "BAD_LINE_REASONS", "CompletionStore", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",
     "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "LEASES", "LeaseLost", "Log",
     "MixedStoreError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter", "ShardBusy", "ShardLease",
-    "conditional_file", "this_machine"
+    "conditional_file", "decode_line", "encode_line", "this_machine"
 ]
