@@ -15,9 +15,9 @@ from expansion_dag.generation.answer_yield import AnswerYield, YieldGate
 from expansion_dag.generation.borrowing import OWNER_NOT_STARTED
 from expansion_dag.generation.conversations import TurnPlanner, turn_id
 from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, claim_share
-from expansion_dag.generation.engine import ShardRun, generate_shard
+from expansion_dag.generation.engine import WRITE_QUEUE, ShardRun, generate_shard
 from expansion_dag.generation.engine_config import EngineConfig, Server
-from expansion_dag.generation.event_loop import CoalescingSelector, run_ticked
+from expansion_dag.generation.event_loop import CoalescingSelector, OffLoop, run_ticked
 from expansion_dag.generation.plan import (
     MIN_OBSERVED,
     Observed,
@@ -42,9 +42,9 @@ from expansion_dag.generation.shard_work import ShardWork, prompt_keys
 
 __all__ = [
     "AnswerLengths", "AnswerYield", "CoalescingSelector", "EngineConfig", "Estimate", "MIN_OBSERVED",
-    "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress", "ProgressDisplay",
+    "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "OffLoop", "Plan", "Progress", "ProgressDisplay",
     "PromptQueue", "Server", "ShardFigures", "ShardProgress", "ShardReport", "ShardRun", "ShardWork",
-    "Throughput", "Turn", "TurnPlanner", "WorkItem", "YieldGate", "bucket_label", "cell_estimates",
+    "Throughput", "Turn", "TurnPlanner", "WRITE_QUEUE", "WorkItem", "YieldGate", "bucket_label", "cell_estimates",
     "claim_share", "ended_record", "expected_per_prompt", "generate_shard", "learn", "make_plan",
     "prompt_bucket", "prompt_features", "prompt_keys", "quiet_third_party", "render_table",
     "retry_summary", "run_ticked", "shard_figures", "silence_retry_logging", "spearman", "turn_id"
