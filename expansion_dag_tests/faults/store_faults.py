@@ -3,6 +3,7 @@ text names their key), in a thread of its own where a test holds the disk while 
 disk's faults on the files of one folder alone (the rest of the process writes as usual); and what
 the simulator was asked, by key."""
 
+import asyncio
 import collections
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from expansion_dag.core import SamplingSettings
-from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.generation import EngineConfig, Server, ShardRun, WorkItem, generate_shard, run_ticked
 from expansion_dag.store import CompletionStore
 
 SHARD = "shard-00"
@@ -54,6 +55,31 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class HeldRun(Background):
+    """A ``ShardRun`` on a loop of its own in a thread, its store's segments synced at every line: the
+    test reads its report (an answer is counted once queued for the writer) and may cancel it."""
+
+    def __init__(self, root: Path, items: list[WorkItem], url: str, **kwargs: Any):
+        self.shard: ShardRun | None = None
+
+        async def main() -> Any:
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            with CompletionStore(root).writer(SHARD, fsync_interval_s=0) as writer:
+                self.shard = ShardRun(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+                                      config=EngineConfig(**FAST), **kwargs)
+                return await self.shard.run()
+
+        super().__init__(lambda: run_ticked(main(), tick_s=0.1))
+
+    def queued(self) -> int:
+        """Answers the run has queued for its writer so far."""
+        return self.shard.report.ok if self.shard is not None else 0
+
+    def cancel(self) -> None:
+        """As Ctrl-C stops a run: its task cancelled."""
+        self._loop.call_soon_threadsafe(self._task.cancel)
 
 
 def in_folder(fd: int, folder: Path) -> bool:

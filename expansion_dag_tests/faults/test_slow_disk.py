@@ -13,11 +13,10 @@ import threading
 
 import pytest
 
-from expansion_dag.core import SamplingSettings
-from expansion_dag.generation import EngineConfig, Server, ShardRun, run_ticked
+from expansion_dag.generation import EngineConfig
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.faults.store_faults import FAST, SHARD, SIM, Background, in_folder, run_shard
+from expansion_dag_tests.faults.store_faults import SHARD, SIM, Background, HeldRun, in_folder, run_shard
 from expansion_dag_tests.generation.test_engine_faults import work
 from expansion_dag_tests.helpers import wait_for
 
@@ -67,16 +66,19 @@ def test_answers_stream_in_while_the_disk_is_stuck(monkeypatch, tmp_path):
 def test_a_stuck_disk_holds_the_run_back_at_its_queue_never_past_it(monkeypatch, tmp_path):
     root, items = tmp_path / "store", work(60)
     disk = StuckDisk(monkeypatch, root)
+    held = 1 + 4 + EngineConfig().workers_for(8)  # being written, queued, one waiting a worker
+
+    def holding(fleet, run):
+        server = fleet.stats(0)
+        idle = server["num_running"] + server["num_waiting"] == 0
+        return idle and run.queued() == 1 + 4 and server["completed"] == held
+
     with SimulatedFleet([SimServerConfig(**SIM)]) as fleet:
-        run = Background(
-            lambda: run_shard(CompletionStore(root), items, fleet.urls[0], fsync_interval_s=0, write_queue=4)
-        )
+        run = HeldRun(root, items, fleet.urls[0], write_queue=4)
         try:
-            # Held: no request running or waiting on the server, answers taken as far as they go.
-            settled = wait_for(lambda: (s := fleet.stats(0))["num_running"] + s["num_waiting"] == 0
-                               and s["completed"] > 1 and s, "the run held back by the stuck disk")
-            # The answer being written, the four queued, and one waiting for room per worker.
-            assert settled["completed"] == 1 + 4 + EngineConfig().workers_for(8)
+            # The run held where its queue is full: the answers being written and queued, one more
+            # answer a worker waiting for room, no request on the server; never further.
+            wait_for(lambda: holding(fleet, run), "the run held back by the stuck disk, at its bound")
         finally:
             disk.release()
         run.join()
@@ -107,23 +109,12 @@ def test_a_stuck_progress_report_holds_back_no_stream(tmp_path):
 def test_a_cancelled_run_writes_every_answer_it_queued_before_it_ends(monkeypatch, tmp_path):
     root, items = tmp_path / "store", work(60)
     disk = StuckDisk(monkeypatch, root)
-    running = {}
-
-    async def main(url):
-        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
-        with CompletionStore(root).writer(SHARD, fsync_interval_s=0) as writer:
-            running["run"] = ShardRun(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(),
-                                      config=EngineConfig(**FAST))
-            return await running["run"].run()
-
     with SimulatedFleet([SimServerConfig(**SIM)]) as fleet:
-        run = Background(lambda: run_ticked(main(fleet.urls[0]), tick_s=0.1))
+        run = HeldRun(root, items, fleet.urls[0])
         try:
-            # The engine counts an answer once it is queued for the writer.
-            wait_for(lambda: "run" in running and running["run"].report.ok == len(items), "every answer queued")
+            wait_for(lambda: run.queued() == len(items), "every answer queued")
             assert disk.entered == 1
-            # As Ctrl-C stops a run: its task cancelled, the answers it holds not yet written.
-            running["loop"].call_soon_threadsafe(running["task"].cancel)
+            run.cancel()  # the answers it holds not yet written
         finally:
             disk.release()
         with pytest.raises(asyncio.CancelledError):
