@@ -15,9 +15,9 @@ from expansion_dag.generation.answer_yield import AnswerYield, YieldGate
 from expansion_dag.generation.borrowing import OWNER_NOT_STARTED
 from expansion_dag.generation.conversations import TurnPlanner, turn_id
 from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, claim_share
-from expansion_dag.generation.engine import ShardRun, generate_shard
+from expansion_dag.generation.engine import WRITE_QUEUE, ShardRun, generate_shard
 from expansion_dag.generation.engine_config import EngineConfig, Server
-from expansion_dag.generation.event_loop import CoalescingSelector, run_ticked
+from expansion_dag.generation.event_loop import CoalescingSelector, OffLoop, run_ticked
 from expansion_dag.generation.plan import (
     MIN_OBSERVED,
     Observed,
@@ -44,10 +44,10 @@ from expansion_dag.generation.speed import MIN_ANSWERS, ShardPlan, Speed, SpeedM
 
 __all__ = [
     "AnswerLengths", "AnswerYield", "CoalescingSelector", "EngineConfig", "Estimate", "MIN_ANSWERS",
-    "MIN_OBSERVED", "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress",
+    "MIN_OBSERVED", "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "OffLoop", "Plan", "Progress",
     "ProgressDisplay", "PromptQueue", "Server", "ServerStats", "ShardFigures", "ShardPlan", "ShardProgress",
     "ShardReport", "ShardRun", "ShardWork", "Speed", "SpeedMeter", "Throughput", "Turn", "TurnPlanner",
-    "WorkItem", "YieldGate", "bucket_label", "cell_estimates", "claim_share", "ended_record",
+    "WRITE_QUEUE", "WorkItem", "YieldGate", "bucket_label", "cell_estimates", "claim_share", "ended_record",
     "expected_per_prompt", "generate_shard", "learn", "make_plan", "outlook", "prompt_bucket",
     "prompt_features", "prompt_keys", "quiet_third_party", "render_table", "retry_summary", "run_ticked",
     "shard_figures", "silence_retry_logging", "spearman", "speed_line", "turn_id"

@@ -6,9 +6,20 @@ tail starts early instead of setting the makespan.
 
 Each worker owns one keep-alive connection: a shared pool of hundreds of connections costs more
 CPU per request (httpcore scans every connection on each checkout) than the rest of the client
-together. Each result is written to the completion store (``expansion_dag.generation.recorder``) before the
-worker takes the next prompt. Idle servers of the fleet take a share of the queue too
+together. Each result is handed to the completion store's writer (``expansion_dag.generation.recorder``)
+before the worker takes the next prompt. Idle servers of the fleet take a share of the queue too
 (``expansion_dag.generation.borrowing``).
+
+The loop only streams. The store's writer (its appends, fsyncs and segment creation) runs in a
+thread of the run's own (``event_loop.OffLoop``), fed by a queue of at most ``write_queue``
+answers, and the progress callback in another, so a slow disk or a slow event log never delays a
+stream or a timer. An answer is durable (``expansion_dag.store``'s promise) once that thread wrote
+its line, not when it was queued: a run killed outright (SIGKILL, a lost machine) loses at most the
+answers still queued, which the next run sends again, and nothing it wrote; a run stopped any other
+way (its end, an abort, a cancellation such as Ctrl-C's) writes them all before it returns. While
+the queue is full (a stuck disk), a worker with an answer to write waits for room before it takes
+another prompt: the run slows, its memory does not grow. A writer's error (a full disk, a lost
+shard lease) fails the run at the next answer, and at its end at the latest.
 
 Outcomes (``expansion_dag.core.outcomes``): what a server says, and how often a prompt is tried on it,
 is ``server_api``'s business; which outcome is whose fault is the taxonomy's. Here a canary per
@@ -22,8 +33,9 @@ judged where the breaker is, that benches and blames no server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import httpx
 
@@ -45,13 +57,17 @@ from expansion_dag.generation.borrowing import Borrowing
 from expansion_dag.generation.conversations import Ended, TurnPlanner
 from expansion_dag.generation.dispatch import PromptQueue, WorkItem
 from expansion_dag.generation.engine_config import EngineConfig, Server
-from expansion_dag.generation.event_loop import run_ticked
+from expansion_dag.generation.event_loop import OffLoop, run_ticked
 from expansion_dag.generation.recorder import Judge, Recorder
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
 from expansion_dag.servers import Answer, HttpClient, chat_request, generate, make_client
 from expansion_dag.store import SegmentWriter
 
-__all__ = ["ShardRun", "WorkItem", "generate_shard"]
+__all__ = ["ShardRun", "WorkItem", "WRITE_QUEUE", "generate_shard"]
+
+#: Answers queued for the writer thread at most: minutes of answers at the reference rate, and
+#: never more than a few hundred records' memory.
+WRITE_QUEUE = 256
 
 
 class Sender:
@@ -87,7 +103,7 @@ class Sender:
             if answer is not None and self._planner is not None:
                 planned = self._planner.next_item(item, answer.content, answer.finish_reason, answer.tool_calls)
                 if isinstance(planned, Ended):
-                    self._recorder.ended(planned, item, server.url)
+                    await self._recorder.ended(planned, item, server.url)
                 elif planned is not None:
                     following = planned
                     self.report.total += 1
@@ -142,11 +158,13 @@ class Sender:
             assert exchange.answer is not None
             features = self._queue.features(item)
             expected = self._queue.ordered_on(item)
-            self._recorder.answer(item, server.url, exchange.answer, exchange, latency, expected=expected, features=features)
+            await self._recorder.answer(
+                item, server.url, exchange.answer, exchange, latency, expected=expected, features=features
+            )
             stats.meter.answered(stream, exchange.answer.completion_tokens)
             self._queue.learn(item, exchange.answer.completion_tokens)
         elif not borrowed or of_error(error) == CONTENT:
-            self._recorder.failure(item, server.url, error, exchange, latency)
+            await self._recorder.failure(item, server.url, error, exchange, latency)
         return error, exchange.answer if error is None else None
 
     def _count_retry(self, kind: str) -> None:
@@ -212,6 +230,7 @@ class ShardRun:
         lengths: AnswerLengths | None = None,
         planner: TurnPlanner | None = None,
         judge: Judge | None = None,
+        write_queue: int = WRITE_QUEUE,
     ):
         if not servers:
             raise ValueError("a shard needs at least one server")
@@ -228,12 +247,12 @@ class ShardRun:
             servers={s.url: ServerStats(s.slots) for s in self._servers},
             helpers={h.url: ServerStats(h.slots, borrowing=self._borrowing.reasons[h.url]) for h in self._borrowing.helpers},
         )
+        self._off_loop = OffLoop("store writer", write_queue)
         self._send = Sender(
             model=model, sampling=sampling, config=config, queue=self.queue,
-            recorder=Recorder(writer, self.report, judge), planner=planner,
+            recorder=Recorder(writer, self._off_loop, self.report, judge), planner=planner,
         ).send
-        self._start = time.monotonic()
-        self._cpu_start = time.process_time()
+        self._start, self._cpu_start = time.monotonic(), time.process_time()
         self._workers: list[asyncio.Task[None]] = []
         #: Per server, its canary if it passed on its first text and its answer is still coming.
         self._answering: dict[str, asyncio.Task[RequestError | None]] = {}
@@ -245,22 +264,19 @@ class ShardRun:
         return self.queue.lengths
 
     async def run(self) -> ShardReport:
-        self._start = time.monotonic()
-        self._cpu_start = time.process_time()
+        self._start, self._cpu_start = time.monotonic(), time.process_time()
         for stats in self._all_stats():
             stats._since = self._start
-        progress = asyncio.create_task(self._progress_loop()) if self._on_progress else None
         try:
-            if self._config.canary:
-                await self._canaries()
-            await self._run_workers()
+            async with _off_the_loop(self._off_loop, self._on_progress, self._config.progress_interval_s, self.progress):
+                if self._config.canary:
+                    await self._canaries()
+                await self._run_workers()
         finally:
-            if progress is not None:
-                progress.cancel()
             self._close_books()
         if self._on_progress is not None:
             # The final figures, also for a shard that ends before its first periodic report.
-            self._on_progress(self.progress())
+            await asyncio.to_thread(self._on_progress, self.progress())
         if self.report.aborted:
             raise ShardAborted(self.report.aborted, report=self.report)
         return self.report
@@ -386,11 +402,43 @@ class ShardRun:
     def progress(self) -> Progress:
         return self.report.progress(time.monotonic() - self._start)
 
-    async def _progress_loop(self) -> None:
-        assert self._on_progress is not None
+
+@contextlib.asynccontextmanager
+async def _off_the_loop(
+    writer: OffLoop, on_progress: Callable[[Progress], None] | None, interval_s: float,
+    progress: Callable[[], Progress],
+) -> AsyncIterator[None]:
+    """The run's writer thread and, with ``on_progress``, its progress reports every ``interval_s``
+    until the block ends; then every answer queued is written, whatever ended the block (a
+    cancellation waits for it too)."""
+    writer.start()
+    reports = asyncio.create_task(_report_every(interval_s, on_progress, progress)) if on_progress else None
+    try:
+        yield
+    finally:
+        if reports is not None:
+            reports.cancel()
+        try:
+            await writer.drain()
+        finally:
+            if reports is not None:
+                await asyncio.gather(reports, return_exceptions=True)
+
+
+async def _report_every(
+    interval_s: float, on_progress: Callable[[Progress], None], progress: Callable[[], Progress]
+) -> None:
+    """Hand ``on_progress`` the run's figures every ``interval_s``, in a thread of its own: a Dagster
+    run writes them to its event log, which may be as slow as any disk, and never holds up the
+    store's writes. One report waits at most while one is being made."""
+    reporter = OffLoop("progress", 1)
+    reporter.start()
+    try:
         while True:
-            await asyncio.sleep(self._config.progress_interval_s)
-            self._on_progress(self.progress())
+            await asyncio.sleep(interval_s)
+            await reporter.submit(on_progress, progress())
+    finally:
+        await reporter.drain()
 
 
 def generate_shard(
@@ -409,6 +457,7 @@ def generate_shard(
     lengths: AnswerLengths | None = None,
     planner: TurnPlanner | None = None,
     judge: Judge | None = None,
+    write_queue: int = WRITE_QUEUE,
 ) -> ShardReport:
     """Run a shard to the end (or to its abort) on a fresh event loop (``config.client_tick_s``);
     the synchronous entry point.
@@ -419,7 +468,8 @@ def generate_shard(
     run refines them in place, so the caller can show what they became. ``planner``: builds each
     conversation's next turn when an answer arrives (``expansion_dag.generation.conversations``). ``judge``:
     the training set's verdict on each answer (``training_set.AnswerJudge``), counted in the report's
-    ``answer_yield`` and gated by ``config.yield_gate``.
+    ``answer_yield`` and gated by ``config.yield_gate``. ``write_queue``: answers queued for the
+    writer thread at most (see the module's docstring).
     """
 
     async def main() -> ShardReport:
@@ -438,6 +488,7 @@ def generate_shard(
             lengths=lengths,
             planner=planner,
             judge=judge,
+            write_queue=write_queue,
         )
         return await run.run()
 

@@ -1,4 +1,7 @@
-"""Each prompt's outcome, written to the completion store the moment it is known, and counted.
+"""Each prompt's outcome, handed to the completion store's writer the moment it is known, and counted.
+
+The writer runs off the event loop (``expansion_dag.generation.event_loop.OffLoop``): a record is
+queued here and written there, in the order queued; ``engine`` says what is durable when.
 
 A completion record carries everything a trainer and a reader need (the answer, the counts, the
 server, the budget); a failure record says what failed and whose fault it was (``outcome``, see
@@ -14,6 +17,7 @@ from typing import Any
 from expansion_dag.core import CONTENT, FAILED, OK, OUTPUT_IDS, PROMPT_IDS, RequestError, pack, record_fields
 from expansion_dag.generation.conversations import Ended
 from expansion_dag.generation.dispatch import WorkItem
+from expansion_dag.generation.event_loop import OffLoop
 from expansion_dag.generation.shard_report import ShardReport
 from expansion_dag.servers import Answer, DegenerateError, Exchange
 from expansion_dag.store import SegmentWriter
@@ -23,21 +27,23 @@ Judge = Callable[[Mapping[str, Any]], str]
 
 
 class Recorder:
-    """Writes one shard run's records and keeps its report; ``judge`` counts what answers will yield."""
+    """Writes one shard run's records (through ``off_loop``) and keeps its report; ``judge`` counts
+    what answers will yield."""
 
-    def __init__(self, writer: SegmentWriter, report: ShardReport, judge: Judge | None = None):
+    def __init__(self, writer: SegmentWriter, off_loop: OffLoop, report: ShardReport, judge: Judge | None = None):
         self._writer = writer
+        self._off_loop = off_loop
         self.report = report
         self._judge = judge
 
-    def _write(self, record: dict[str, Any]) -> None:
-        self._writer.append(record)
+    async def _write(self, record: dict[str, Any]) -> None:
+        await self._off_loop.submit(self._writer.append, record)
         # Only answers are judged (a loop and an ended conversation included): a server's or a
         # request's failure says nothing of what the model writes.
         if self._judge is not None and (record["status"] == OK or record.get("outcome") == CONTENT):
             self.report.answer_yield.count(self._judge(record))
 
-    def answer(
+    async def answer(
         self,
         item: WorkItem,
         server_url: str,
@@ -49,7 +55,7 @@ class Recorder:
         features: Sequence[int],
     ) -> None:
         finish = answer.finish_reason
-        self._write(
+        await self._write(
             {
                 "key": item.key,
                 "status": OK,
@@ -88,7 +94,9 @@ class Recorder:
         stats.requests += 1
         stats.output_tokens += answer.completion_tokens
 
-    def failure(self, item: WorkItem, server_url: str, error: RequestError, exchange: Exchange, latency: float) -> None:
+    async def failure(
+        self, item: WorkItem, server_url: str, error: RequestError, exchange: Exchange, latency: float
+    ) -> None:
         record = {
             "key": item.key,
             "status": FAILED,
@@ -120,15 +128,15 @@ class Recorder:
             if error.output_ids is not None:
                 record[OUTPUT_IDS] = pack(error.output_ids)
             self.report.output_tokens_by_outcome[error.kind] += error.tokens
-        self._write(record)
+        await self._write(record)
         self.report.failed += 1
         self.report.failures_by_kind[error.kind] += 1
         self.report.slot_seconds_by_outcome[error.kind] += latency
         self._stats(server_url).requests += 1
 
-    def ended(self, ended: Ended, item: WorkItem, server_url: str) -> None:
+    async def ended(self, ended: Ended, item: WorkItem, server_url: str) -> None:
         """A conversation stopped before its last turn: final, under the key of the turn not asked."""
-        self._write(ended_record(ended, item, server_url))
+        await self._write(ended_record(ended, item, server_url))
         self.report.failures_by_kind[ended.reason] += 1
 
     def _stats(self, url: str):

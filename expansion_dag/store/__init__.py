@@ -10,6 +10,7 @@ from expansion_dag.store.completions import (
     SegmentPart,
 )
 from expansion_dag.store.conditional import ConditionalWritesIgnored, conditional_file
+from expansion_dag.store.lines import BAD_LINE_REASONS, decode_line, encode_line
 from expansion_dag.store.lease import (
     DEFAULT_LEASE_TIMEOUT_S,
     LEASES,
@@ -24,8 +25,8 @@ from expansion_dag.store.lease import (
 from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
 __all__ = [
-    "BuildClaim", "CompletionStore", "ConditionalWritesIgnored", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SEGMENT_INTERVAL_S",
-    "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "LEASES", "LeaseLost", "Log",
+    "BAD_LINE_REASONS", "BuildClaim", "CompletionStore", "ConditionalWritesIgnored", "DEFAULT_LEASE_TIMEOUT_S",
+    "DEFAULT_SEGMENT_INTERVAL_S", "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "LEASES", "LeaseLost", "Log",
     "MixedStoreError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter", "ShardBusy", "ShardLease",
-    "conditional_file", "process_id"
+    "conditional_file", "decode_line", "encode_line", "process_id"
 ]

@@ -1,19 +1,29 @@
 """The completion store: every completion durable as soon as it returns, each prompt kept once.
 
 Layout: ``<root>/<shard>/seg-<time>-<pid>-<rand>-<n>.jsonl``, where ``root`` is a local folder or an
-fsspec URL (``s3://bucket/prefix/completions``). Each segment has one writer, so a torn write can
-only be a segment's last line. A line is ``<key>\\t<status>\\t<json>\\n``: resuming reads keys and
-statuses without parsing JSON, which keeps the resume scan cheap when completions are long.
+fsspec URL (``s3://bucket/prefix/completions``). Each segment has one writer, so a write cut short
+can only be a segment's last line. A line is ``<key>\\t<status>\\t<length>:<crc32>\\t<json>\\n``
+(``expansion_dag.store.lines``): resuming reads keys and statuses without parsing JSON, which keeps
+the resume scan cheap when completions are long, and every reader checks each line whole (length
+and checksum) by the one rule, so the scan, the digests and the build agree on which line holds a
+key's answer: a key's first whole ``ok`` line.
 
-Crash safety: how a line is written is the writer's (``expansion_dag.store.segments``). A last line
-without its newline, or whose JSON does not parse, is a torn write: it is counted and ignored on
-read, never fatal.
+Bad lines: a line that is not whole (cut short by a kill or a full disk, garbled on disk) is never
+fatal and never read as a record: its key counts as not done, so the next run asks it again, and
+the build takes the answer sent again. ``scan`` counts such lines by reason and keeps each, with its
+offset and reason, in ``<segment>.quarantine`` beside the segment's local file (the bytes stay in
+the segment too: segments are never rewritten). A last line without its newline whose writer still
+holds the segment is a line being written: neither counted nor quarantined.
+
+Crash safety: how a line is written is the writer's (``expansion_dag.store.segments``).
 
 What is durable when:
 
 * Local root: a run appends to one segment in ``<root>/<shard>/``. A line is durable against the
   death of the process the moment ``append`` returns, and against a crash of the machine after
-  the next ``fsync``.
+  the next ``fsync`` (the segment's name, with its folder's, is synced when it is created). The
+  generation engine calls ``append`` from a writer thread of its own: what that changes for a run
+  is said in ``expansion_dag.generation.engine``.
 * Remote root (objects cannot be appended to): a run appends, exactly as above, to a segment in
   this machine's spool, ``<local_dir>/<sha256(root)[:16]>/spool/<shard>/``, and uploads each
   segment whole, as an immutable object of the same name, once it is sealed: after
@@ -78,6 +88,7 @@ from expansion_dag.core import (
     write_atomically,
 )
 from expansion_dag.store.conditional import conditional_file
+from expansion_dag.store.lines import decode_line, encode_line
 from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
 _OK_BYTES, _FAILED_BYTES = OK.encode(), FAILED.encode()
@@ -98,14 +109,12 @@ class ScanResult:
     duplicates: int = 0
     #: The duplicates by the shard folder that holds the second answer of a key.
     duplicates_by_shard: collections.Counter[str] = field(default_factory=collections.Counter)
-    torn_lines: int = 0
+    #: Lines that are not whole, quarantined (``lines.BAD_LINE_REASONS``), by reason; ``torn_lines`` all of them.
+    bad_lines: collections.Counter[str] = field(default_factory=collections.Counter)
 
-
-@dataclass(frozen=True)
-class _Location:
-    path: Path
-    offset: int
-    length: int
+    @property
+    def torn_lines(self) -> int:
+        return sum(self.bad_lines.values())
 
 
 @dataclass(frozen=True)
@@ -122,14 +131,8 @@ class SegmentPart:
 
     def records(self) -> Iterator[dict[str, Any]]:
         """The segment's completions in file order, each key's first once, less ``taken``."""
-        seen = set(self.taken)
-        for key, status, payload in _digest(self.path) if self.digest else _intact_lines(self.path):
-            if status != _OK_BYTES or key in seen:
-                continue
-            record = _parsed(payload)
-            if record is not None:
-                seen.add(key)
-                yield record
+        lines = _digest(self.path) if self.digest else _whole_lines(self.path)
+        yield from _firsts(lines, _OK_BYTES, set(self.taken))
 
 
 class IdentityRegistry:
@@ -247,37 +250,26 @@ class CompletionStore:
                 os.replace(part, objects[name][0])
         return sorted(copy for copy, _ in objects.values())
 
-    def _lines(self, shard: str) -> Iterator[tuple[str, str, _Location | None]]:
-        """(key, status, location) of each intact line; location None marks a torn line."""
-        for path in self._segments(shard):
-            offset = 0
-            with open(path, "rb") as fh:
-                for raw in fh:
-                    line = _split_line(raw)
-                    if line is None:
-                        yield "", "", None
-                    else:
-                        yield line[0], line[1].decode(), _Location(path, offset, len(raw))
-                    offset += len(raw)
-
     def scan(self, shard: str | None = None) -> ScanResult:
         """Which keys are done and which only failed, in one shard or (``None``) the whole store.
 
-        One pass over the lines and no JSON parsing, so resuming costs one cheap read of the store
-        whatever the number of prompts. A key done in two shards counts as a duplicate.
+        One pass over the lines and no JSON parsing (but for lines written before checksums), so
+        resuming costs one cheap read of the store whatever the number of prompts. A key done in two
+        shards counts as a duplicate. Lines that are not whole are counted and quarantined.
         """
         result = ScanResult()
         for one in self.shards() if shard is None else [shard]:
-            for key, status, loc in self._lines(one):
-                if loc is None:
-                    result.torn_lines += 1
-                elif status == OK:
-                    if key in result.done:
-                        result.duplicates += 1
-                        result.duplicates_by_shard[one] += 1
-                    result.done.add(key)
-                elif status == FAILED:
-                    result.failed.add(key)
+            for path in self._segments(one):
+                bad: list[_BadLine] = []
+                for key, status, _ in _whole_lines(path, bad):
+                    if status == _OK_BYTES:
+                        if key in result.done:
+                            result.duplicates += 1
+                            result.duplicates_by_shard[one] += 1
+                        result.done.add(key)
+                    elif status == _FAILED_BYTES:
+                        result.failed.add(key)
+                result.bad_lines.update(_quarantine(one, path, bad))
         # A failure only counts while no success exists for the key (a later run may have fixed it).
         result.failed -= result.done
         return result
@@ -287,25 +279,22 @@ class CompletionStore:
         return self.scan().done
 
     def records(self, shard: str, *, status: str = OK) -> Iterator[dict[str, Any]]:
-        """The shard's records of one status, one per key (the first intact line wins)."""
+        """The shard's records of one status, one per key (the first whole line wins)."""
         seen: set[str] = set()
-        for key, line_status, loc in self._lines(shard):
-            if loc is None or line_status != status or key in seen:
-                continue
-            record = _read_record(loc)
-            if record is None:
-                continue
-            seen.add(key)
-            yield record
+        for path in self._segments(shard):
+            yield from _firsts(_whole_lines(path), status.encode(), seen)
 
     def latest_failures(self, shard: str) -> list[dict[str, Any]]:
         """The last failure record of each key that has no completion."""
-        scan = self.scan(shard)
-        latest: dict[str, _Location] = {}
-        for key, status, loc in self._lines(shard):
-            if loc is not None and status == FAILED and key in scan.failed:
-                latest[key] = loc
-        return [r for r in (_read_record(loc) for loc in latest.values()) if r is not None]
+        done: set[str] = set()
+        latest: dict[str, bytes] = {}
+        for path in self._segments(shard):
+            for key, status, payload in _whole_lines(path):
+                if status == _OK_BYTES:
+                    done.add(key)
+                elif status == _FAILED_BYTES:
+                    latest[key] = payload
+        return [r for key, payload in latest.items() if key not in done and (r := _parsed(payload)) is not None]
 
     def latest_records(self, shards: list[str] | None = None, *, digest: bool = False) -> Iterator[dict[str, Any]]:
         """Each key's record once, in file order: its first completion, or, for a key that never
@@ -393,7 +382,7 @@ def _parts(segments: Iterable[tuple[str, Path]], digest: bool) -> tuple[list[Seg
         first: set[str] = set()  # keys this segment answers first
         taken: set[str] = set()
         size = path.stat().st_size
-        for key, status, payload in _digest(path) if digest else _intact_lines(path):
+        for key, status, payload in _digest(path) if digest else _whole_lines(path):
             if status == _OK_BYTES and key not in done:
                 done.add(key)
                 first.add(key)
@@ -406,21 +395,76 @@ def _parts(segments: Iterable[tuple[str, Path]], digest: bool) -> tuple[list[Seg
     return parts, [r for r in map(_parsed, failures.values()) if r is not None]
 
 
-def _split_line(raw: bytes) -> tuple[str, bytes, bytes] | None:
-    """(key, status, JSON) of a line of a segment or a digest; None for a torn one (no newline, or
-    not three fields): the one rule every reader of the store follows."""
-    parts = raw.split(b"\t", 2)
-    if not raw.endswith(b"\n") or len(parts) != 3:
-        return None
-    return parts[0].decode(), parts[1], parts[2]
+#: A line that is not whole: its offset in its segment, its bytes, and why (``lines.BAD_LINE_REASONS``).
+_BadLine = tuple[int, bytes, str]
+_QUARANTINE_SUFFIX = ".quarantine"
 
 
-def _intact_lines(path: Path) -> Iterator[tuple[str, bytes, bytes]]:
-    """(key, status, JSON) of each whole line of a segment; torn ones are skipped."""
+def _whole_lines(path: Path, bad: list[_BadLine] | None = None) -> Iterator[tuple[str, bytes, bytes]]:
+    """(key, status, JSON) of each whole line of a segment, in file order; the others go to ``bad``."""
+    offset = 0
     with open(path, "rb") as fh:
         for raw in fh:
-            if (line := _split_line(raw)) is not None:
+            line = decode_line(raw)
+            if not isinstance(line, str):
                 yield line
+            elif bad is not None:
+                bad.append((offset, raw, line))
+            offset += len(raw)
+
+
+def _firsts(lines: Iterable[tuple[str, bytes, bytes]], status: bytes, seen: set[str]) -> Iterator[dict[str, Any]]:
+    """The record of each key's first line of ``status`` in ``lines``, less the keys in ``seen`` (kept
+    up to date)."""
+    for key, line_status, payload in lines:
+        if line_status == status and key not in seen and (record := _parsed(payload)) is not None:
+            seen.add(key)
+            yield record
+
+
+def _quarantine(shard: str, path: Path, bad: list[_BadLine]) -> list[str]:
+    """Keep the bad lines of a segment, each with its offset and reason, in ``<segment>.quarantine``
+    (rewritten whole when they change); the reasons of those counted. A last line still being
+    written (its writer holds the segment) is not bad yet."""
+    if bad and bad[-1][2] == "unfinished" and _being_written(path):
+        bad = bad[:-1]
+    if not bad:
+        return []
+    body = b"".join(pydantic_core.to_json(_bad_line_record(shard, path, *line)) + b"\n" for line in bad)
+    target = path.with_name(path.name + _QUARANTINE_SUFFIX)
+    try:
+        if not target.is_file() or target.read_bytes() != body:
+            with write_atomically(as_upath(target)) as staged:
+                staged.write_bytes(body)
+    except OSError:
+        pass  # a store this process may read but not write: counted, the bytes kept in the segment
+    return [reason for _, _, reason in bad]
+
+
+def _bad_line_record(shard: str, path: Path, offset: int, raw: bytes, reason: str) -> dict[str, Any]:
+    fields = raw.split(b"\t", 2)
+    return {
+        "segment": f"{shard}/{path.name}", "offset": offset, "length": len(raw), "reason": reason,
+        # What the line says it is, as far as it can be read: the key it would have answered.
+        "key": fields[0].decode(errors="replace") if len(fields) > 1 else None,
+        "status": fields[1].decode(errors="replace") if len(fields) > 2 else None,
+        "line": raw.decode(errors="backslashreplace"),
+    }
+
+
+def _being_written(path: Path) -> bool:
+    """Whether a live writer holds the segment (``segments._Segment`` locks it until it is closed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it this shared lock
+    return False
 
 
 #: What a digest keeps of a record: what the shard checks (``shard_figures``), the answer-length
@@ -431,8 +475,9 @@ DIGEST_FIELDS = (
     "prompt_tokens", "local_prompt_tokens", "completion_tokens", "length_features",
 )  # fmt: skip
 _DIGEST_SUFFIX = ".digest"
-#: Written in a digest's first line: a digest cut to other fields is rebuilt, not read.
-_DIGEST_VERSION = hashlib.sha256(",".join(DIGEST_FIELDS).encode()).hexdigest()[:8].encode()
+#: Written in a digest's first line: a digest cut to other fields, or of lines read by another rule, is
+#: rebuilt, not read.
+_DIGEST_VERSION = hashlib.sha256(",".join(("crc32-lines", *DIGEST_FIELDS)).encode()).hexdigest()[:8].encode()
 
 
 def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
@@ -451,25 +496,24 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
     with open(path, "rb") as fh:
         fh.seek(covered)
         for raw in fh:
-            if not raw.endswith(b"\n"):
+            line = decode_line(raw)
+            if line == "unfinished":
                 break  # the last line, still being written or torn: left for the next read
             covered += len(raw)
-            line = _split_line(raw)
-            if line is None:
-                continue  # not three fields: covered, never kept
+            if isinstance(line, str):
+                continue  # not whole: covered, never kept
             try:
                 record = json.loads(line[2])
             except ValueError:
-                continue  # torn inside its JSON: covered, never kept
+                continue  # whole, yet not JSON: never written so, never kept
             if isinstance(record, dict):
                 small = {f: record[f] for f in DIGEST_FIELDS if f in record}
-                payload = pydantic_core.to_json(small) + b"\n"
-                fresh.append((line[0], line[1], payload))
+                fresh.append((line[0], line[1], pydantic_core.to_json(small)))
     lines += fresh
     if covered != start:
         try:
             with write_atomically(as_upath(cache)) as staged:
-                body = b"".join(b"%s\t%s\t%s" % (k.encode(), st, pl) for k, st, pl in lines)
+                body = b"".join(encode_line(k, st.decode(), pl) for k, st, pl in lines)
                 staged.write_bytes(b"%d %s\n" % (covered, _DIGEST_VERSION) + body)
         except OSError:
             pass  # a store this process may read but not write: the digest is not kept
@@ -478,33 +522,22 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
 
 def _read_digest(cache: Path) -> tuple[int, list[tuple[str, bytes, bytes]]]:
     """(bytes of the segment covered, lines) of a digest file; (0, []) when absent, unreadable or
-    of other fields (a digest is written whole, so a torn line means it was damaged: it is rebuilt)."""
+    of other fields (a digest is written whole, so a line not whole means it was damaged: it is rebuilt)."""
     try:
         with open(cache, "rb") as fh:
             covered_text, version = fh.readline().split()
             if version != _DIGEST_VERSION:
                 return 0, []
             covered = int(covered_text)
-            lines = [_split_line(raw) for raw in fh]
-    except (OSError, ValueError, UnicodeDecodeError):
+            lines = [decode_line(raw) for raw in fh]
+    except (OSError, ValueError):
         return 0, []
-    intact = [line for line in lines if line is not None]
-    return (covered, intact) if len(intact) == len(lines) else (0, [])
+    whole = [line for line in lines if not isinstance(line, str)]
+    return (covered, whole) if len(whole) == len(lines) else (0, [])
 
 
 def _parsed(payload: bytes) -> dict[str, Any] | None:
     try:
         return json.loads(payload)
     except ValueError:
-        return None  # a line cut inside its JSON by a crash: torn, ignored
-
-
-def _read_record(loc: _Location) -> dict[str, Any] | None:
-    with open(loc.path, "rb") as fh:
-        fh.seek(loc.offset)
-        raw = fh.read(loc.length)
-    line = _split_line(raw)
-    try:
-        return json.loads(line[2]) if line is not None else None
-    except ValueError:
-        return None  # a line cut inside its JSON by a crash: torn, ignored
+        return None  # whole, yet not JSON: no writer of this store wrote it; skipped

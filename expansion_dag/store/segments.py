@@ -1,13 +1,18 @@
 """The segment writer: one run's completions appended to a shard's segments, each with one writer.
 
-A line is written with one ``os.write`` on an ``O_APPEND`` descriptor of a local file, so once
-``append`` returns the line survives the death of the process (SIGKILL included); ``fsync`` runs
-every ``fsync_interval_s`` and when a segment is closed, for machine crashes. The layout, and what
-is durable when, are the store's (``expansion_dag.store.completions``).
+A line (``expansion_dag.store.lines``: checked whole on read) is written on an ``O_APPEND`` descriptor
+of a local file, its bytes all written before the next line's (a write the kernel takes only in
+part is continued), so once ``append`` returns the line survives the death of the process (SIGKILL
+included); ``fsync`` runs every ``fsync_interval_s`` and when a segment is closed, for machine
+crashes, and the segment's folder is synced once the segment is named. A write that fails leaves
+its segment behind (its last line cut short, read as such): the next line opens a new segment, so
+no line is ever appended after a torn one. The layout, and what is durable when, are the store's
+(``expansion_dag.store.completions``).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import queue
@@ -20,6 +25,8 @@ from typing import Any
 
 import pydantic_core
 
+from expansion_dag.store.lines import encode_line
+
 DEFAULT_SEGMENT_RECORDS = 1000
 DEFAULT_SEGMENT_INTERVAL_S = 60.0
 _SEAL_CHECK_S = 1.0  # how often a quiet writer checks whether its segment is due for upload
@@ -30,6 +37,9 @@ class _Segment:
 
     def __init__(self, path: Path):
         self.path = path
+        if not path.parent.is_dir():  # a shard's first segment
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fsync_folder(path.parent.parent)
         # Created under a name that no reader and no spool recovery looks at, locked, then named:
         # a segment is never seen unlocked while its writer lives.
         opening = path.with_name(f".{path.name}.opening")
@@ -37,13 +47,21 @@ class _Segment:
         # Held until the segment is closed: spool recovery takes only segments whose writer died.
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         os.rename(opening, path)
+        # The name survives a machine crash with the lines synced after it.
+        fsync_folder(path.parent)
         self.opened = time.monotonic()
         self.lines = 0
         self._last_fsync = self.opened
 
     def write(self, line: bytes, fsync_interval_s: float) -> None:
-        # One write call per line: a crash leaves whole lines plus at most one torn tail.
-        os.write(self._fd, line)
+        # A crash leaves whole lines plus at most one torn tail: the writer opens a new segment
+        # after a failed write.
+        written = memoryview(line)
+        while written:
+            taken = os.write(self._fd, written)
+            if not taken:
+                raise OSError(errno.EIO, f"the disk took no byte of a line of {self.path}")
+            written = written[taken:]
         self.lines += 1
         now = time.monotonic()
         if now - self._last_fsync >= fsync_interval_s:
@@ -75,7 +93,6 @@ class SegmentWriter:
         segment_interval_s: float = DEFAULT_SEGMENT_INTERVAL_S,
         check: Callable[[], None] | None = None,
     ):
-        folder.mkdir(parents=True, exist_ok=True)
         self._folder = folder
         self._check = check
         self._fsync_interval_s = fsync_interval_s
@@ -102,12 +119,21 @@ class SegmentWriter:
     def append(self, record: Mapping[str, Any]) -> None:
         # Compact UTF-8 JSON, as ``json.dumps(ensure_ascii=False)`` writes it, in a sixth of its
         # CPU on answers with non-ASCII text (pydantic's Rust encoder): one record per request.
-        payload = pydantic_core.to_json(record)
-        line = b"%s\t%s\t%s\n" % (record["key"].encode(), record["status"].encode(), payload)
+        line = encode_line(record["key"], record["status"], pydantic_core.to_json(record))
         with self._lock:
-            if self._segment is None:
-                self._segment = _Segment(self._next_path())
-            self._segment.write(line, self._fsync_interval_s)
+            if self._closed:
+                raise ValueError(f"the writer of {self._folder} is closed")
+            try:
+                if self._segment is None:
+                    self._segment = _Segment(self._next_path())
+                self._segment.write(line, self._fsync_interval_s)
+            except OSError as exc:
+                self._drop_segment()
+                raise OSError(
+                    exc.errno, f"a completion could not be written to {self._folder} ({exc.strerror or exc}): free "
+                    "space there or make it writable, then run again; the completions written are kept and "
+                    "only the others are sent"
+                ) from exc
             self.written += 1
             if self._publish is not None and self._segment.lines >= self._segment_records:
                 self._seal()
@@ -123,6 +149,14 @@ class SegmentWriter:
         stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}{int(now % 1 * 1e6):06d}"
         self._segments_opened += 1
         return self._folder / f"seg-{stamp}-{self._writer_id}-{self._segments_opened:06d}.jsonl"
+
+    def _drop_segment(self) -> None:
+        """Leave the current segment, if any, as a failed write left it (the lock held): never
+        appended to again. In a spool it is a dead writer's segment now, which the next run here
+        uploads."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
 
     def _seal(self) -> None:
         """Hand the current segment, synced, to the publisher (the lock is held)."""
@@ -179,3 +213,12 @@ class SegmentWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fsync_folder(folder: Path) -> None:
+    """Sync a folder's entries: a file created or renamed in it keeps its name through a machine crash."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
