@@ -143,6 +143,7 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
     assert {"assets/prompts.parquet", "assets/budgeted_prompts.parquet", "set_aside/budgeted_prompts.parquet",
             "training_set/manifest.json", "training_set/README.md", "training_set/conversations.jsonl"} <= set(stored)
     assert {f"assets/shard_prompts/{key}.parquet" for key in SHARD_KEYS} <= set(stored)
+    assert {f"blocking_checks/{key}.json" for key in SHARD_KEYS} <= set(stored)  # what the set read
     assert sum(o.startswith("completions/") for o in stored) > len(SHARD_KEYS)  # rolled segments
     # No partial download (nor staged digest) left: both are hidden files named after their segment.
     assert not list((tmp_path / "local").rglob(".seg-*"))
