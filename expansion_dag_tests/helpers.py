@@ -1,10 +1,11 @@
 """Helpers shared by tests: prompt frames and resources bound to a simulated fleet."""
 
+import asyncio
 import collections
 import json
 import ssl
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -50,11 +51,26 @@ def resources(urls: list[str], root, *, fleet: dict | None = None, **settings) -
 def wait_for(predicate: Callable[[], Any], what: str = "the condition", timeout_s: float = 60.0) -> Any:
     """Poll ``predicate`` until it returns a true value, and return it. The deadline is for a hang
     only: generous enough that no loaded machine reaches it, so a test waits on the event itself."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:.0f} s"
+    for value in _polled(predicate, what, timeout_s):
+        if value:
+            return value
         time.sleep(0.01)
-    return value
+
+
+async def until(predicate: Callable[[], Any], what: str = "the condition", timeout_s: float = 60.0) -> Any:
+    """:func:`wait_for` in a coroutine: the event loop that brings the condition about keeps running."""
+    for value in _polled(predicate, what, timeout_s):
+        if value:
+            return value
+        await asyncio.sleep(0.01)
+
+
+def _polled(predicate: Callable[[], Any], what: str, timeout_s: float) -> Iterator[Any]:
+    """``predicate``'s values, one a poll, until the deadline fails the test."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        yield predicate()
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:.0f} s"
 
 
 def mock_client(handler) -> HttpClient:

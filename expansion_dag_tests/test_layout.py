@@ -201,3 +201,42 @@ def test_the_layers_under_the_shell_import_no_dagster():
                 for n in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))
     )
     assert with_dagster == []
+
+
+#: Dagster's layers beneath its public API, reached through public-looking names: the instance's
+#: storages (Dagster+ refuses their methods) and a job's asset layer. Each held only while the pin did.
+DAGSTER_INTERNALS = {"event_log_storage", "run_storage", "schedule_storage", "asset_layer"}
+
+
+def dagster_internals(tree: ast.Module) -> list[str]:
+    """A module's uses of Dagster's private layer: a ``dagster._`` (or ``dagster_*._``) import, a
+    private name imported from Dagster, ``dg._...``, or one of :data:`DAGSTER_INTERNALS`."""
+
+    def private(module: str) -> bool:
+        parts = module.split(".")
+        return parts[0].startswith("dagster") and any(p.startswith("_") for p in parts[1:])
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dagster"):
+            names = [a.name for a in node.names]
+            if private(node.module) or any(n.startswith("_") for n in names):
+                found.append(f"from {node.module} import {', '.join(names)}")
+        elif isinstance(node, ast.Attribute) and (
+            node.attr in DAGSTER_INTERNALS
+            or (node.attr.startswith("_") and isinstance(node.value, ast.Name) and node.value.id in ("dg", "dagster"))
+        ):
+            found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("where", ["expansion_dag", "expansion_dag_tests", "bench"])
+def test_dagster_is_used_through_its_public_api_only(where):
+    private = {
+        str(path.relative_to(ROOT)): uses
+        for path in sorted((ROOT / where).rglob("*.py"))
+        if (uses := dagster_internals(ast.parse(path.read_text(), filename=str(path))))
+    }
+    assert private == {}, "Dagster's private layer changes with any upgrade: use its public API"

@@ -297,11 +297,18 @@ def _prepare_prompts_only() -> str:
 
     from expansion_dag.definitions import defs
 
+    # What budgeted_prompts stands on (the sources, the prompts), from the assets' own specs.
+    deps = {spec.key: [dep.asset_key for dep in spec.deps] for spec in defs.resolve_all_asset_specs()}
+    keys, todo = set(), list(deps[dg.AssetKey("budgeted_prompts")])
+    while todo:
+        key = todo.pop()
+        if key not in keys:
+            keys.add(key)
+            todo += deps[key]
     job = defs.resolve_job_def("prepare_job")
-    keys = [k for k in job.asset_layer.executable_asset_keys if k != dg.AssetKey("budgeted_prompts")]
     with dg.DagsterInstance.get() as instance:
         result = job.execute_in_process(
-            instance=instance, asset_selection=keys, raise_on_error=False,
+            instance=instance, asset_selection=sorted(keys), raise_on_error=False,
             run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
         )
     return result.run_id

@@ -1,10 +1,12 @@
 """The Kubernetes configuration in deploy/k8s loads and validates, offline.
 
-What is checked: the instance file against Dagster's own schemas (the instance schema, the
-K8sRunLauncher's config class, the PostgreSQL storage config); the run pods the launcher would
-create, built with dagster-k8s's own job builder (generation runs with the GPU tag, other runs
-without); the Helm values against the chart keys they use. No cluster, database or registry is
-contacted: a Kubernetes client is configured from a dummy kubeconfig and never called.
+What is checked, through Dagster's public API only: the instance file loaded as an instance (its
+storage aside, which would connect) and each configured class's section against that class's own
+schema (the K8sRunLauncher, the PostgreSQL storage, the queued run coordinator), validated as run
+configuration; the run pods the launcher would create, built with dagster-k8s's own job builder
+(generation runs with the GPU tag, other runs without); the Helm values against the chart keys they
+use. No cluster, database or registry is contacted: a Kubernetes client is configured from a dummy
+kubeconfig and never called.
 """
 
 from __future__ import annotations
@@ -13,24 +15,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import kubernetes
 import pytest
 import sqlalchemy as sa
 import yaml
-from dagster import DagsterRun
-from dagster._config import process_config
-from dagster._core.instance.config import dagster_instance_config
-from dagster._core.instance.ref import InstanceRef
-from dagster._core.launcher import RunLauncher
-from dagster._core.run_coordinator import QueuedRunCoordinator
-from dagster._core.storage.config import pg_config
-from dagster._serdes.config_class import ConfigurableClassData
 from dagster_k8s import K8sRunLauncher
 from dagster_k8s.job import (
     UserDefinedDagsterK8sConfig,
     construct_dagster_k8s_job,
     get_user_defined_k8s_config,
 )
+from dagster_postgres import DagsterPostgresStorage
 from dagster_postgres.utils import pg_url_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +56,34 @@ def load(name: str) -> Any:
     return yaml.safe_load((K8S / name).read_text())
 
 
+def validated(config_class: Any, section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` as Dagster reads it for ``config_class`` (defaults filled in, variables read), by the
+    class's own schema; a mistake raises ``DagsterInvalidConfigError`` naming it. An instance loads
+    each class's section by that schema: here it is the config of an op, validated as run config."""
+
+    @dg.op(config_schema=config_class.config_type())
+    def section_of():
+        pass
+
+    @dg.job
+    def validate():
+        section_of()
+
+    return dg.validate_run_config(validate, {"ops": {"section_of": {"config": section}}})["ops"]["section_of"]["config"]
+
+
+def dummy_kubeconfig(tmp_path: Path) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(DUMMY_KUBECONFIG))
+    return str(path)
+
+
+def offline(run_launcher: dict[str, Any], kubeconfig: str) -> dict[str, Any]:
+    """The launcher's section, reading the dummy kubeconfig instead of the in-cluster one."""
+    return {**run_launcher, "config": {**run_launcher["config"], "load_incluster_config": False,
+                                       "kubeconfig_file": kubeconfig}}
+
+
 def generate_run_tags() -> dict[str, str]:
     """The tags as the code location would attach them: every value a JSON string."""
     return {key: json.dumps(value) for key, value in load("gpu-run-tags.yaml").items()}
@@ -73,23 +97,17 @@ def pg_env(monkeypatch):
 
 @pytest.fixture
 def launcher(tmp_path, pg_env) -> K8sRunLauncher:
-    """The run launcher built from deploy/k8s/dagster.yaml exactly as the instance builds it,
-    except that the Kubernetes client reads a dummy kubeconfig instead of the in-cluster one."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(DUMMY_KUBECONFIG))
-    ref = InstanceRef.from_dir(str(tmp_path), config_dir=str(K8S))
-    data = ref.run_launcher_data
-    assert data is not None
-    config = {**yaml.safe_load(data.config_yaml), "load_incluster_config": False, "kubeconfig_file": str(kubeconfig)}
-    data = ConfigurableClassData(data.module_name, data.class_name, yaml.safe_dump(config))
-    built = data.rehydrate(as_type=RunLauncher)
-    assert isinstance(built, K8sRunLauncher)
-    return built
+    """The run launcher built from deploy/k8s/dagster.yaml as the instance builds it (its section
+    read by its schema, then the class made from it), except that the Kubernetes client reads a
+    dummy kubeconfig instead of the in-cluster one."""
+    section = offline(load("dagster.yaml")["run_launcher"], dummy_kubeconfig(tmp_path))
+    assert (section["module"], section["class"]) == ("dagster_k8s", "K8sRunLauncher")
+    return K8sRunLauncher(**validated(K8sRunLauncher, section["config"]))
 
 
 def run_pod(launcher: K8sRunLauncher, job_name: str, tags: dict[str, str]) -> dict[str, Any]:
     """The pod spec of the Kubernetes Job the launcher would create for a run with these tags."""
-    run = DagsterRun(job_name=job_name, run_id="0" * 8 + "-0000-0000-0000-" + "0" * 12, tags=tags)
+    run = dg.DagsterRun(job_name=job_name, run_id="0" * 8 + "-0000-0000-0000-" + "0" * 12, tags=tags)
     context = launcher.get_container_context_for_run(run)
     job = construct_dagster_k8s_job(
         job_config=context.get_k8s_job_config(job_image="registry.example.com/expansion-dag:0.1.0",
@@ -106,12 +124,17 @@ def run_pod(launcher: K8sRunLauncher, job_name: str, tags: dict[str, str]) -> di
 # --- deploy/k8s/dagster.yaml ----------------------------------------------------------------------
 
 
-def test_the_instance_file_passes_dagsters_instance_schema():
-    config, custom_class = dagster_instance_config(str(K8S))
-    assert custom_class is None
-    assert config["run_launcher"]["module"] == "dagster_k8s"
-    assert config["run_launcher"]["class"] == "K8sRunLauncher"
-    assert config["telemetry"] == {"enabled": False}
+def test_the_instance_file_loads_as_an_instance(tmp_path, pg_env):
+    # Every section but the storage, which would connect to its database (checked by its own
+    # schema below): a key the instance schema lacks, or a section of the wrong shape, fails here.
+    config = {key: value for key, value in load("dagster.yaml").items() if key != "storage"}
+    config["run_launcher"] = offline(config["run_launcher"], dummy_kubeconfig(tmp_path))
+    with dg.instance_for_test(overrides=config) as instance:
+        assert instance.get_run_records() == []
+    with pytest.raises(dg.DagsterInvalidConfigError, match='unexpected config entry "telemetri"'):
+        with dg.instance_for_test(overrides={**config, "telemetri": {"enabled": False}}):
+            pass
+    assert load("dagster.yaml")["telemetry"] == {"enabled": False}
 
 
 def test_the_instance_keeps_the_projects_run_concurrency_block():
@@ -123,31 +146,24 @@ def test_the_instance_keeps_the_projects_run_concurrency_block():
 
 
 def test_the_run_launcher_config_passes_the_k8s_run_launchers_own_schema(pg_env):
-    result = process_config(K8sRunLauncher.config_type(), load("dagster.yaml")["run_launcher"]["config"])
-    assert result.success, result.errors
-    value = result.value
+    value = validated(K8sRunLauncher, load("dagster.yaml")["run_launcher"]["config"])
     assert value["instance_config_map"] == "dagster-instance"
     assert value["job_namespace"] == "expansion-dag"
     assert value["image_pull_policy"] == "IfNotPresent"
     assert value["service_account_name"] == "dagster"
     assert value["env_secrets"] == ["expansion-dag-secrets"]
     assert value["load_incluster_config"] is True  # on the cluster, the pod's service account
+    with pytest.raises(dg.DagsterInvalidConfigError, match='unexpected config entry "job_namspace"'):
+        validated(K8sRunLauncher, {**load("dagster.yaml")["run_launcher"]["config"], "job_namspace": "x"})
 
 
 def test_storage_is_postgres_through_psycopg2_from_environment_variables(pg_env):
-    storage = load("dagster.yaml")["storage"]["postgres"]
-    result = process_config(pg_config(), storage)
-    assert result.success, result.errors
-    url = pg_url_from_config(result.value)
+    storage = load("dagster.yaml")["storage"]
+    assert set(storage) == {"postgres"}  # run, event log and schedule storage, all in dagster_postgres
+    url = pg_url_from_config(validated(DagsterPostgresStorage, storage["postgres"]))
     assert url.startswith("postgresql+psycopg2://dagster:not-a-secret@postgres.test:5432/dagster")
     # SQLAlchemy resolves the driver without connecting: psycopg2, which dagster-postgres installs.
     assert sa.create_engine(url).dialect.driver == "psycopg2"
-
-
-def test_the_instance_names_postgres_storage_and_the_k8s_launcher(tmp_path, pg_env):
-    ref = InstanceRef.from_dir(str(tmp_path), config_dir=str(K8S))
-    assert ref.storage_data.module_name == "dagster_postgres"
-    assert (ref.run_launcher_data.module_name, ref.run_launcher_data.class_name) == ("dagster_k8s", "K8sRunLauncher")
 
 
 # --- the GPU request: gpu-run-tags.yaml through the launcher -----------------------------------
@@ -297,8 +313,7 @@ def test_helm_values_queue_runs_with_the_projects_concurrency_limits(values):
     # What the chart renders into the instance's run_coordinator config:
     rendered = {"max_concurrent_runs": queued["maxConcurrentRuns"],
                 "tag_concurrency_limits": queued["tagConcurrencyLimits"]}
-    result = process_config(QueuedRunCoordinator.config_type(), rendered)
-    assert result.success, result.errors
+    validated(dg.QueuedRunCoordinator, rendered)
     local = yaml.safe_load((ROOT / "dagster.yaml").read_text())["concurrency"]["runs"]
     assert rendered["max_concurrent_runs"] == local["max_concurrent_runs"]
     assert rendered["tag_concurrency_limits"] == local["tag_concurrency_limits"]

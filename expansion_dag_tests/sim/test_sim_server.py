@@ -45,6 +45,7 @@ def test_startup_refuses_then_warms_up_then_is_ready(start_fleet, fast, client, 
     models = client.get(f"{url}/v1/models")  # answers during warmup: not a readiness signal
     assert models.status_code == 200 and models.json()["data"][0]["max_model_len"] == 8192
     ready = wait_for(lambda: client.get(f"{url}/health").status_code == 200)
+    # Not before its start-up delay and warm-up: timers never fire early, so no machine's speed fails this.
     assert ready and time.monotonic() - started >= 0.8
     health = client.get(f"{url}/health")
     assert (health.status_code, health.content) == (200, b"")
@@ -359,17 +360,20 @@ def test_slots_run_and_the_rest_wait_in_fifo_order(start_fleet, fast, client, ch
     assert load["utilization"] == 1.0 and load["num_used_tokens"] > 0
     assert [future.result(timeout=30).status_code for future in futures] == [200] * 5
     stats = fleet.stats(0)
-    requests = stats["timeline"]["requests"]
+    requests = sorted(stats["timeline"]["requests"], key=lambda r: r["arrived"])
     # First come, first served: of requests of equal length, they end in the order they arrived.
     assert [r["instruction"] for r in sorted(requests, key=lambda r: r["ended"])] == [f"job {i}" for i in range(5)]
-    # 5 requests of 1 s on 2 slots: 5 slot-seconds of work. Timers may fire late on a busy machine,
-    # never early: the margin is a second over five requests, far beyond any scheduling delay.
-    assert 5.0 <= stats["busy_slot_seconds"] <= 6.0
     assert (stats["completed"], stats["chat_requests_by_status"], stats["num_running"]) == (5, {"200": 5}, 0)
     # Both slots were busy until the fourth answer; the fifth ran alone (the tail a benchmark reports).
     ends = sorted(r["ended"] for r in requests)
     assert ends[2] <= stats["last_full_at_monotonic_s"] <= ends[3]
-    assert 1.0 <= stats["longest_request_s"] < 2.0
+    # What each request held a slot for, at most, by the server's own record: from its arrival or,
+    # for the three that waited, from the answer that freed their slot, to its own end.
+    held = [r["ended"] - max(r["arrived"], ends[i - 2] if i >= 2 else r["arrived"]) for i, r in enumerate(requests)]
+    # 5 requests of 1 s on 2 slots: 5 slot-seconds of work, counted while they held slots and never
+    # while they waited. Timers fire late on a busy machine, never early.
+    assert 5.0 <= stats["busy_slot_seconds"] <= sum(held)
+    assert 1.0 <= stats["longest_request_s"] <= max(held)
 
 
 def test_a_full_queue_answers_503(start_fleet, fast, chat):
@@ -401,6 +405,7 @@ def test_a_client_that_gives_up_frees_its_slot(start_fleet, fast, chat):
             token_latency_s=0.1,
             output_median_tokens=1000,
             output_sigma=0.0,
+            keep_timeline=True,
         )
     )
     url = fleet.urls[0]
@@ -410,10 +415,12 @@ def test_a_client_that_gives_up_frees_its_slot(start_fleet, fast, chat):
         )  # 10 s of work
     wait_for(lambda: fleet.stats(0)["aborted"] == 1)
     assert fleet.stats(0)["num_running"] == 0
-    started = time.monotonic()
-    assert chat(url, max_tokens=2).status_code == 200  # gets the slot at once
-    # Half the 10 s the aborted request would have held it: a margin no loaded machine reaches.
-    assert time.monotonic() - started < 5
+    assert chat(url, max_tokens=2).status_code == 200
+    # By the server's record: the slot was let go when the client left, not when its 10 s of work
+    # would have ended, and the next request found it free.
+    gone, served = fleet.stats(0)["timeline"]["requests"]
+    assert (gone["status"], served["status"]) == ("aborted", 200)
+    assert gone["ended"] <= served["arrived"]
 
 
 def test_stats_report_context_pressure(start_fleet, fast, client, chat, prompt_tokens):

@@ -148,6 +148,7 @@ def test_the_whole_pipeline_runs_on_s3(bucket, tmp_path, instance, monkeypatch):
     assert {f"{version}/manifest.json", f"{version}/README.md", f"{version}/conversations.jsonl"} <= set(stored)
     assert not [o for o in stored if o.startswith("leases/")]
     assert {f"assets/shard_prompts/{key}.parquet" for key in SHARD_KEYS} <= set(stored)
+    assert {f"blocking_checks/{key}.json" for key in SHARD_KEYS} <= set(stored)  # what the set read
     assert sum(o.startswith("completions/") for o in stored) > len(SHARD_KEYS)  # rolled segments
     # No partial download (nor staged digest) left: both are hidden files named after their segment.
     assert not list((tmp_path / "local").rglob(".seg-*"))

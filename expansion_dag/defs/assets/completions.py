@@ -20,6 +20,7 @@ import polars as pl
 
 from expansion_dag.core import DEFAULT_MODE, ModeIdentities, ShardAborted
 from expansion_dag.defs import resource_fields, run_configuration_file, shard_index, shard_partitions
+from expansion_dag.defs.assets.blocking_checks import record_verdicts
 from expansion_dag.defs.assets.metadata import markdown_table
 from expansion_dag.defs.assets.plan import ShardExpectation, plan_against_actual
 from expansion_dag.defs.assets.progress import ShardProgressReporter
@@ -208,6 +209,7 @@ def _generate(
         _config_check(effective, previous),
         _duplicates_check(final.duplicates_by_shard[shard]),
     ]
+    record_verdicts(storage, shard, context.run.run_id, checks, BLOCKING_CHECKS)  # what the training set reads
     metadata = _metadata(report, shard, url, fell_back, done, failed, missing, shard_keys & work.done, final, effective)
     metadata |= _mode_metadata(identities, shard_prompts)
     metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": figures.degenerate}

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from expansion_dag.core import ModeIdentities, as_upath
 from expansion_dag.defs import shard_partitions
 from expansion_dag.defs.assets.budget import FLEET_IDENTITY, SIMULATED_FLEET
-from expansion_dag.defs.assets.completions import BLOCKING_CHECKS
+from expansion_dag.defs.assets.blocking_checks import failed_verdicts
 from expansion_dag.defs.assets.metadata import markdown_table
 from expansion_dag.defs.resources import GenerationSettings, StorageResource
 from expansion_dag.prompts import nights
@@ -66,13 +66,6 @@ def _budget_facts(budget: pl.DataFrame) -> tuple[int, str, bool]:
         raise dg.Failure("budgeted_prompts holds no prompt: materialize budgeted_prompts (prepare_job) with prompts first")
     row = budget.row(0, named=True)
     return int(row["context_length"]), str(row[FLEET_IDENTITY]), bool(row[SIMULATED_FLEET])
-
-
-def blocking_failures(instance: dg.DagsterInstance) -> list[str]:
-    """Each shard whose latest run of a blocking check of ``completions`` failed, and the check."""
-    keys = [dg.AssetCheckKey(dg.AssetKey("completions"), name) for name in BLOCKING_CHECKS]
-    infos = instance.event_log_storage.get_asset_check_partition_info(keys)
-    return sorted(f"{i.partition_key}: {i.check_key.name}" for i in infos if i.latest_execution_status.value == "FAILED")
 
 
 def _build_inputs(
@@ -141,7 +134,7 @@ def training_set(
     storage: StorageResource,
 ):
     """Parquet shards of input_ids and loss_mask, one row per kept completion, plus a manifest."""
-    blocked = blocking_failures(context.instance)
+    blocked = failed_verdicts(storage)
     if blocked:
         raise dg.Failure(
             description=f"blocked by the failed checks of {', '.join(blocked)}: backfill the failed "

@@ -79,15 +79,10 @@ def completion_records(res):
     return [r for key in SHARD_KEYS for r in store.records(key)]
 
 
-def latest_check(instance, name, partition):
-    records = instance.event_log_storage.get_asset_check_execution_history(
-        dg.AssetCheckKey(dg.AssetKey("completions"), name), limit=10
-    )
-    for record in records:
-        evaluation = record.event.dagster_event.event_specific_data if record.event else None
-        if evaluation is not None and getattr(evaluation, "partition", None) in (partition, None):
-            return evaluation
-    raise AssertionError(f"no evaluation of {name}")
+def evaluation_of(result, name):
+    """The evaluation of check ``name`` in a run's result."""
+    [evaluation] = [e for e in result.get_asset_check_evaluations() if e.check_name == name]
+    return evaluation
 
 
 def test_a_shard_whose_server_is_down_runs_on_a_healthy_one_and_says_so(tmp_path, instance):
@@ -109,15 +104,15 @@ def test_a_shard_whose_server_is_down_runs_on_a_healthy_one_and_says_so(tmp_path
 def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, instance):
     frame = small_frame()
     with SimulatedFleet([SimServerConfig(**FAST_SIM)] * len(SHARD_KEYS)) as fleet:
-        run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.7)
-        first = latest_check(instance, "configuration_unchanged", "shard-00")
+        before, _ = run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.7)
+        first = evaluation_of(before["shard-00"], "configuration_unchanged")
         sent_before = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
         # The outputs written change nothing generated: not a drift.
         results, res = run_pipeline(frame, fleet.urls, tmp_path, instance, training=True, temperature=0.3,
                                     drop_truncated=False, training_formats=["parquet", "speculators-pretokenized"])
         sent_after = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
     assert first.passed
-    drift = latest_check(instance, "configuration_unchanged", "shard-00")
+    drift = evaluation_of(results["shard-00"], "configuration_unchanged")
     assert not drift.passed
     assert drift.severity == dg.AssetCheckSeverity.WARN
     assert "settings.temperature: 0.7 -> 0.3" in drift.metadata["changes"].value

@@ -15,10 +15,13 @@ import polars as pl
 from expansion_dag.core import ENDINGS, base_prompt_id
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 DAGSTER = str(Path(sys.executable).parent / "dagster")
 SHARD = "shard-00"
+#: The kill moments' seed: the same draws on every run, so a failure replays; KILL_SEED tries others.
+KILL_SEED = 46
 
 
 def dagster(args, env, **kw):
@@ -52,7 +55,7 @@ def lines_in(store_dir: Path) -> int:
 
 
 def test_sigkill_at_random_points_then_resume_gives_every_prompt_once(tmp_path):
-    seed = int(os.environ.get("KILL_SEED", random.randrange(1_000_000)))
+    seed = int(os.environ.get("KILL_SEED", KILL_SEED))
     rng = random.Random(seed)
     config = SimServerConfig(port=0, max_running_requests=8, ttft_s=0.01, token_latency_s=0.004,
                              output_median_tokens=150, output_sigma=0.6)
@@ -70,9 +73,7 @@ def test_sigkill_at_random_points_then_resume_gives_every_prompt_once(tmp_path):
             run = dagster(["asset", "materialize", "--select", "shard_prompts,completions", "--partition", SHARD], env)
             start_lines = lines_in(store_dir)
             # Wait for this run to write something, then kill it a random moment later.
-            deadline = time.monotonic() + 120
-            while lines_in(store_dir) == start_lines and run.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: lines_in(store_dir) > start_lines or run.poll() is not None, "the run to write", 120)
             time.sleep(rng.uniform(0.0, 1.5))
             if run.poll() is not None:
                 break
@@ -112,16 +113,14 @@ def test_interrupting_a_run_cancels_in_flight_requests_and_keeps_what_finished(t
         assert dagster(["job", "execute", "-j", "prepare_job"], env).wait(timeout=240) == 0
         store_dir = tmp_path / "storage" / "completions" / SHARD
         run = dagster(["asset", "materialize", "--select", "shard_prompts,completions", "--partition", SHARD], env)
-        deadline = time.monotonic() + 120
-        while lines_in(store_dir) < 10 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: lines_in(store_dir) >= 10, "the run to write 10 completions", 120)
         run.send_signal(signal.SIGINT)
         output = run.communicate(timeout=60)[0]
         stats = fleet.stats(0)
 
     store = CompletionStore(tmp_path / "storage" / "completions")
     scan = store.scan(SHARD)
-    assert run.returncode != 0
+    assert run.returncode != 0, output[-3000:]
     assert stats["aborted"] >= 1, output[-2000:]  # in-flight requests were cancelled at the server
     assert stats["num_running"] == 0
     assert len(scan.done) >= 10 and scan.torn_lines == 0 and scan.duplicates == 0
