@@ -28,7 +28,6 @@ from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.real_engine.support import (
     ROOT,
     SGLANG_ENV,
-    STARTUP_TIMEOUT_S,
     VLLM_ENV,
     Deployment,
     EngineServer,
@@ -161,6 +160,9 @@ REAL_SLOTS = 8
 #: vLLM's KV cache for it: 23,040 bytes a token (30 layers, 3 KV heads of 64, bf16 keys and values),
 #: so about 23k tokens: every slot at once with room for long answers (a loop run to its cap).
 REAL_VLLM_KV_CACHE_BYTES = 512 * 2**20
+#: A cold start of the real model took 50 to 170 s on a 2-core machine shared with other work, and
+#: once more than 180 s: a wait only a hang outlasts.
+REAL_STARTUP_TIMEOUT_S = 420.0
 #: A user's settings for this model: greedy, so each prompt gets the model's most likely answer and
 #: its outcome (ended, cut, stopped as a loop) is the same run to run; a cap most of its answers
 #: end well within (median about 170 tokens, p90 about 390); the rest as configured by default
@@ -209,6 +211,11 @@ def real_deployment(tmp: Path, server: EngineServer, *, launch: dict[str, Any] |
 
 class RealVllmServer(VllmServer):
     kv_cache_bytes = REAL_VLLM_KV_CACHE_BYTES
+    startup_timeout_s = REAL_STARTUP_TIMEOUT_S
+
+
+class RealSglangServer(SglangServer):
+    startup_timeout_s = REAL_STARTUP_TIMEOUT_S
 
 
 @pytest.fixture(scope="session")
@@ -229,13 +236,14 @@ def real_vllm_fleet(real_model_dir, tmp_path_factory, figures) -> Iterator[tuple
             "base_port": port,
             "context_length": REAL_CONTEXT_LENGTH,
             "max_running_requests": REAL_SLOTS,
-            "startup_timeout_s": STARTUP_TIMEOUT_S,
+            "startup_timeout_s": server.startup_timeout_s,
         },
     }
     deployment = real_deployment(tmp, server, launch=fleet)
     try:
         started = time.monotonic()
-        figures["vllm-real"]["fleet_start"] = deployment.fleet("start", timeout_s=STARTUP_TIMEOUT_S + 60).strip()
+        output = deployment.fleet("start", timeout_s=server.startup_timeout_s + 60)
+        figures["vllm-real"]["fleet_start"] = output.strip()
         figures["vllm-real"]["server_start_s"] = round(time.monotonic() - started, 1)
         yield server, deployment
     finally:
@@ -252,7 +260,7 @@ def real_vllm_server(real_vllm_fleet) -> VllmServer:
 @pytest.fixture(scope="session")
 def real_sglang_server(real_model_dir, tmp_path_factory, figures) -> Iterator[SglangServer]:
     """The real model on SGLang's CPU path, started by the tests, to attach to by URL."""
-    server = SglangServer(real_model_dir, tmp_path_factory.mktemp("real-sglang") / "sglang.log",
-                          context_length=REAL_CONTEXT_LENGTH, slots=REAL_SLOTS, api_key=API_KEY,
-                          stream_interval=STREAM_INTERVAL)
+    server = RealSglangServer(real_model_dir, tmp_path_factory.mktemp("real-sglang") / "sglang.log",
+                              context_length=REAL_CONTEXT_LENGTH, slots=REAL_SLOTS, api_key=API_KEY,
+                              stream_interval=STREAM_INTERVAL)
     yield from serve(server, figures, "sglang-real")

@@ -153,6 +153,7 @@ class EngineServer:
     engine: ClassVar[EngineEnv]
     #: Prometheus counters also kept per value of one label: name -> label.
     by_label: ClassVar[dict[str, str]] = {}
+    startup_timeout_s: ClassVar[float] = STARTUP_TIMEOUT_S
 
     def __init__(
         self, model_dir: Path, log: Path, *, context_length: int, slots: int, api_key: str,
@@ -183,14 +184,14 @@ class EngineServer:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        deadline = started + STARTUP_TIMEOUT_S
+        deadline = started + self.startup_timeout_s
         name = self.engine.name
         while not self._healthy():
             if self._process.poll() is not None:
                 pytest.fail(f"{name} exited with {self._process.returncode} before it was ready:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"{name} was not ready within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+                pytest.fail(f"{name} was not ready within {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
         self.startup_s = time.monotonic() - started
 

@@ -43,9 +43,9 @@ from expansion_dag_tests.real_engine.support import Deployment, EngineServer, fa
 
 SHARD = "shard-00"
 END_OF_TURN = "<|im_end|>"
-#: Each engine's first test starts its server and runs four ``dagster`` commands in its setup:
-#: measured 3.6 minutes for vLLM and 3.7 to over 5 for SGLang, whose CPU path decodes the real model
-#: slower, on 2 cores shared with other work. Above pytest's 300 s a test, so that only a hang ends it.
+#: Each engine's first test starts its server (within ``REAL_STARTUP_TIMEOUT_S``) and runs four
+#: ``dagster`` commands in its setup: measured 2 to over 5 minutes on 2 cores shared with other work
+#: (SGLang's CPU path decodes the real model slower). Above pytest's 300 s a test: only a hang ends it.
 pytestmark = pytest.mark.timeout(900)
 
 
