@@ -333,7 +333,11 @@ class FleetSettings(BaseModel):
         default="SGLANG_API_KEY", description="Name of the environment variable holding the API key, if any."
     )
     startup_timeout_s: float = 900.0
-    slots_override: Optional[int] = None
+    slots_override: Optional[int] = Field(
+        default=None,
+        description="The file's fleet.slots: running-request slots per server; None: as the server reports "
+        "them, or as the launch command passes them (vLLM reports none).",
+    )
     fallback_to_healthy: bool = Field(
         default=True, description="Run a shard on a healthy server when its own server is down."
     )
@@ -450,6 +454,7 @@ ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EXPANSION_SHARDS": ("fleet.shards", int),
     "EXPANSION_FLEET_URLS": ("fleet.urls", _csv),
     "EXPANSION_BACKEND": ("fleet.backend", str),
+    "EXPANSION_SLOTS": ("fleet.slots", int),
     "EXPANSION_FLEET_FALLBACK": ("fleet.fallback_to_healthy", _flag),
     "EXPANSION_LAUNCH_SCOPE": ("fleet.launch.scope", str),
     "EXPANSION_LAUNCH_COMMAND": ("fleet.launch.command", str),

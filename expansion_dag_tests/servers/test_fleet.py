@@ -10,14 +10,20 @@ from expansion_dag.core import FleetError, FleetMismatchError, ServerStartError
 from expansion_dag.servers import (
     SLOTS_CONFIGURED,
     SLOTS_FROM_SERVER,
+    SLOTS_LAUNCHED,
     FleetInfo,
     Launcher,
     LaunchSpec,
+    dialect_for,
+    parse_server_facts,
     probe_fleet,
     probe_server,
     wait_ready,
 )
+from expansion_dag.servers.fleet import _slots
+from expansion_dag.servers.launcher import _slots_flag_value
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag_tests.contract.shapes import load_fixture
 from expansion_dag_tests.ports import free_ports
 
 
@@ -79,7 +85,7 @@ def test_vllm_backend_probe_uses_models_and_the_slot_override_and_says_so():
     with SimulatedFleet([SimServerConfig(port=0, backend="vllm", context_length=2048)]) as fleet:
         info = probe_server(fleet.urls[0], backend="vllm", slots_override=64)
     assert (info.context_length, info.slots, info.backend) == (2048, 64, "vllm")
-    assert info.slots_source == SLOTS_CONFIGURED
+    assert info.slots_source == SLOTS_CONFIGURED == "configured: fleet.slots"  # the key a user edits
     assert info.dialect.reasoning_fields[0] == "reasoning"
 
 
@@ -98,10 +104,68 @@ def test_a_vllm_server_streams_at_the_interval_its_requests_ask_for():
     assert info.stream_interval == 32 and info.dialect.stream_interval_per_request
 
 
-def test_vllm_slots_are_never_guessed():
+def test_vllm_slots_are_never_guessed_and_the_error_names_what_the_user_sets():
     with SimulatedFleet([SimServerConfig(port=0, backend="vllm")]) as fleet:
-        with pytest.raises(FleetError, match="vLLM does not report its running-request slots .* set slots_override"):
+        with pytest.raises(FleetError) as info:
             probe_server(fleet.urls[0], backend="vllm")
+    message = str(info.value)
+    assert message.startswith(f"{fleet.urls[0]}: vLLM does not report its running-request slots")
+    # The file's key and its variable (config/test_config.py), and the flag a launched server takes.
+    assert "set fleet.slots in the run configuration file (or EXPANSION_SLOTS" in message
+    assert "pass --max-num-seqs {max_running_requests} in fleet.launch.command" in message
+
+
+def test_an_sglang_server_reporting_no_slots_is_an_error_naming_what_the_user_sets():
+    # SGLang before 0.5.8 launched without --max-running-requests, as its recorded /get_server_info says.
+    info = load_fixture("sglang", "get_server_info_0.5.4")
+    facts = parse_server_facts(load_fixture("sglang", "models").body, info.body, dialect_for("sglang", info.version))
+    assert facts.slots is None
+    with pytest.raises(FleetError) as error:
+        _slots("http://gpu-0:30000", facts, None, None)
+    message = str(error.value)
+    assert message.startswith("http://gpu-0:30000/get_server_info reports no running-request slots")
+    assert "set fleet.slots in the run configuration file (or EXPANSION_SLOTS" in message
+    assert "the --max-running-requests the servers run with" in message
+    assert _slots("http://gpu-0:30000", facts, None, 12) == (12, SLOTS_LAUNCHED)
+
+
+def test_slots_a_server_does_not_report_are_those_its_launch_command_passed():
+    configs = [SimServerConfig(port=0, backend="vllm"), SimServerConfig(port=0, max_running_requests=24)]
+    with SimulatedFleet(configs) as fleet:
+        vllm, sglang = fleet.urls
+        launched = probe_server(vllm, backend="vllm", launched_slots=6)
+        assert (launched.slots, launched.slots_source) == (6, SLOTS_LAUNCHED)
+        # The configuration's slots come first; a server that reports its own is believed over its command.
+        assert probe_server(vllm, backend="vllm", slots_override=9, launched_slots=6).slots == 9
+        assert probe_server(sglang, launched_slots=6).slots == 24
+        by_url = probe_fleet([vllm], backend="vllm", launched_slots={vllm: 6})
+        assert by_url.servers[0].slots == 6
+
+
+@pytest.mark.parametrize(
+    "command, slots",
+    [
+        ("vllm serve /models/m --max-num-seqs 12 --port 8000", 12),
+        ("python -m sglang.launch_server --max-running-requests=8", 8),
+        ("serve --max-num-seqs 4 --max-num-seqs 6", 6),  # the last one counts, as argparse reads it
+        ("vllm serve /models/m", None),
+        ("vllm serve /models/m --max-num-seqs", None),
+    ],
+)
+def test_the_slots_a_launch_command_passes_are_read_from_its_arguments(command, slots):
+    assert _slots_flag_value(command.split()) == slots
+
+
+def test_a_launcher_knows_the_slots_each_server_was_passed(tmp_path):
+    ports = free_ports(2)
+    launcher = Launcher(
+        state_dir=tmp_path, command="vllm serve {model_path} --port {port} --max-num-seqs {max_running_requests}",
+        host="127.0.0.1", specs=[LaunchSpec(gpu=i, port=p) for i, p in enumerate(ports)],
+        values={"model_path": "/models/m", "max_running_requests": 12},
+    )
+    assert launcher.launched_slots() == {f"http://127.0.0.1:{p}": 12 for p in ports}
+    launcher.command = "vllm serve {model_path} --port {port}"
+    assert launcher.launched_slots() == {}
 
 
 def test_wait_ready_rides_out_loading_and_warmup():

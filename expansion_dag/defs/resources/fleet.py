@@ -98,6 +98,8 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
             backend=self.backend,  # type: ignore[arg-type]
             api_key=self.api_key(),
             slots_override=self.slots_override,
+            # Servers this project launches: the slots their command passed, where they say none.
+            launched_slots=self.launcher().launched_slots() if self.mode == "launch" else None,
             stream_interval=self.stream_interval,
             tool_call_parser=self.tool_call_parser,
             allow_unreachable=self.fallback_to_healthy,

@@ -5,7 +5,7 @@ import sys
 
 from expansion_dag.config import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND
 from expansion_dag.defs.resources import FleetResource
-from expansion_dag.servers import SLOTS_FROM_SERVER, tls_context
+from expansion_dag.servers import SLOTS_FROM_SERVER, SLOTS_LAUNCHED, tls_context
 from expansion_dag_tests.ports import free_ports
 
 
@@ -90,3 +90,18 @@ def test_a_launched_vllm_simulator_with_a_tool_parser_gets_auto_tool_choice(tmp_
     # vLLM does not say its parser: the configured one is believed, and its requests ask for "auto".
     assert (info.servers[0].tool_call_parser, info.servers[0].tool_choice) == ("hermes", "auto")
     assert config["tool_call_parser"] == "hermes"
+
+
+def test_a_launched_vllm_runs_with_the_slots_its_command_passed_without_configured_ones(tmp_path):
+    # vLLM reports no slots; the simulator's command passes --max-running-requests {max_running_requests}.
+    [port] = free_ports(1)
+    fleet = FleetResource(
+        mode="launch", backend="vllm", launch_command=SIMULATOR_LAUNCH_COMMAND + " --backend vllm",
+        num_servers=1, base_port=port, state_dir=str(tmp_path), startup_timeout_s=60, max_running_requests=6,
+    )
+    try:
+        info = fleet.provision()
+        config = fleet.effective_config(info, info.servers[0].url)
+    finally:
+        fleet.stop()
+    assert (config["slots"], config["slots_source"]) == (6, SLOTS_LAUNCHED)
