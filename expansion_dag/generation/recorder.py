@@ -1,8 +1,9 @@
 """Each prompt's outcome, written to the completion store the moment it is known, and counted.
 
 A completion record carries everything a trainer and a reader need (the answer, the counts, the
-server, the budget); a failure record says what failed and whose fault it was (``outcome``, see
-``expansion_dag.core.outcomes``), and a stopped loop keeps its text for inspection, never for training.
+server (its URL without credentials), the budget); a failure record says what failed and whose
+fault it was (``outcome``, see ``expansion_dag.core.outcomes``), and a stopped loop keeps its text
+for inspection, never for training.
 Token ids the server returned are kept packed, by ``expansion_dag.core.token_ids``' rule.
 """
 
@@ -11,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from expansion_dag.core import CONTENT, FAILED, OK, OUTPUT_IDS, PROMPT_IDS, RequestError, pack, record_fields
+from expansion_dag.core import (
+    CONTENT,
+    FAILED,
+    OK,
+    OUTPUT_IDS,
+    PROMPT_IDS,
+    RequestError,
+    pack,
+    record_fields,
+    without_credentials,
+)
 from expansion_dag.generation.conversations import Ended
 from expansion_dag.generation.dispatch import WorkItem
 from expansion_dag.generation.shard_report import ShardReport
@@ -65,7 +76,7 @@ class Recorder:
                 "completion_tokens": answer.completion_tokens,
                 "local_prompt_tokens": item.prompt_tokens,
                 "max_tokens": exchange.max_tokens,
-                "server": server_url,
+                "server": without_credentials(server_url),  # a record is read by many: no password
                 "latency_s": round(latency, 4),
                 "attempts": exchange.attempts,
                 "length_features": list(features),
@@ -102,7 +113,7 @@ class Recorder:
             "http_status": error.status,
             "message": error.message,
             "attempts": exchange.attempts,
-            "server": server_url,
+            "server": without_credentials(server_url),
             "max_tokens": exchange.max_tokens,
         }
         if isinstance(error, DegenerateError):
@@ -149,7 +160,7 @@ def ended_record(ended: Ended, item: WorkItem, server_url: str) -> dict[str, Any
         "outcome": CONTENT,
         "message": ended.detail,
         "attempts": 0,
-        "server": server_url,
+        "server": without_credentials(server_url),
     }
 
 

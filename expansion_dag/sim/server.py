@@ -181,6 +181,7 @@ class SimServer:
             "num_waiting": scheduler.num_waiting,
             "chat_requests_by_status": {str(k): v for k, v in sorted(scheduler.by_status.items())},
             "completed": scheduler.completed,
+            "greedy_requests": intake.greedy_requests,
             "aborted": scheduler.aborted,
             "abort_finishes": scheduler.abort_finishes,
             "loops": intake.loops,
