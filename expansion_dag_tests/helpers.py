@@ -66,15 +66,18 @@ def prompts_answered(stats: Mapping[str, Any]) -> int:
     return stats["completed"] - stats["greedy_requests"]
 
 
-def command_lines_holding(secret: str) -> list[str]:
-    """Every process's command line on this machine that holds ``secret``, as ``ps`` shows them."""
+def command_lines_holding(secret: str, session: int | None = None) -> list[str]:
+    """The command lines that hold ``secret``, as ``ps`` shows them: of every process on this
+    machine, or of those in ``session`` (a launched server's: its pid, the leader)."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            # "pid (name) state ppid pgrp session ...": the name may hold spaces and parentheses.
+            sid = int((proc / "stat").read_text().rpartition(")")[2].split()[3])
+        except (OSError, ValueError, IndexError):
             continue  # ended meanwhile
-        if any(secret.encode() in arg for arg in argv):
+        if (session is None or sid == session) and any(secret.encode() in arg for arg in argv):
             found.append(b" ".join(argv).decode(errors="replace"))
     return found
 

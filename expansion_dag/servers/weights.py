@@ -10,10 +10,11 @@ A path names no weights: a fine-tune copied over ``/models/target``, or a new hu
   16 GB model: a fine-tune changes every tensor's bytes, but not its names, shapes or sizes);
 - both modes: the configured ``model.revision``, and the version a server reports for its
   weights (SGLang's ``weight_version``, when it is set: "default" says nothing);
-- and, before any request, a probe (:func:`probe_fleet_weights`): a fixed prompt's greedy answer
-  from every server, which must agree between servers and with what the store recorded for the
-  identity before (``IdentityRegistry.register``). It catches other weights behind one path that
-  nothing else names (an attached vLLM reports none of the above).
+- and, before any prompt is sent, a probe (:func:`probe_fleet_weights`): a fixed prompt's greedy
+  answer, asked of every server by a night's budget (they must agree) and of its own server by a
+  shard's run (it must agree with what the store recorded for the identity before:
+  ``IdentityRegistry.register``). It catches other weights behind one path that nothing else
+  names (an attached vLLM reports none of the above).
 """
 
 from __future__ import annotations

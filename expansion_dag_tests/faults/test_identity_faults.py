@@ -21,7 +21,7 @@ import pytest
 from expansion_dag.core import FleetMismatchError, Identity, SamplingSettings, WeightsProbe
 from expansion_dag.defs import SHARD_KEYS
 from expansion_dag.defs.assets import budgeted_prompts, completions, shard_prompts, training_set
-from expansion_dag.servers import probe_fleet, probe_fleet_weights
+from expansion_dag.servers import probe_fleet
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore, RegistryError, WeightsChangedError
 from expansion_dag.training import data_files
@@ -91,14 +91,19 @@ def test_new_weights_at_the_same_path_stop_the_run_before_a_prompt_is_sent_until
     assert count == frame.height and label.startswith("Qwen/Qwen3-8B (simulator) [settings ")
 
 
-def test_servers_of_one_fleet_with_other_weights_behind_one_path_are_refused():
+def test_a_fleet_whose_servers_have_other_weights_behind_one_path_stops_the_night_at_its_budget(tmp_path, instance):
+    frame = prompt_frame([f"Explain idea number {i} in a few words." for i in range(4)])
     with SimulatedFleet([SimServerConfig(**SIM), SimServerConfig(**RETRAINED)]) as fleet:
         info = probe_fleet(fleet.urls)
         assert info.servers[0].model_path == info.servers[1].model_path  # nothing else tells them apart
-        with pytest.raises(FleetMismatchError) as raised:
-            probe_fleet_weights(info, api_key=None)
-    assert f"{fleet.urls[0]} and {fleet.urls[1]} serve Qwen/Qwen3-8B with different weights" in str(raised.value)
-    assert "Serve the same weights on every server" in str(raised.value)
+        prepared = materialize(frame, resources(fleet.urls, tmp_path), instance, ["prompts", "budgeted_prompts"])
+        sent = [(s["completed"], s["greedy_requests"]) for s in map(fleet.stats, range(2))]
+    assert not prepared.success and sent == [(1, 1), (1, 1)]  # the probes, nothing else
+    [failure] = [e for e in prepared.all_events if e.is_step_failure]
+    error = failure.event_specific_data.error.cause
+    assert error.cls_name == "FleetMismatchError"
+    assert f"{fleet.urls[0]} and {fleet.urls[1]} serve Qwen/Qwen3-8B with different weights" in error.message
+    assert "Serve the same weights on every server" in error.message
 
 
 def test_the_weight_version_sglang_reports_is_part_of_the_identity_and_must_agree():

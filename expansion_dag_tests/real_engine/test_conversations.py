@@ -40,11 +40,12 @@ SHARD = "shard-00"
 MIX = [{"name": "warm", "weight": 0.5, "temperature": 1.0}, {"name": "cool", "weight": 0.5, "temperature": 0.8}]
 CATALOG = {
     "seed": 0,
+    "local_root": "bundled",  # the package's samples
     "sources": [{
         "name": "hermes_fc",
         "hub_id": "NousResearch/hermes-function-calling-v1",
         "config": ["func_calling_singleturn", "func_calling", "glaive_func_calling"],
-        "local_path": "hermes_function_calling/{config}.json",  # the package's bundled samples
+        "local_path": "hermes_function_calling/{config}.json",
         "extractor": "hermes_function_calling",
         "conversation": True,
     }],

@@ -172,7 +172,9 @@ def test_the_probe_reads_the_context_and_the_slots_from_the_server(pipeline: Pip
         # on no process's command line.
         assert fleet["launch_command"] == SGLANG_CPU_COMMAND + " --config {api_key_file}"
         assert server.api_key not in json.dumps(fleet)
-        assert command_lines_holding(server.api_key) == []
+        # (The tests' own servers are started with --api-key: only the launched one's session is read.)
+        launched = int(server.log.with_suffix(".pid").read_text())
+        assert command_lines_holding(server.api_key, session=launched) == []
         # SGLang logs its arguments at start-up, the key among them: masked before it is written.
         log = server.log.read_text()
         assert "server_args=" in log and "'api_key': '***'" in log and server.api_key not in log
