@@ -7,6 +7,7 @@ Apart from the scheduler: what a request may ask is one question, when it runs i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -122,8 +123,8 @@ class ChatIntake:
         self.last_chat_request: dict[str, Any] | None = None  # what a test checks the client sent
         self.max_requested_tokens = 0
         self.context_exceeded = 0
-        #: Answers made to loop (``loop_rate``, ``looping_prompt_share``), each counted once.
-        self.loops = 0
+        #: Answers made to loop (``loop_rate``, ``looping_prompt_share``), each counted once, by greedy or not.
+        self.loops: collections.Counter[bool] = collections.Counter()
         self.greedy_requests = 0  # decoded greedily (temperature 0): no sampling luck changes them
         self._generation_requests = 0  # fault-injection counters
         self._survivors = 0
@@ -261,7 +262,7 @@ class ChatIntake:
         completion = _with_defect(generate(cap), c.answer_defect)
         if unlucky or self._output.loops(instruction, c.looping_prompt_share):
             completion = _looping(c, rendered, cap, split=c.reasoning_parser is not None)
-            self.loops += 1
+            self.loops[greedy] += 1
         elif not hang and _evenly_spaced_hit(survivor, c.abort_rate):
             # Aborted halfway (/abort_request, abort_all): SGLang answers 200 with the partial text.
             completion = dataclasses.replace(generate(completion.completion_tokens // 2), finish_reason="abort")
