@@ -232,6 +232,7 @@ def write_sources(folder: Path, n: int, seed: int) -> dict[str, Any]:
         source["quota"] = want[source["name"]]
         source.pop("weight", None)
     catalog.pop("total_prompts", None)
+    catalog.pop("local_root", None)  # the files written here, next to the catalog: not the bundled samples
     catalog_path = folder / "catalog.yaml"
     catalog_path.write_text(yaml.safe_dump(catalog, sort_keys=False))
     return {"catalog": str(catalog_path), "rows": rows, "quotas": want}

@@ -57,6 +57,7 @@ def fleet_for(config: RunConfig) -> FleetResource:
         backend=fleet.backend,
         launch_command=launch.command or (SIMULATOR_LAUNCH_COMMAND if simulate else SGLANG_LAUNCH_COMMAND),
         model_path=config.model.path,
+        model_revision=config.model.revision,
         context_length=launch.context_length,
         max_running_requests=launch.max_running_requests,
         host=launch.host,

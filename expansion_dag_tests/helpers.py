@@ -6,8 +6,10 @@ import json
 import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import httpx
 import polars as pl
 
@@ -37,6 +39,16 @@ def prompt_frame(texts: list[str], sources: list[str] | None = None) -> pl.DataF
     )
 
 
+def prompts_asset(frame: pl.DataFrame) -> dg.AssetsDefinition:
+    """The ``prompts`` asset as ``frame``: a pipeline that starts at the budget stage."""
+
+    @dg.asset(name="prompts", io_manager_key="parquet_io")
+    def prompts() -> pl.DataFrame:
+        return frame
+
+    return prompts
+
+
 def resources(urls: list[str], root, *, fleet: dict | None = None, **settings) -> dict:
     """Resources attached to running (simulated) servers; ``fleet`` and ``settings`` override fields."""
     fast_retries = {"backoff_initial_s": 0.01, "progress_interval_s": 1.0}
@@ -46,6 +58,29 @@ def resources(urls: list[str], root, *, fleet: dict | None = None, **settings) -
         "storage": StorageResource(root=str(root)),
         "parquet_io": ParquetIOManager(root=str(root)),
     }
+
+
+def prompts_answered(stats: Mapping[str, Any]) -> int:
+    """The prompts a simulated server answered (``stats``: its ``/sim/stats``): its completed requests
+    less the greedy ones, which the pipeline sends only as the weights probe (``FleetResource.weights_probe``:
+    one a server in a night's budget, and one to its own server in each shard's run)."""
+    return stats["completed"] - stats["greedy_requests"]
+
+
+def command_lines_holding(secret: str, session: int | None = None) -> list[str]:
+    """The command lines that hold ``secret``, as ``ps`` shows them: of every process on this
+    machine, or of those in ``session`` (a launched server's: its pid, the leader)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            # "pid (name) state ppid pgrp session ...": the name may hold spaces and parentheses.
+            sid = int((proc / "stat").read_text().rpartition(")")[2].split()[3])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        if (session is None or sid == session) and any(secret.encode() in arg for arg in argv):
+            found.append(b" ".join(argv).decode(errors="replace"))
+    return found
 
 
 def wait_for(predicate: Callable[[], Any], what: str = "the condition", timeout_s: float = 60.0) -> Any:

@@ -1,6 +1,7 @@
 """The run configuration file: its schema, validation and the bundled default.
 """
 
+from expansion_dag.config.loading import current_config, load_config, parse_config
 from expansion_dag.config.schema import (
     CONFIG_ENV,
     SGLANG_LAUNCH_COMMAND,
@@ -11,10 +12,7 @@ from expansion_dag.config.schema import (
     LeaseSettings,
     RunConfig,
     bundled_config_path,
-    current_config,
-    load_config,
     mask_url,
-    parse_config,
 )
 
 __all__ = [

@@ -46,7 +46,7 @@ from expansion_dag.core.outcomes import (
     of_error,
 )
 from expansion_dag.core.processes import pid_alive
-from expansion_dag.core.records import FAILED, OK, Identity, completion_key
+from expansion_dag.core.records import FAILED, OK, Identity, WeightsProbe, completion_key
 from expansion_dag.core.sampling import SamplingSettings
 from expansion_dag.core.token_ids import IDS_LEFT_OUT, OUTPUT_IDS, PROMPT_IDS, pack, record_fields, unpack
 from expansion_dag.core.tokenizer import (
@@ -66,6 +66,8 @@ from expansion_dag.core.urls import (
     local_path,
     upload,
     upload_after,
+    url_credentials,
+    without_credentials,
     write_atomically,
 )
 
@@ -76,10 +78,10 @@ __all__ = [
     "ModeError", "ModeIdentities", "ModeMix", "OK", "OUTPUT_IDS", "PROMPT_IDS", "QueueFullError",
     "RETRYABLE_CONTENT", "RejectedError", "RequestError", "SamplingSettings", "ServerStartError",
     "ServerUnreachableError", "ShardAborted", "TURN_UNFINISHED", "TimeoutError_", "TransientError",
-    "UnfinishedError", "as_upath", "bar_chart_png", "base_prompt_id", "borrowed_verdict",
+    "UnfinishedError", "WeightsProbe", "as_upath", "bar_chart_png", "base_prompt_id", "borrowed_verdict",
     "bundled_qwen3_path", "canary_verdict", "completion_key", "count_prompt_tokens", "count_tokens",
     "default_local_dir", "describe", "entry_name", "error_from_exception", "is_final", "is_local",
     "listing", "load_tokenizer", "local_path", "of_error", "pack", "parse_modes", "pid_alive",
     "png_data_uri", "record_fields", "render_prompts", "unpack", "upload", "upload_after",
-    "write_atomically"
+    "url_credentials", "without_credentials", "write_atomically"
 ]

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from expansion_dag.core.records import Identity
+from expansion_dag.core.records import Identity, WeightsProbe
 from expansion_dag.core.sampling import SamplingSettings
 
 DEFAULT_MODE = "default"
@@ -138,11 +138,12 @@ def base_prompt_id(record: Mapping[str, Any]) -> str:
 
 
 class ModeIdentities:
-    """The identity of each mode of a mix, for one served model (simulated or not)."""
+    """The identity of each mode of a mix, for one served model (simulated or not); ``probe``: what
+    its weights answered the fleet's probe, for the store to compare before anything is sent."""
 
-    def __init__(self, mix: ModeMix, model: str, simulated: bool):
+    def __init__(self, mix: ModeMix, model: str, simulated: bool, probe: WeightsProbe | None = None):
         self.mix = mix
-        self.by_mode = {m.name: Identity.of(model, simulated, m.sampling) for m in mix.modes}
+        self.by_mode = {m.name: Identity.of(model, simulated, m.sampling, probe) for m in mix.modes}
 
     @property
     def identities(self) -> list[Identity]:

@@ -3,14 +3,19 @@
 Remote credentials and endpoints come from the filesystem's usual environment: for S3,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION`` and, for an S3-compatible
 server, ``AWS_ENDPOINT_URL`` (read by botocore, so by s3fs).
+
+A URL that carries credentials (``http://user:password@host``) is named without them wherever it
+is kept or shown (``without_credentials``): records, logs, metadata.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +35,23 @@ def as_upath(location: str | os.PathLike[str]) -> UPath:
         return path
     # Other processes (one per shard) write under the same root: a cached listing would hide them.
     return UPath(location, use_listings_cache=False)
+
+
+@functools.lru_cache(maxsize=256)
+def without_credentials(url: str) -> str:
+    """``url`` without its user and password, if it has any (cached: every record names its server)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def url_credentials(url: str) -> tuple[str, str] | None:
+    """The user and password a URL carries (decoded), or None."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return None
+    return urllib.parse.unquote(parts.username or ""), urllib.parse.unquote(parts.password or "")
 
 
 def is_local(path: UPath) -> bool:

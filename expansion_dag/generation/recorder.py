@@ -4,8 +4,9 @@ The writer runs off the event loop (``expansion_dag.generation.event_loop.OffLoo
 queued here and written there, in the order queued; ``engine`` says what is durable when.
 
 A completion record carries everything a trainer and a reader need (the answer, the counts, the
-server, the budget); a failure record says what failed and whose fault it was (``outcome``, see
-``expansion_dag.core.outcomes``), and a stopped loop keeps its text for inspection, never for training.
+server (its URL without credentials), the budget); a failure record says what failed and whose
+fault it was (``outcome``, see ``expansion_dag.core.outcomes``), and a stopped loop keeps its text
+for inspection, never for training.
 Token ids the server returned are kept packed, by ``expansion_dag.core.token_ids``' rule.
 """
 
@@ -14,7 +15,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from expansion_dag.core import CONTENT, FAILED, OK, OUTPUT_IDS, PROMPT_IDS, RequestError, pack, record_fields
+from expansion_dag.core import (
+    CONTENT,
+    FAILED,
+    OK,
+    OUTPUT_IDS,
+    PROMPT_IDS,
+    RequestError,
+    pack,
+    record_fields,
+    without_credentials,
+)
 from expansion_dag.generation.conversations import Ended
 from expansion_dag.generation.dispatch import WorkItem
 from expansion_dag.generation.event_loop import OffLoop
@@ -71,7 +82,7 @@ class Recorder:
                 "completion_tokens": answer.completion_tokens,
                 "local_prompt_tokens": item.prompt_tokens,
                 "max_tokens": exchange.max_tokens,
-                "server": server_url,
+                "server": without_credentials(server_url),  # a record is read by many: no password
                 "latency_s": round(latency, 4),
                 "attempts": exchange.attempts,
                 "length_features": list(features),
@@ -110,7 +121,7 @@ class Recorder:
             "http_status": error.status,
             "message": error.message,
             "attempts": exchange.attempts,
-            "server": server_url,
+            "server": without_credentials(server_url),
             "max_tokens": exchange.max_tokens,
         }
         if isinstance(error, DegenerateError):
@@ -157,7 +168,7 @@ def ended_record(ended: Ended, item: WorkItem, server_url: str) -> dict[str, Any
         "outcome": CONTENT,
         "message": ended.detail,
         "attempts": 0,
-        "server": server_url,
+        "server": without_credentials(server_url),
     }
 
 

@@ -216,14 +216,18 @@ class Catalog:
 
 _SOURCE_KEYS = frozenset(f.name for f in fields(SourceSpec))
 _DEFAULTABLE = _SOURCE_KEYS - {"name"}
-_CATALOG_KEYS = frozenset({"seed", "total_prompts", "defaults", "sources"})
+_CATALOG_KEYS = frozenset({"seed", "total_prompts", "defaults", "sources", "local_root"})
+#: ``local_root``'s value that reads relative local_paths from the samples shipped with the package.
+BUNDLED_ROOT = "bundled"
 
 
 def load_catalog(name_or_path: str | os.PathLike[str] = DEFAULT_CATALOG) -> Catalog:
     """A bundled catalog by name (``samples``, ``production``) or a catalog YAML file.
 
-    A relative ``local_path`` is looked up next to the catalog file first, then among the
-    package's bundled samples, so a copied samples catalog still finds the sample files.
+    A relative ``local_path`` is read from the catalog's ``local_root``: its own folder unless it
+    names another (relative to it), or ``bundled``, the package's sample files (as the samples
+    catalog does, and a copy of it). One that matches no file there is a ``CatalogError`` naming the
+    file and the fix: never another folder's files of the same name.
     """
     path = (
         package_dir("catalogs") / f"{name_or_path}.yaml"
@@ -236,6 +240,8 @@ def load_catalog(name_or_path: str | os.PathLike[str] = DEFAULT_CATALOG) -> Cata
         )
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CatalogError(f"catalog {str(path)!r}: not UTF-8 text (byte {exc.start}): save the file as UTF-8") from None
     except yaml.YAMLError as exc:
         raise CatalogError(f"catalog {str(path)!r}: not valid YAML: {exc}") from exc
     if not isinstance(document, Mapping):
@@ -248,6 +254,7 @@ def load_catalog(name_or_path: str | os.PathLike[str] = DEFAULT_CATALOG) -> Cata
     entries = document.get("sources")
     if not isinstance(entries, list) or not entries:
         raise CatalogError(f"catalog {str(path)!r}: sources must be a non-empty list")
+    root = _local_root(document.get("local_root"), path)
     sources = []
     for index, entry in enumerate(entries):
         where = f"catalog {str(path)!r}: sources[{index}]"
@@ -255,17 +262,18 @@ def load_catalog(name_or_path: str | os.PathLike[str] = DEFAULT_CATALOG) -> Cata
             raise CatalogError(f"{where}: must be a mapping")
         _reject_unknown(entry, _SOURCE_KEYS, where=where)
         settings = {**defaults, **entry}
-        if settings.get("local_path") is not None:
-            settings["local_path"] = _resolve_local_path(
-                settings["local_path"],
-                config=settings.get("config"),
-                split=settings.get("split", DEFAULT_SPLIT),
-                base=path.parent,
-            )
+        relative = _is_text(settings.get("local_path")) and not Path(settings["local_path"]).is_absolute()
+        if relative:
+            # The root is literal text: escape braces so that only the user's placeholders get filled.
+            escaped = str(root).replace("{", "{{").replace("}", "}}")
+            settings["local_path"] = escaped + os.sep + settings["local_path"]
         try:
-            sources.append(SourceSpec(**settings))
+            spec = SourceSpec(**settings)
         except TypeError as exc:  # a required field is missing
             raise CatalogError(f"{where}: {exc}") from None
+        if relative:
+            _require_files(spec, entry.get("local_path", defaults.get("local_path")), root, where)
+        sources.append(spec)
     return Catalog(
         sources=tuple(sources),
         seed=document.get("seed", DEFAULT_SEED),
@@ -378,22 +386,27 @@ def _mentions(exc: BaseException, token: str | None) -> bool:
     return bool(token) and token in "".join(traceback.format_exception(exc))
 
 
-def _resolve_local_path(local_path: Any, *, config: Any, split: Any, base: Path) -> Any:
-    """An absolute local_path: next to the catalog if its files are there, else in the bundled samples."""
-    if not _is_text(local_path) or Path(local_path).is_absolute():
-        return local_path
-    try:
-        patterns = [
-            local_path.format(config=c, split=sp)
-            for c in _as_tuple(config) or (None,)
-            for sp in _as_tuple(split)
-        ]
-    except (KeyError, IndexError, ValueError, TypeError):
-        patterns = []  # SourceSpec reports the problem with the user's own value
-    roots = [base, package_dir("samples")]
-    root = next((r for r in roots if patterns and all(glob.glob(str(r / p)) for p in patterns)), base)
-    # The root is literal text: escape braces so that only the user's placeholders get filled.
-    return str(root).replace("{", "{{").replace("}", "}}") + os.sep + local_path
+def _local_root(value: Any, catalog: Path) -> Path:
+    """The folder a catalog's relative local_paths are read from (see ``load_catalog``)."""
+    if value is None:
+        return catalog.parent
+    if value == BUNDLED_ROOT:
+        return package_dir("samples")
+    if not _is_text(value) or not value:
+        raise CatalogError(f"catalog {str(catalog)!r}: local_root: a folder or {BUNDLED_ROOT!r}, got {value!r}")
+    return catalog.parent / Path(value).expanduser()
+
+
+def _require_files(spec: SourceSpec, written: str, root: Path, where: str) -> None:
+    """CatalogError when a part of a relative local_path matches no file under ``root``."""
+    for config, split in spec.parts():
+        pattern = spec.local_files(config=config, split=split)
+        if not glob.glob(pattern):
+            raise CatalogError(
+                f"{where}: local_path {written!r} matches no file at {pattern}. A relative local_path is read "
+                f"from the catalog's local_root ({root}), never from elsewhere: fix the path, make it absolute, "
+                f"or set local_root (a folder, or {BUNDLED_ROOT!r} for the sample files shipped with the package)"
+            )
 
 
 def _reject_unknown(mapping: Mapping[str, Any], known: frozenset[str], *, where: str) -> None:

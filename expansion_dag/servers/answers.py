@@ -2,7 +2,10 @@
 
 - answers: :func:`parse_chat_completion` reads a 200 body into an :class:`Answer` (content,
   reasoning, tool calls, and the prompt's and the answer's token ids where the dialect returns them:
-  :attr:`Dialect.token_ids`); :func:`finish_error` tells a complete answer from partial text;
+  :attr:`Dialect.token_ids`); :func:`finish_error` tells a complete answer from partial text. A
+  field of the wrong type (content that is not text, a count that is not an integer, a finish
+  reason no server sends) is a ``BadResponseError`` of that request naming the field, plain or
+  streamed (:func:`checked_answer`): the server's fault, never an exception that ends a worker;
 - errors: :func:`error_from_status` turns an error response into one of
   ``expansion_dag.core.errors``' request errors, reading a context-length 400's numbers
   (:func:`parse_context_error`) for the one retry that uses them.
@@ -36,6 +39,11 @@ from expansion_dag.servers.tools import tool_call
 #: stopped naturally (``serving_chat._process_tool_calls``), vLLM whenever calls were parsed in a
 #: plain answer (``chat_completion_full_generator``; a streamed one only after a ``stop``).
 COMPLETE_FINISHES = frozenset({"stop", "length", "tool_calls"})
+#: Finish reasons that end partial text: SGLang's ``abort`` (its protocol also names
+#: ``content_filter`` and ``function_call``), vLLM's ``abort``, ``error`` and ``repetition``
+#: (``v1/engine.FINISH_REASON_STRINGS``), and ``unknown``, said here of an answer that named none.
+#: Any other value is no answer this client can read.
+PARTIAL_FINISHES = frozenset({"abort", "content_filter", "function_call", "error", "repetition", "unknown"})
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,56 @@ def sglext_ids(sglext: object) -> tuple[array.array | None, array.array | None]:
     return id_array(sglext.get("input_ids")), id_array(outputs[0] if outputs else None)  # type: ignore[attr-defined]
 
 
+def text_field(value: object, where: str) -> str | None:
+    """A text field of an answer as sent (None: absent); BadResponseError when it is not text."""
+    if value is None or isinstance(value, str):
+        return value
+    raise BadResponseError(f"{where} is {_kind(value)}, not text: {quote(value, 120)}", status=200)
+
+
+def count_field(value: object, where: str) -> int:
+    """A token count as sent; BadResponseError unless it is a whole number of at least 0."""
+    if type(value) is int and value >= 0:
+        return value
+    raise BadResponseError(f"{where} is {quote(value, 60)} ({_kind(value)}), not a token count", status=200)
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def checked_answer(
+    *,
+    content: object,
+    reasoning: object,
+    finish_reason: object,
+    prompt_tokens: object,
+    completion_tokens: object,
+    tool_calls: list[dict[str, Any]] | None = None,
+    prompt_ids: array.array | None = None,
+    output_ids: array.array | None = None,
+) -> Answer:
+    """An :class:`Answer` of the fields as a server sent them (plain or streamed), each of the type
+    the client reads; BadResponseError naming the first that is not."""
+    finish = text_field(finish_reason, "finish_reason") or "unknown"
+    if finish not in COMPLETE_FINISHES and finish not in PARTIAL_FINISHES:
+        known = ", ".join(sorted(COMPLETE_FINISHES | PARTIAL_FINISHES))
+        raise BadResponseError(f"finish_reason {finish[:60]!r} is none a server sends ({known})", status=200)
+    return Answer(
+        content=text_field(content, "the answer's content") or "",
+        reasoning=text_field(reasoning, "the answer's reasoning"),
+        finish_reason=finish,
+        prompt_tokens=None if prompt_tokens is None else count_field(prompt_tokens, "usage.prompt_tokens"),
+        completion_tokens=count_field(completion_tokens, "usage.completion_tokens"),
+        tool_calls=tool_calls,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+    )
+
+
 def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
-    """Read a 200 body; BadResponseError when it is not a chat completion.
+    """Read a 200 body; BadResponseError when it is not a chat completion, or a field read has
+    another type (:func:`checked_answer`).
 
     Token ids, where the dialect returns them: SGLang's in the response's ``sglext``
     (``input_ids``, ``output_ids[0]``), vLLM's in its ``prompt_token_ids`` and the choice's
@@ -87,9 +143,7 @@ def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
     try:
         choice = body["choices"][0]  # type: ignore[index]
         message = choice["message"]
-        content = message["content"]
-        completion_tokens = int(body["usage"]["completion_tokens"])  # type: ignore[index]
-        prompt_tokens = body["usage"].get("prompt_tokens")  # type: ignore[index]
+        usage = body["usage"]  # type: ignore[index]
         reasoning = next((message[f] for f in dialect.reasoning_fields if message.get(f) is not None), None)
         calls = [
             tool_call(c.get("id"), c["function"]["name"], c["function"].get("arguments"))
@@ -100,12 +154,12 @@ def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
             prompt_ids, output_ids = sglext_ids(body.get("sglext"))  # type: ignore[union-attr]
         elif dialect.token_ids == "vllm":
             prompt_ids, output_ids = id_array(body.get("prompt_token_ids")), id_array(choice.get("token_ids"))  # type: ignore[union-attr]
-        return Answer(
-            content=content or "",
+        return checked_answer(
+            content=message["content"],
             reasoning=reasoning,
-            finish_reason=choice.get("finish_reason") or "unknown",
-            prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
-            completion_tokens=completion_tokens,
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage["completion_tokens"],
             tool_calls=calls or None,
             prompt_ids=prompt_ids,
             output_ids=output_ids,

@@ -127,6 +127,8 @@ class ServerFacts:
     stream_interval: int | None = None
     #: SGLang's ``--tool-call-parser`` (a ServerArgs field too); None: none, or unsaid (vLLM).
     tool_call_parser: str | None = None
+    #: SGLang's ``--weight-version`` (a ServerArgs field); None: unsaid, or "default" (not set).
+    weight_version: str | None = None
 
 
 def parse_server_facts(models: object, server_info: object | None, dialect: Dialect) -> ServerFacts:
@@ -155,7 +157,16 @@ def parse_server_facts(models: object, server_info: object | None, dialect: Dial
         dialect=dialect,
         stream_interval=_positive_int(info.get("stream_interval")),
         tool_call_parser=info.get("tool_call_parser") or None,
+        weight_version=_weight_version(info.get("weight_version")),
     )
+
+
+#: What SGLang reports for weights whose version nobody set (``ServerArgs.weight_version``).
+_UNSET_WEIGHT_VERSION = "default"
+
+
+def _weight_version(value: object) -> str | None:
+    return str(value) if value not in (None, "", _UNSET_WEIGHT_VERSION) else None
 
 
 def _slots(info: Mapping[str, Any]) -> int | None:

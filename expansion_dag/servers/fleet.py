@@ -13,6 +13,10 @@
 - Whether a server parses tool calls decides the ``tool_choice`` its requests carry
   (``ServerInfo.tool_choice``): SGLang says its ``--tool-call-parser``; vLLM says nothing, so the
   configured one is believed.
+- A server is named by its URL without credentials (``ServerInfo.url``: what records, logs and
+  metadata show); a ``user:password@`` in a configured URL is sent to the probe as basic auth.
+- Which weights the fleet serves is part of a completion's identity (``FleetInfo.identity``), from
+  ``weights.py``: their names where known, and a probe of what they answer.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from typing import Any, Literal
 
 import httpx
 
-from expansion_dag.core import FleetError, FleetMismatchError, ServerUnreachableError
+from expansion_dag.core import (
+    FleetError,
+    FleetMismatchError,
+    ServerUnreachableError,
+    WeightsProbe,
+    url_credentials,
+    without_credentials,
+)
 from expansion_dag.servers.api import (
     PROTECTED_PATH,
     ServerFacts,
@@ -66,6 +77,12 @@ class ServerInfo:
     stream_interval: int = 1
     #: The server's tool-call parser: as SGLang reports it, else as configured; None: none.
     tool_call_parser: str | None = None
+    #: The version the server reports for its weights (SGLang's ``weight_version``); None: unsaid.
+    weight_version: str | None = None
+    #: What its weights answered the probe (``weights.probe_fleet_weights``); None: not taken, or
+    #: it did not answer (``probe_error`` says why).
+    probe: WeightsProbe | None = None
+    probe_error: str | None = None
 
     @property
     def tool_choice(self) -> str:
@@ -81,6 +98,10 @@ class FleetInfo:
     servers: tuple[ServerInfo, ...]
     #: Servers that did not answer the probe, when the caller tolerates some being down.
     unreachable: tuple[str, ...] = ()
+    #: What is known of the weights the fleet serves, as a label (``weights.weights_label``): a
+    #: folder's commit or digest, the configured revision, the version the servers report; "" for
+    #: nothing (the identity is then the path's alone, as before the weights were named).
+    weights: str = ""
 
     @property
     def context_length(self) -> int:
@@ -109,8 +130,15 @@ class FleetInfo:
 
     @property
     def identity(self) -> str:
-        """The model as part of a completion's identity; a simulated answer never passes for a real one."""
-        return self.model_path + (" (simulator)" if self.simulated else "")
+        """The model as part of a completion's identity: its path and what is known of its weights;
+        a simulated answer never passes for a real one."""
+        weights = f" [weights {self.weights}]" if self.weights else ""
+        return self.model_path + weights + (" (simulator)" if self.simulated else "")
+
+    @property
+    def probe(self) -> WeightsProbe | None:
+        """What the fleet's weights answered the probe (its servers agree); None if none answered."""
+        return next((s.probe for s in self.servers if s.probe is not None), None)
 
     def server(self, url: str) -> ServerInfo:
         for info in self.servers:
@@ -140,15 +168,17 @@ def probe_server(
     ``tool_call_parser``: the one the fleet is configured with; a server that reports its own
     (SGLang's ``/server_info``) is believed instead.
     """
-    url = url.rstrip("/")
+    credentials = url_credentials(url)
+    url = without_credentials(url.rstrip("/"))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context()) as client:
+    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context(), auth=credentials) as client:
         facts = read_server_facts(client, url, backend)
     if api_key and serves_without_key(url, timeout_s=timeout_s):
         raise FleetError(
             f"{url} answers {PROTECTED_PATH} without the API key although one is configured: "
-            "the server runs unauthenticated. Start it with --api-key (SGLang reads no environment "
-            "variable for its key), e.g. add '--api-key {api_key}' to the launch command."
+            "the server runs unauthenticated. Start it with its key (SGLang reads it from --api-key or "
+            "a --config file only, vLLM from --api-key or VLLM_API_KEY); a launched fleet's servers are "
+            "handed it so, unless the launch command names its own --config."
         )
     slots, source = _slots(url, facts, slots_override, launched_slots)
     return ServerInfo(
@@ -165,6 +195,7 @@ def probe_server(
         dialect=facts.dialect,
         stream_interval=stream_interval if facts.dialect.stream_interval_per_request else facts.stream_interval or 1,
         tool_call_parser=facts.tool_call_parser if facts.dialect.server_info_path else tool_call_parser,
+        weight_version=facts.weight_version,
     )
 
 
@@ -245,11 +276,11 @@ def probe_fleet(
         except ServerUnreachableError:
             if not allow_unreachable:
                 raise
-            unreachable.append(url.rstrip("/"))
+            unreachable.append(without_credentials(url.rstrip("/")))
     if not probed:
         raise ServerUnreachableError(f"no server of the fleet answers: {', '.join(unreachable)}")
     servers = tuple(probed)
-    for field_name in ("model", "context_length"):
+    for field_name in ("model", "context_length", "weight_version"):
         values: dict[Any, list[str]] = {}
         for s in servers:
             values.setdefault(getattr(s, field_name), []).append(s.url)

@@ -10,29 +10,36 @@
   vLLM could not answer.
 - ``wait_ready`` waits for ``GET /health`` 200, treating refused connections (model loading) and
   503 (warmup) as "not yet", and quotes the server's last log lines when it gives up.
-- The API key stays out of the logs: SGLang (0.5.23) logs its arguments at start-up, the value
-  of ``--api-key`` among them; the launcher masks the key in each server's log once it is ready
-  (or failed), and in any log lines it quotes.
+- The API key stays off the server's command line, which every user of the machine reads (``ps``):
+  SGLang gets it in a YAML file of arguments readable by this user alone (``--config
+  {api_key_file}``), removed once the server is ready; vLLM in its environment (``VLLM_API_KEY``);
+  see :data:`KEY_DELIVERY`. A command that names ``{api_key}`` or ``--api-key`` is refused.
+- The key stays out of the log from its first line: SGLang (0.5.23) logs its arguments at start-up,
+  the key among them, so a keyed server's output reaches its log through ``log_filter.py``, which
+  masks it as it is written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
 from expansion_dag.core import FleetError, ServerStartError, pid_alive
+from expansion_dag.servers import log_filter
 from expansion_dag.servers.http_client import tls_context
 
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
@@ -61,6 +68,34 @@ def _slots_flag_value(argv: Sequence[str]) -> int | None:
     return int(found) if found is not None and found.isdigit() else None
 
 
+@dataclass(frozen=True)
+class KeyDelivery:
+    """How a launched server of one backend is given its API key, off its command line."""
+
+    #: Appended to the launch command when a key is set and the command does not name them.
+    flags: str
+    #: The variable of the server's environment that holds the key; None: none is read.
+    env: str | None
+
+
+#: Read from the pinned wheels. SGLang 0.5.23 reads its key only as an argument (``--api-key``; no
+#: variable), and takes arguments from a YAML file as well (``--config``:
+#: ``utils/server_args_config_parser.ConfigArgumentMerger``, merged inside the process, never into
+#: its argv). vLLM 0.32 reads ``VLLM_API_KEY`` when ``--api-key`` is not given
+#: (``entrypoints/serve/middleware/register.py``) and leaves it out of the arguments it logs.
+KEY_DELIVERY = {
+    "sglang": KeyDelivery(flags="--config {api_key_file}", env=None),
+    "vllm": KeyDelivery(flags="", env="VLLM_API_KEY"),
+}
+
+
+def key_delivery(backend: str) -> KeyDelivery:
+    try:
+        return KEY_DELIVERY[backend]
+    except KeyError:
+        raise FleetError(f"no way to hand an API key to backend {backend!r}; known: {', '.join(KEY_DELIVERY)}") from None
+
+
 def tool_call_flags(backend: str, tool_call_parser: str | None) -> str:
     """The launch flags for ``tool_call_parser`` on ``backend`` ("" for none)."""
     if not tool_call_parser:
@@ -84,35 +119,18 @@ def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
     return False
 
 
-#: What a secret is replaced by in a quoted log line.
-MASK = "***"
+#: The filter a keyed server's output goes through to its log, run as a script (see there).
+LOG_FILTER = Path(log_filter.__file__)
 
 
-def tail(path: Path | None, lines: int = 20, secret: str | None = None) -> str:
+def tail(path: Path | None, lines: int = 20) -> str:
     if path is None or not path.exists():
         return "(no log)"
     with open(path, "rb") as fh:
         fh.seek(0, os.SEEK_END)
         fh.seek(max(0, fh.tell() - 16384))
         text = fh.read().decode(errors="replace")
-    if secret:
-        text = text.replace(secret, MASK)
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
-
-
-def mask_in_place(path: Path, secret: str | None) -> None:
-    """Overwrite each occurrence of ``secret`` in a file with as many asterisks, in place: the
-    lengths do not change, so a server still appending to the file is undisturbed."""
-    if not secret or not path.exists():
-        return
-    needle = secret.encode()
-    with open(path, "r+b") as fh:
-        data = fh.read()
-        at = data.find(needle)
-        while at != -1:
-            fh.seek(at)
-            fh.write(b"*" * len(needle))
-            at = data.find(needle, at + len(needle))
 
 
 def wait_ready(
@@ -122,12 +140,8 @@ def wait_ready(
     poll_s: float = 0.5,
     log_path: Path | None = None,
     pid: int | None = None,
-    secret: str | None = None,
 ) -> None:
-    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting".
-
-    ``secret``: masked in the log lines quoted when it gives up.
-    """
+    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting"."""
     url = url.rstrip("/")
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
@@ -144,12 +158,12 @@ def wait_ready(
         if pid is not None and not pid_alive(pid):
             raise ServerStartError(
                 f"{url}: the server process {pid} exited before it was ready. Last log lines "
-                f"({log_path}):\n{tail(log_path, secret=secret)}"
+                f"({log_path}):\n{tail(log_path)}"
             )
         if time.monotonic() >= deadline:
             raise ServerStartError(
                 f"{url}: not ready after {timeout_s:.0f} s (last: {last}). Last log lines "
-                f"({log_path}):\n{tail(log_path, secret=secret)}"
+                f"({log_path}):\n{tail(log_path)}"
             )
         time.sleep(poll_s)
 
@@ -193,7 +207,10 @@ class Launcher:
         values: Mapping[str, Any],
         env: Mapping[str, str] | None = None,
         api_key: str | None = None,
+        key_env: str | None = None,
     ):
+        """``api_key``: the servers' key, handed over in ``{api_key_file}`` where the command names
+        it, and in the variable ``key_env`` of their environment where one is given."""
         self.state_dir = Path(state_dir)
         self.command = command
         self.host = host
@@ -201,6 +218,7 @@ class Launcher:
         self.values = dict(values)
         self.env = dict(env or {})
         self._api_key = api_key
+        self._key_env = key_env
 
     def url(self, spec: LaunchSpec) -> str:
         return f"http://{self.host}:{spec.port}"
@@ -221,9 +239,23 @@ class Launcher:
         passed = {self.url(spec): _slots_flag_value(self._argv(spec)) for spec in self.specs}
         return {url: slots for url, slots in passed.items() if slots is not None}
 
+    def _key_path(self, spec: LaunchSpec) -> Path:
+        # SGLang's --config wants a .yaml name.
+        return self.state_dir / f"server-{spec.port}.key.yaml"
+
     def _argv(self, spec: LaunchSpec) -> list[str]:
-        # The key fills ``{api_key}`` only in the argv handed to the process, never in a log line.
-        values = {**self.values, "host": self.host, "port": spec.port, "gpu": spec.gpu, "api_key": self._api_key or ""}
+        words = shlex.split(self.command)
+        if "{api_key}" in self.command or any(w == "--api-key" or w.startswith("--api-key=") for w in words):
+            raise FleetError(
+                "the launch command puts the API key on the server's command line, where every user of "
+                "the machine reads it (ps): remove {api_key} and --api-key from it; the launcher hands a "
+                "configured key over itself (SGLang: --config {api_key_file}, a file only you can read; "
+                "vLLM: VLLM_API_KEY in its environment)"
+            )
+        values = {
+            **self.values, "host": self.host, "port": spec.port, "gpu": spec.gpu,
+            "api_key_file": str(self._key_path(spec)),
+        }
         try:
             return shlex.split(self.command.format(**values))
         except KeyError as exc:
@@ -264,11 +296,9 @@ class Launcher:
             # one still loading, and reported now rather than after the whole timeout.
             pid = self._recorded_pid(spec)
             try:
-                wait_ready(
-                    self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid, secret=self._api_key
-                )
+                wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid)
             finally:
-                mask_in_place(self.log_path(spec), self._api_key)  # written at start-up, with the arguments
+                self._key_path(spec).unlink(missing_ok=True)  # read at start-up, needed no more
             if self.launches_simulator:
                 self._verify_simulator(spec, pid)
         return started
@@ -298,25 +328,54 @@ class Launcher:
                 f"{_describe(self.url(spec))}; stop it, or set fleet.launch.base_port to free ports"
             )
 
+    def _write_key(self, spec: LaunchSpec) -> None:
+        """The key as SGLang reads an argument from its ``--config`` file, readable by this user
+        alone; no key, no argument (an empty mapping)."""
+        path = self._key_path(spec)
+        path.unlink(missing_ok=True)  # created anew, never an older file's looser mode
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"api-key: {json.dumps(self._api_key)}\n" if self._api_key else "{}\n")  # JSON text is YAML
+
+    def _output(self, spec: LaunchSpec, log: BinaryIO) -> tuple[Any, subprocess.Popen[bytes] | None]:
+        """Where the server writes: its log, through the filter that masks the key when it has one."""
+        if not self._api_key:
+            return log, None
+        masking = subprocess.Popen(
+            [sys.executable, str(LOG_FILTER), str(self.log_path(spec))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env={log_filter.SECRET_ENV: self._api_key},
+            start_new_session=True,  # outlives the step, as the server does; ends with its output
+        )
+        return masking.stdin, masking
+
     def _start(self, spec: LaunchSpec) -> None:
-        # No key in the environment: SGLang reads it only from --api-key ({api_key} in the command).
+        argv = self._argv(spec)
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": str(spec.gpu)}
-        log = open(self.log_path(spec), "ab")
-        try:
-            process = subprocess.Popen(
-                self._argv(spec),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                # Its own session: the server outlives the step that started it, and a stop
-                # reaches every process it forked.
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise ServerStartError(f"{self.url(spec)}: cannot start {self._argv(spec)[0]!r}: {exc}") from exc
-        finally:
-            log.close()
+        if self._api_key and self._key_env:
+            env[self._key_env] = self._api_key
+        if "{api_key_file}" in self.command:
+            self._write_key(spec)
+        with open(self.log_path(spec), "ab") as log:
+            output, masking = self._output(spec, log)
+            try:
+                process = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    # Its own session: the server outlives the step that started it, and a stop
+                    # reaches every process it forked.
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise ServerStartError(f"{self.url(spec)}: cannot start {argv[0]!r}: {exc}") from exc
+            finally:
+                if masking is not None:
+                    masking.stdin.close()  # type: ignore[union-attr]  # the server holds its own copy
         self._pid_path(spec).write_text(str(process.pid))
 
     def stop(self, *, timeout_s: float = 30.0) -> list[int]:
@@ -326,6 +385,7 @@ class Launcher:
             for spec in self.specs:
                 pid = self._pid(spec)
                 self._pid_path(spec).unlink(missing_ok=True)
+                self._key_path(spec).unlink(missing_ok=True)
                 if pid is None:
                     continue
                 _stop_group(pid, timeout_s)

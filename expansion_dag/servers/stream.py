@@ -11,7 +11,16 @@ from typing import Any
 import pydantic_core
 
 from expansion_dag.core import BadResponseError, RequestError
-from expansion_dag.servers.answers import Answer, as_text, error_from_status, id_array, quote, sglext_ids
+from expansion_dag.servers.answers import (
+    Answer,
+    as_text,
+    checked_answer,
+    error_from_status,
+    id_array,
+    quote,
+    sglext_ids,
+    text_field,
+)
 from expansion_dag.servers.degeneration import Loop, LoopDetector, LoopThresholds
 from expansion_dag.servers.dialects import Dialect
 from expansion_dag.servers.tools import ToolCallDeltas
@@ -160,6 +169,16 @@ class ChatStream:
                 self.chunks += 1
         except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
             raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200) from exc
+        # Each piece is text before it is kept: a list or a number here would end the worker when
+        # the pieces are joined, or the answer counted by its finish. Tested inline, once a chunk.
+        if (
+            (content is not None and content.__class__ is not str)
+            or (reasoning is not None and reasoning.__class__ is not str)
+            or (finish is not None and finish.__class__ is not str)
+        ):
+            text_field(content, "delta.content")
+            text_field(reasoning, "the delta's reasoning")
+            text_field(finish, "finish_reason")
         if finish:
             self._finish = finish
         loop = None
@@ -194,30 +213,26 @@ class ChatStream:
         return "".join(self._reasoning) if self._reasoning else None
 
     def answer(self) -> Answer:
-        """The whole answer; BadResponseError when the stream ended without its usage, or with a
-        tool call that never got its name."""
+        """The whole answer; BadResponseError when the stream ended without its usage, with counts
+        that are not counts (:func:`checked_answer`), or with a tool call that never got its name."""
         usage = self._usage
-        try:
-            completion_tokens = int(usage["completion_tokens"])
-            prompt_tokens = usage.get("prompt_tokens")
-            prompt_tokens = None if prompt_tokens is None else int(prompt_tokens)
-        except (KeyError, TypeError, ValueError) as exc:
+        if usage is None or "completion_tokens" not in usage:
             ended = "after [DONE]" if self._done else "without [DONE]"
             raise BadResponseError(
                 f"the stream ended {ended} and without a usage chunk: the server ignored "
                 f"stream_options.include_usage",
                 status=200,
-            ) from exc
+            )
         try:
             tool_calls = self._tool_calls.calls()
         except ValueError as exc:
             raise BadResponseError(f"a streamed tool call is incomplete: {exc}", status=200) from exc
-        return Answer(
+        return checked_answer(
             content=self.content,
             reasoning=self.reasoning,
-            finish_reason=self._finish or "unknown",
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
+            finish_reason=self._finish,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage["completion_tokens"],
             tool_calls=tool_calls,
             prompt_ids=self._prompt_ids,
             output_ids=self._output_ids,

@@ -94,6 +94,8 @@ class ToolCallDeltas:
         self._calls: dict[int, dict[str, Any]] = {}
 
     def feed(self, deltas: object) -> None:
+        """Take one chunk's deltas; TypeError when one is not a call's piece (the stream's reader
+        makes it the request's error)."""
         if not isinstance(deltas, list):
             raise TypeError(f"tool_calls is not a list: {deltas!r}")
         for delta in deltas:
@@ -102,10 +104,13 @@ class ToolCallDeltas:
             if delta.get("id"):
                 call["id"] = delta["id"]
             function = delta.get("function") or {}
-            if function.get("name"):
-                call["name"] = function["name"]
-            if function.get("arguments"):
-                call["arguments"].append(function["arguments"])
+            name, arguments = function.get("name"), function.get("arguments")
+            if not all(v is None or isinstance(v, str) for v in (name, arguments)):
+                raise TypeError(f"a tool call's name or arguments is not text: {function!r}")
+            if name:
+                call["name"] = name
+            if arguments:
+                call["arguments"].append(arguments)
 
     def calls(self) -> list[dict[str, Any]] | None:
         """The calls in index order; None when there were none."""

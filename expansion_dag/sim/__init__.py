@@ -62,6 +62,9 @@ Deliberate differences from a real server:
 - Generation requests are accepted during warmup, as on a real server; only probes tell the phase.
 - Sampling fields (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
   ``stop``) are accepted and have no effect; ``seed`` changes the answer, as a new sample would.
+  The answer to a prompt follows the simulated model (its ``seed``): the same model answers a
+  greedy request (temperature 0) the same way every time, and ``loop_rate``'s unlucky samples
+  strike only sampled requests; another seed is another model behind the same path.
 - Fault injection (``fail_rate``, ``hang_rate``, ``abort_rate``, ``die_after_requests``,
   ``prompt_token_skew``) is simulator-only; a killed server drops its connections and frees its port
   at once. ``abort_rate`` answers as SGLang answers an aborted request (``/abort_request``,

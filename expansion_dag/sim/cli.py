@@ -11,8 +11,11 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
+
+import yaml
 
 from expansion_dag.sim.config import (
     ANSWER_DEFECTS,
@@ -69,8 +72,17 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument(
         "--stream-interval", type=int, default=_DEFAULTS.stream_interval, help="tokens per streamed event"
     )
-    # Like SGLang, only the flag sets a key: SGLang reads no environment variable for it.
+    # Like SGLang, only the flag (or --config) sets a key: SGLang reads no environment variable for
+    # it. As vLLM, with --backend vllm, VLLM_API_KEY sets it too (serve/middleware/register.py).
     sg.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    sg.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file of these flags' values, e.g. 'api-key: KEY' (SGLang's --config; the command line wins)",
+    )
+    sg.add_argument(
+        "--weight-version", default=_DEFAULTS.weight_version, help="the weights' version the server reports"
+    )
     sg.add_argument(
         "--max-total-tokens", type=int, default=None, help="KV cache tokens (default: slots x context)"
     )
@@ -222,7 +234,9 @@ def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
         max_running_requests=args.max_running_requests,
         stream_interval=args.stream_interval,
         max_queued_requests=args.max_queued_requests,
-        api_key=args.api_key or None,  # an empty --api-key sets no key, as on SGLang
+        # An empty --api-key sets no key, as on SGLang.
+        api_key=args.api_key or (os.environ.get("VLLM_API_KEY") if args.backend == "vllm" else None) or None,
+        weight_version=args.weight_version,
         max_total_tokens=args.max_total_tokens,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser or None,
@@ -279,9 +293,26 @@ async def _serve(configs: list[SimServerConfig]) -> int:
     return 1
 
 
+def _with_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments, with those of ``--config`` as SGLang reads them: a YAML mapping of flag names
+    (``api-key`` or ``api_key``) to values, below the command line's own."""
+    args, ignored = parser.parse_known_args(argv)
+    if args.config is None:
+        return args, ignored
+    try:
+        with open(args.config, encoding="utf-8") as fh:
+            values = yaml.safe_load(fh) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        parser.error(f"--config {args.config}: {exc}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {args.config}: must be a mapping of flag names to values")
+    parser.set_defaults(**{str(key).replace("-", "_"): value for key, value in values.items()})
+    return parser.parse_known_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args, ignored = parser.parse_known_args(argv)
+    args, ignored = _with_config_file(parser, argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stdout,

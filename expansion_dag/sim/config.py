@@ -64,9 +64,9 @@ class SimServerConfig:
     disconnects, ``die_after_requests`` kills the server after that many completions, and
     ``prompt_token_skew`` is added to every prompt count the server reports. ``abort_rate`` answers
     that share of generation requests as SGLang answers an aborted one: HTTP 200, partial text,
-    ``finish_reason: "abort"``. ``loop_rate`` makes that share of answers degenerate: a few words,
-    then one span repeated until the cap (``finish_reason: "length"``), by request counter (an
-    unlucky sample). ``looping_prompt_share`` is what real models do: that share of prompts, chosen
+    ``finish_reason: "abort"``. ``loop_rate`` makes that share of sampled answers degenerate: a few
+    words, then one span repeated until the cap (``finish_reason: "length"``), by a counter of the
+    sampled requests (an unlucky sample; a greedy one is never). ``looping_prompt_share`` is what real models do: that share of prompts, chosen
     by the prompt's text, loops every time it is asked. ``output_word_sigma`` makes lengths follow
     what the prompt says: each word of the user's instruction (its first and last words) moves the
     log-median by an effect drawn per word (a tenth of words have one, of this spread), as "in
@@ -129,6 +129,8 @@ class SimServerConfig:
     prompt_token_skew: int = 0
     answer_defect: str | None = None  # one of ANSWER_DEFECTS: every answer has it
     token_ids: bool = True
+    #: SGLang's ``--weight-version``: the label it reports for its weights ("default" when unset).
+    weight_version: str = "default"
     #: Keep a record of every load answer and chat request (``expansion_dag.sim.timeline``), for
     #: tests and benchmarks; off by default, since it grows with every request.
     keep_timeline: bool = False
@@ -183,6 +185,8 @@ def _problems(c: SimServerConfig):
         yield f"max_queued_requests must be None or >= 0, got {c.max_queued_requests}"
     if c.api_key == "":
         yield "api_key must be None or non-empty"
+    if not c.weight_version:
+        yield "weight_version must not be empty"
     if c.answer_defect is not None and c.answer_defect not in ANSWER_DEFECTS:
         yield f"answer_defect must be None or one of {ANSWER_DEFECTS}, got {c.answer_defect!r}"
     if c.reasoning_parser is not None and c.reasoning_parser not in REASONING_PARSERS:

@@ -226,8 +226,8 @@ class Dialect:
             # The output tokens each weight version wrote (one version: all of them), as a real
             # 0.5.23 server sends it (seen in real_engine/test_sglang_contract.py).
             "metadata": {
-                "weight_version": "default",
-                "weight_versions": [{"version": "default", "start": 0, "end": c.completion_tokens}],
+                "weight_version": self.config.weight_version,
+                "weight_versions": [{"version": self.config.weight_version, "start": 0, "end": c.completion_tokens}],
             },
             **({"sglext": sglext} if (sglext := self._sglext(job)) else {}),
         }

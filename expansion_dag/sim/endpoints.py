@@ -116,6 +116,7 @@ class Endpoints:
             "reasoning_parser": c.reasoning_parser,
             "tool_call_parser": c.tool_call_parser,
             "random_seed": c.seed,
+            "weight_version": c.weight_version,
             "schedule_policy": "fcfs",
             # The scheduler's handshake; the HTTP server only starts once it is in.
             "status": "ready",
@@ -135,7 +136,7 @@ class Endpoints:
             "tokenizer_path": c.tokenizer,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": c.weight_version,
             "reasoning_parser": c.reasoning_parser,
             "model_type": None,
             "architectures": None,

@@ -7,6 +7,7 @@ Apart from the scheduler: what a request may ask is one question, when it runs i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -122,10 +123,12 @@ class ChatIntake:
         self.last_chat_request: dict[str, Any] | None = None  # what a test checks the client sent
         self.max_requested_tokens = 0
         self.context_exceeded = 0
-        #: Answers made to loop (``loop_rate``, ``looping_prompt_share``), each counted once.
-        self.loops = 0
+        #: Answers made to loop (``loop_rate``, ``looping_prompt_share``), each counted once, by greedy or not.
+        self.loops: collections.Counter[bool] = collections.Counter()
+        self.greedy_requests = 0  # decoded greedily (temperature 0): no sampling luck changes them
         self._generation_requests = 0  # fault-injection counters
         self._survivors = 0
+        self._samples = 0  # sampled requests: the counter of ``loop_rate``'s unlucky samples
 
     def chat_completions(self, request: HttpRequest, conn: HttpConnection) -> None:
         try:
@@ -237,6 +240,11 @@ class ChatIntake:
         survivor = self._survivors
         self._survivors += 1
         hang = _evenly_spaced_hit(survivor, c.hang_rate)
+        # A greedy answer (temperature 0; none given: the servers' 1.0) is no sample, never an unlucky loop.
+        greedy = body.get("temperature") == 0
+        unlucky = not greedy and _evenly_spaced_hit(self._samples, c.loop_rate)
+        self._samples += not greedy
+        self.greedy_requests += greedy
 
         def generate(limit: int) -> Completion:
             return self._output.generate(
@@ -252,9 +260,9 @@ class ChatIntake:
             )
 
         completion = _with_defect(generate(cap), c.answer_defect)
-        if _evenly_spaced_hit(survivor, c.loop_rate) or self._output.loops(instruction, c.looping_prompt_share):
+        if unlucky or self._output.loops(instruction, c.looping_prompt_share):
             completion = _looping(c, rendered, cap, split=c.reasoning_parser is not None)
-            self.loops += 1
+            self.loops[greedy] += 1
         elif not hang and _evenly_spaced_hit(survivor, c.abort_rate):
             # Aborted halfway (/abort_request, abort_all): SGLang answers 200 with the partial text.
             completion = dataclasses.replace(generate(completion.completion_tokens // 2), finish_reason="abort")

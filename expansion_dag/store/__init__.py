@@ -2,14 +2,9 @@
 (one sender per shard) over compare-and-swap files, local or on S3.
 """
 
-from expansion_dag.store.completions import (
-    DIGEST_FIELDS,
-    SEGMENT_GLOB,
-    CompletionStore,
-    MixedStoreError,
-    SegmentPart,
-)
+from expansion_dag.store.completions import DIGEST_FIELDS, SEGMENT_GLOB, CompletionStore, SegmentPart
 from expansion_dag.store.conditional import ConditionalWritesIgnored, conditional_file
+from expansion_dag.store.identities import IdentityRegistry, MixedStoreError, RegistryError, WeightsChangedError
 from expansion_dag.store.lines import BAD_LINE_REASONS, decode_line, encode_line
 from expansion_dag.store.lease import (
     DEFAULT_LEASE_TIMEOUT_S,
@@ -26,7 +21,7 @@ from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEG
 
 __all__ = [
     "BAD_LINE_REASONS", "BuildClaim", "CompletionStore", "ConditionalWritesIgnored", "DEFAULT_LEASE_TIMEOUT_S",
-    "DEFAULT_SEGMENT_INTERVAL_S", "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "LEASES", "LeaseLost", "Log",
-    "MixedStoreError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter", "ShardBusy", "ShardLease",
-    "conditional_file", "decode_line", "encode_line", "process_id"
+    "DEFAULT_SEGMENT_INTERVAL_S", "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "IdentityRegistry", "LEASES",
+    "LeaseLost", "Log", "MixedStoreError", "RegistryError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter",
+    "ShardBusy", "ShardLease", "WeightsChangedError", "conditional_file", "decode_line", "encode_line", "process_id"
 ]

@@ -50,12 +50,7 @@ A key is the completion identity (``completion_key``): the prompt plus everythin
 answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
 next run retries it.
 
-Who wrote a store: ``<root>/identities/<fingerprint>.json``, one ``Identity`` per model-and-settings
-that wrote completions, registered by the writer before its first line. It names the identities
-that a key (a hash) cannot, and it keeps simulated and real completions apart: a writer whose
-answers are simulated is refused in a store that holds real ones, and the other way round. An
-entry is created exclusively (``expansion_dag.store.conditional``) and the refusal checked again after,
-so two runs of different kinds starting together cannot both pass it.
+Who wrote a store: ``<root>/identities/``, the identity registry (``expansion_dag.store.identities``).
 """
 
 from __future__ import annotations
@@ -87,19 +82,12 @@ from expansion_dag.core import (
     upload,
     write_atomically,
 )
-from expansion_dag.store.conditional import conditional_file
+from expansion_dag.store.identities import IDENTITIES, IdentityRegistry
 from expansion_dag.store.lines import decode_line, encode_line
 from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
 _OK_BYTES, _FAILED_BYTES = OK.encode(), FAILED.encode()
 SEGMENT_GLOB = "seg-*.jsonl"
-IDENTITIES = "identities"  # the registry's folder under the root; every other folder is a shard
-
-
-class MixedStoreError(ValueError):
-    """Simulated and real completions would share one store."""
-
-
 @dataclass
 class ScanResult:
     """What segments hold (one shard's, or the whole store's): the latest status of every key, and damage found."""
@@ -133,64 +121,6 @@ class SegmentPart:
         """The segment's completions in file order, each key's first once, less ``taken``."""
         lines = _digest(self.path) if self.digest else _whole_lines(self.path)
         yield from _firsts(lines, _OK_BYTES, set(self.taken))
-
-
-class IdentityRegistry:
-    """Which identities (model and settings, simulated or real) a store's completions were written
-    under: one small JSON file each, under the store's ``identities/`` folder. Simulated and real
-    completions never share a store: registering the other kind is refused."""
-
-    def __init__(self, root: Any):
-        self._folder = root / IDENTITIES
-
-    def known(self) -> dict[str, Identity]:
-        """Every registered identity by fingerprint."""
-        folder = self._folder
-        if not folder.exists():
-            return {}
-        found = {}
-        for path in sorted(folder.glob("*.json"), key=lambda p: p.name):
-            try:
-                text = path.read_text()
-            except FileNotFoundError:
-                continue  # withdrawn since the listing: a registration refused (``register``)
-            identity = Identity.from_dict(json.loads(text))
-            found[identity.fingerprint] = identity
-        return found
-
-    def refuse_other_kind(self, identity: Identity) -> None:
-        """Raise ``MixedStoreError`` when the store holds completions of the other kind."""
-        others = sorted({i.model for i in self.known().values() if i.simulated != identity.simulated})
-        if not others:
-            return
-        other_kind = "real" if identity.simulated else "simulated"
-        hint = (
-            "Give simulated runs (the local profile, the simulator) a storage root of their own, e.g. "
-            "EXPANSION_STORAGE=./storage-sim"
-            if identity.simulated
-            else "Give the production run a storage root of its own (EXPANSION_STORAGE=/path/to/storage), "
-            "or remove this root if its simulated completions are not wanted"
-        )
-        raise MixedStoreError(
-            f"the completion store {self._folder.parent} holds {other_kind} completions ({', '.join(others)}); this run's "
-            f"completions would be {identity.kind} ({identity.model}). Simulated and real completions never "
-            f"share a store. {hint}."
-        )
-
-    def register(self, identity: Identity) -> None:
-        """Record that completions of ``identity`` are written here; refused for the other kind."""
-        self.refuse_other_kind(identity)
-        entry = conditional_file(self._folder / f"{identity.fingerprint}.json")
-        body = json.dumps(identity.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
-        created = entry.create(body.encode())  # None: registered already
-        # A run of the other kind may have registered between the check and the create: look
-        # again, and withdraw this registration if so (both may withdraw; neither writes).
-        try:
-            self.refuse_other_kind(identity)
-        except MixedStoreError:
-            if created is not None:
-                entry.delete(created)
-            raise
 
 
 class CompletionStore:

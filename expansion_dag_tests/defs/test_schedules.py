@@ -13,6 +13,7 @@ from expansion_dag.defs import NIGHT_TAG, SHARD_KEYS, build_nightly_sensors
 from expansion_dag.prompts import nights
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import prompts_answered
 
 QUOTA = 50
 #: Values a user edits in the file; the requests the fleet receives must carry them.
@@ -70,7 +71,7 @@ def run_night(defs, instance, day):
 
 
 def completions_requests(fleet):
-    return sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
+    return sum(prompts_answered(fleet.stats(i)) for i in range(len(SHARD_KEYS)))
 
 
 def answered(tmp_path) -> tuple[int, int]:

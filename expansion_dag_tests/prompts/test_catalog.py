@@ -207,22 +207,20 @@ def test_a_mistyped_row_in_one_config_does_not_break_the_others(tmp_path):
     assert result.quarantine.select("row_index", "reason").rows() == [(2, "mistyped_field")]
 
 
-def test_relative_local_path_is_found_next_to_the_catalog_then_in_the_samples(tmp_path):
+def test_relative_local_path_is_read_next_to_the_catalog_or_under_its_local_root(tmp_path):
     own = tmp_path / "data" / "mine.jsonl"
     own.parent.mkdir()
     own.write_text('{"query": "What is 2 + 2?"}\n', encoding="utf-8")
-    path = write_catalog(
-        tmp_path / "cat.yaml",
-        "sources:\n"
-        "  - {name: mine, extractor: codefeedback, local_path: data/mine.jsonl}\n"
-        "  - {name: bundled, extractor: metamathqa, local_path: metamathqa/MetaMathQA-395K.json}\n",
-    )
-    catalog = load_catalog(path)
-    assert catalog.source("mine").local_path == str(own)
-    assert catalog.source("bundled").local_path == str(
-        package_dir("samples") / "metamathqa" / "MetaMathQA-395K.json"
-    )
-    assert catalog.source("mine").format == "jsonl" and catalog.source("bundled").format == "json"
+    mine = "  - {name: mine, extractor: codefeedback, local_path: mine.jsonl}\n"
+    catalog = load_catalog(write_catalog(tmp_path / "cat.yaml", "local_root: data\nsources:\n" + mine))
+    assert catalog.source("mine").local_path == str(own) and catalog.source("mine").format == "jsonl"
+    # The samples shipped with the package, when the catalog says so.
+    bundled = load_catalog(write_catalog(
+        tmp_path / "bundled.yaml",
+        "local_root: bundled\nsources:\n  - {name: b, extractor: metamathqa, local_path: metamathqa/MetaMathQA-395K.json}\n",
+    ))
+    assert bundled.source("b").local_path == str(package_dir("samples") / "metamathqa" / "MetaMathQA-395K.json")
+    assert bundled.source("b").format == "json"
 
 
 def test_defaults_apply_unless_a_source_overrides_them(tmp_path):

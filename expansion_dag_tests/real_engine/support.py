@@ -483,6 +483,12 @@ def failure_report(result: subprocess.CompletedProcess[str], server: EngineServe
     return f"run output:\n{result.stdout[-4000:]}\n--- {server.engine.name} log:\n{server.log_tail(2000)}"
 
 
+#: The weights probes (``FleetResource.weights_probe``: one greedy request of ``PROBE_MESSAGES`` a
+#: server) the runs of ``run_pipeline`` send a one-server fleet besides the prompts: the night's
+#: budget's, and the shard's run's.
+PIPELINE_PROBES = 2
+
+
 def run_pipeline(deployment: Deployment, server: EngineServer, shard: str) -> None:
     """Prepare, generate ``shard`` and build the training set, as a user runs them; a failed step
     fails the test with the run's output and the server's log."""

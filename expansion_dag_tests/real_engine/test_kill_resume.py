@@ -75,12 +75,13 @@ def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(engin
     }
     assert 0 < done_at_kill < len(prompts)
     # Every answer the killed run wrote was kept. Only answers in flight at the kill can have been
-    # generated and lost with the client; the resume asked the server for the rest, once each.
-    assert 0 <= generated_by_killed_run - done_at_kill <= EngineConfig().workers_for(SLOTS)
+    # generated and lost with the client (and each run's weights probe, before its prompts); the
+    # resume asked the server for the rest, once each.
+    assert 0 <= generated_by_killed_run - 1 - done_at_kill <= EngineConfig().workers_for(SLOTS)
     # One request a prompt, or a conversation's turn (at this context, only one-turn ones fit).
     records = list(store.records(SHARD))
     assert answered_prompts(records) == prompts
-    assert generated_by_resume == server.received(at_kill, after) == len(records) - done_at_kill
+    assert generated_by_resume == server.received(at_kill, after) == len(records) - done_at_kill + 1  # + the probe
     assert scan.duplicates == 0 and scan.failed == set()
     metadata = deployment.metadata("completions", SHARD)
     assert metadata["completed_before_this_run"] == done_at_kill

@@ -30,9 +30,10 @@ import polars as pl
 import pytest
 
 from expansion_dag.core import OUTPUT_IDS, PROMPT_IDS, base_prompt_id, load_tokenizer, unpack
+from expansion_dag.servers import PROBE_MESSAGES
 from expansion_dag.store import CompletionStore
 from expansion_dag.training import Manifest
-from expansion_dag_tests.helpers import closed_turn, masked_runs
+from expansion_dag_tests.helpers import closed_turn, command_lines_holding, masked_runs
 from expansion_dag_tests.ports import free_port
 from expansion_dag_tests.real_engine.conftest import (
     API_KEY_ENV,
@@ -45,6 +46,7 @@ from expansion_dag_tests.real_engine.conftest import (
     sglang,
 )
 from expansion_dag_tests.real_engine.support import (
+    PIPELINE_PROBES,
     SGLANG_CPU_COMMAND,
     SGLANG_KV_TOKENS,
     STARTUP_TIMEOUT_S,
@@ -166,12 +168,16 @@ def test_the_probe_reads_the_context_and_the_slots_from_the_server(pipeline: Pip
     assert fleet["max_req_input_len"] == min(CONTEXT_LENGTH - 1, SGLANG_KV_TOKENS - 1) - 5
     assert fleet["stream_interval"] == STREAM_INTERVAL
     if pipeline.case.mode == "launch":
-        # The command as configured, the key by placeholder only.
-        assert fleet["launch_command"] == SGLANG_CPU_COMMAND + " --api-key {api_key}"
+        # The command as configured, the key by the file SGLang reads its arguments from, and
+        # on no process's command line.
+        assert fleet["launch_command"] == SGLANG_CPU_COMMAND + " --config {api_key_file}"
         assert server.api_key not in json.dumps(fleet)
-        # SGLang logs its arguments at start-up, the key among them: the launcher masks it.
+        # (The tests' own servers are started with --api-key: only the launched one's session is read.)
+        launched = int(server.log.with_suffix(".pid").read_text())
+        assert command_lines_holding(server.api_key, session=launched) == []
+        # SGLang logs its arguments at start-up, the key among them: masked before it is written.
         log = server.log.read_text()
-        assert "server_args=" in log and server.api_key not in log
+        assert "server_args=" in log and "'api_key': '***'" in log and server.api_key not in log
 
 
 def test_local_prompt_counts_equal_the_servers_usage_on_every_prompt(pipeline: Pipeline):
@@ -180,9 +186,11 @@ def test_local_prompt_counts_equal_the_servers_usage_on_every_prompt(pipeline: P
     pipeline.figures["drift_histogram"] = {str(d): n for d, n in sorted(drift.items())}
     assert len(pipeline.records) == pipeline.budgeted.height
     assert drift == {0: pipeline.budgeted.height}
-    # The budgets were those counts: the engine was fed exactly the prompt tokens budgeted.
+    # The budgets were those counts: the engine was fed exactly the prompt tokens budgeted, and the
+    # weights probes'.
     fed = pipeline.server.prompt_tokens(pipeline.before, pipeline.after)
-    assert fed == pipeline.budgeted["prompt_tokens"].sum()
+    probes = PIPELINE_PROBES * len(pipeline.server.tokenize(list(PROBE_MESSAGES)))
+    assert fed == pipeline.budgeted["prompt_tokens"].sum() + probes
     passed, metadata = pipeline.deployment.check("budget_drift")
     assert passed
     assert metadata["drift_histogram"] == {"0": pipeline.budgeted.height}
@@ -204,10 +212,11 @@ def test_prompts_over_the_context_are_set_aside_and_never_sent(pipeline: Pipelin
     # Each left less than the minimum answer; every other prompt fits.
     assert (set_aside["prompt_tokens"] + SETTINGS["min_output_tokens"] + MARGIN > context).all()
     assert set(set_aside["prompt_id"]).isdisjoint(base_prompt_id(r) for r in pipeline.records)
-    # The server received one request per budgeted prompt and no other, each answered to its end.
+    # The server received one request per budgeted prompt, and the weights probes, and no other,
+    # each answered to its end.
     budgeted = pipeline.budgeted.height
-    assert pipeline.server.received(pipeline.before, pipeline.after) == budgeted
-    assert pipeline.server.generated(pipeline.before, pipeline.after) == budgeted
+    assert pipeline.server.received(pipeline.before, pipeline.after) == budgeted + PIPELINE_PROBES
+    assert pipeline.server.generated(pipeline.before, pipeline.after) == budgeted + PIPELINE_PROBES
     assert pipeline.deployment.metadata("budgeted_prompts")["set_aside"] == set_aside.height
     if isinstance(pipeline.server, SglangServer):  # it also counts which were streamed
         assert pipeline.server.streamed(pipeline.before, pipeline.after) == (budgeted if pipeline.case.streamed else 0)

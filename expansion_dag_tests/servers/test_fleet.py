@@ -193,7 +193,7 @@ def simulator_launcher(tmp_path, ports, extra=""):
     return Launcher(
         state_dir=tmp_path / "fleet",
         command="{python} -m expansion_dag.sim --host {host} --port {port} --context-length {context_length} "
-        "--mem-fraction-static 0.85 --warmup-s 0.3 --api-key {api_key} " + extra,
+        "--mem-fraction-static 0.85 --warmup-s 0.3 --config {api_key_file} " + extra,
         host="127.0.0.1",
         specs=[LaunchSpec(gpu=i, port=p) for i, p in enumerate(ports)],
         values={"python": sys.executable, "context_length": 8192},
@@ -231,8 +231,8 @@ def test_a_server_that_exits_at_startup_fails_fast_with_its_log(tmp_path):
 
 #: Logs its arguments, the key among them, then runs the rest of the command, as SGLang 0.5.23
 #: does at start-up (``server_args=...``: seen in a launched real server's log,
-#: real_engine/test_pipeline.py). ``{api_key}`` is filled by the launcher.
-LOGS_ITS_KEY = "sh -c 'echo \"server_args api_key={api_key}\" && exec \"$0\" \"$@\"' "
+#: real_engine/test_pipeline.py), here read from the file the launcher hands it.
+LOGS_ITS_KEY = "sh -c 'echo \"server_args $(cat {api_key_file})\" && exec \"$0\" \"$@\"' "
 
 
 def test_the_key_a_server_logs_at_startup_is_masked_in_its_log(tmp_path):
@@ -242,7 +242,7 @@ def test_the_key_a_server_logs_at_startup_is_masked_in_its_log(tmp_path):
     try:
         launcher.ensure_running(timeout_s=60)
         log = launcher.log_path(launcher.specs[0]).read_text()
-        assert "server_args api_key=" + "*" * len("launch-secret") in log
+        assert 'server_args api-key: "***"' in log
         assert "launch-secret" not in log
     finally:
         launcher.stop()
@@ -254,7 +254,7 @@ def test_a_failed_start_quotes_its_log_without_the_key(tmp_path):
     launcher.command = LOGS_ITS_KEY + "false"  # then exits at once
     with pytest.raises(ServerStartError, match="exited before it was ready") as info:
         launcher.ensure_running(timeout_s=60)
-    assert "server_args api_key=***" in str(info.value) and "launch-secret" not in str(info.value)
+    assert 'server_args api-key: "***"' in str(info.value) and "launch-secret" not in str(info.value)
     assert "launch-secret" not in launcher.log_path(launcher.specs[0]).read_text()
 
 

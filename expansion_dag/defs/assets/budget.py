@@ -52,6 +52,8 @@ def budgeted_prompts(
     # Before any work: simulated and real completions never share a store.
     for identity in identities.identities:
         storage.completion_store().registry.refuse_other_kind(identity)
+    # Every server answers the weights probe alike, or the night stops here (one serving other weights).
+    fleet.weights_probe(log=context.log)
     # Each prompt's generation mode: a seeded draw from its id (expansion_dag.core.modes).
     prompts = prompts.with_columns(pl.Series("mode", mix.names(prompts["prompt_id"].to_list()), dtype=pl.String))
     if "tools" in prompts.columns:

@@ -127,7 +127,10 @@ def _generate(
         else []
     )
     sampling = settings.sampling()
-    identities = ModeIdentities(settings.mix(), fleet_info.identity, fleet_info.simulated)
+    # The weights' probe goes with the identities: registering them stops the run before any request
+    # when the store's answers of this identity came from other weights.
+    probe = fleet.weights_probe([url], log=context.log)
+    identities = ModeIdentities(settings.mix(), fleet_info.identity, fleet_info.simulated, probe=probe)
     has_conversations = "conversation" in shard_prompts.columns and shard_prompts["conversation"].null_count() < shard_prompts.height
     work = ShardWork(
         shard_prompts, identities, retry_outcomes=settings.retry_outcomes,

@@ -1,17 +1,31 @@
-"""The fleet resource: provisions (launch mode) or attaches to SGLang servers, then probes them."""
+"""The fleet resource: provisions (launch mode) or attaches to SGLang servers, then probes them:
+what they serve (context, slots, model) and which weights (their names where known, and a probe of
+what they answer: ``expansion_dag.servers.weights``)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Any, Optional
 
 import dagster as dg
 from pydantic import PrivateAttr
 
 from expansion_dag.config import FleetSettings
-from expansion_dag.core import FleetError
-from expansion_dag.servers import FleetInfo, Launcher, LaunchSpec, is_healthy, probe_fleet, tool_call_flags
+from expansion_dag.core import FleetError, WeightsProbe, without_credentials
+from expansion_dag.servers import (
+    FleetInfo,
+    Launcher,
+    LaunchSpec,
+    folder_weights,
+    is_healthy,
+    key_delivery,
+    probe_fleet,
+    probe_fleet_weights,
+    tool_call_flags,
+    weights_label,
+)
 
 
 class FleetResource(dg.ConfigurableResource, FleetSettings):
@@ -47,13 +61,15 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
         return os.environ.get(self.api_key_env) or None
 
     def command(self) -> str:
-        """The launch command template; a keyed fleet's servers get the key by ``--api-key``, and
+        """The launch command template; a keyed fleet's servers get the key off their command line
+        (``key_delivery``: SGLang by ``--config {api_key_file}``, vLLM in its environment), and
         the tool-call parser by the backend's flags."""
         command = self.launch_command
         if self.tool_call_parser and "{tool_call_parser}" not in command:
             command += " " + tool_call_flags(self.backend, self.tool_call_parser)
-        if self.api_key() and "{api_key}" not in command:
-            command += " --api-key {api_key}"
+        flags = key_delivery(self.backend).flags
+        if self.api_key() and flags and "{api_key_file}" not in command:
+            command += " " + flags
         return command
 
     def launcher(self) -> Launcher:
@@ -74,14 +90,19 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 "python": sys.executable,
             },
             api_key=self.api_key(),
+            key_env=key_delivery(self.backend).env,
         )
 
-    def server_urls(self) -> list[str]:
+    def _configured_urls(self) -> list[str]:
         if self.mode == "attach":
             if not self.urls:
                 raise FleetError("attach mode needs `urls`")
             return [u.rstrip("/") for u in self.urls]
         return self.launcher().urls
+
+    def server_urls(self) -> list[str]:
+        """The servers as records, logs and metadata name them: without credentials."""
+        return [without_credentials(u) for u in self._configured_urls()]
 
     def provision(self, log: Any = None) -> FleetInfo:
         """Ensure every server runs and is ready, then probe them all."""
@@ -93,8 +114,9 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
         return self.probe()
 
     def probe(self) -> FleetInfo:
-        return probe_fleet(
-            self.server_urls(),
+        """What the servers say of themselves, and the weights' names (no generation request)."""
+        info = probe_fleet(
+            self._configured_urls(),
             backend=self.backend,  # type: ignore[arg-type]
             api_key=self.api_key(),
             slots_override=self.slots_override,
@@ -103,6 +125,37 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
             stream_interval=self.stream_interval,
             tool_call_parser=self.tool_call_parser,
             allow_unreachable=self.fallback_to_healthy,
+        )
+        return replace(info, weights=self.weights(info))
+
+    def weights_probe(self, urls: Optional[list[str]] = None, log: Any = None) -> Optional[WeightsProbe]:
+        """What the weights of the servers at ``urls`` (default: the whole fleet) answer the probe,
+        asked now (``probe_fleet_weights``: one short greedy request each, FleetMismatchError where
+        they disagree). A night's budget asks every server, so that one serving other weights stops
+        it at once; a shard's run asks its own, to register with its identity before it sends
+        anything. None if no server answered."""
+        fleet = self.info
+        if urls is not None:
+            fleet = replace(fleet, servers=tuple(fleet.server(u) for u in urls))
+        info = probe_fleet_weights(fleet, api_key=self.api_key())
+        for server in info.servers:
+            if server.probe_error is not None and log is not None:
+                log.warning(f"{server.url} did not answer the weights probe ({server.probe_error}): its weights "
+                            "are not compared with the store's this run")
+        return info.probe
+
+    def weights(self, fleet: FleetInfo) -> str:
+        """What is known of the weights ``fleet`` serves: in launch mode the model folder's commit or
+        digest (``folder_weights``; a simulator serves none), then ``model_revision`` and the
+        version the servers report. Probed again by every run: a folder changed since is new weights."""
+        folder = None
+        if self.mode == "launch" and not self.launcher().launches_simulator:
+            folder = folder_weights(self.model_path, self.model_revision)
+        reported = fleet.servers[0].weight_version  # the servers agree (probe_fleet)
+        return weights_label(
+            folder,
+            f"revision {self.model_revision}" if self.model_revision else None,
+            f"weight_version {reported}" if reported else None,
         )
 
     def server_for_shard(self, shard_index: int) -> tuple[str, bool]:
@@ -134,6 +187,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
             "backend": info.backend,
             "model": info.model,
             "model_path": info.model_path,
+            "weights": fleet.weights,
             "server_version": info.version,
             "server_dialect": info.dialect.name,
             "context_length": info.context_length,

@@ -13,15 +13,7 @@ from expansion_dag.defs import SHARD_KEYS
 from expansion_dag.defs.assets import budgeted_prompts, completions, shard_prompts, training_set
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.training import data_files
-from expansion_dag_tests.helpers import prompt_frame, resources
-
-
-def prompts_asset(frame: pl.DataFrame) -> dg.AssetsDefinition:
-    @dg.asset(name="prompts", io_manager_key="parquet_io")
-    def prompts() -> pl.DataFrame:
-        return frame
-
-    return prompts
+from expansion_dag_tests.helpers import prompt_frame, prompts_answered, prompts_asset, resources
 
 
 def run_pipeline(frame, urls, root, instance, *, training=False, **settings):
@@ -106,11 +98,11 @@ def test_changed_settings_are_named_and_do_not_reuse_old_completions(tmp_path, i
     with SimulatedFleet([SimServerConfig(**FAST_SIM)] * len(SHARD_KEYS)) as fleet:
         before, _ = run_pipeline(frame, fleet.urls, tmp_path, instance, temperature=0.7)
         first = evaluation_of(before["shard-00"], "configuration_unchanged")
-        sent_before = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
+        sent_before = sum(prompts_answered(fleet.stats(i)) for i in range(len(SHARD_KEYS)))
         # The outputs written change nothing generated: not a drift.
         results, res = run_pipeline(frame, fleet.urls, tmp_path, instance, training=True, temperature=0.3,
                                     drop_truncated=False, training_formats=["parquet", "speculators-pretokenized"])
-        sent_after = sum(fleet.stats(i)["completed"] for i in range(len(SHARD_KEYS)))
+        sent_after = sum(prompts_answered(fleet.stats(i)) for i in range(len(SHARD_KEYS)))
     assert first.passed
     drift = evaluation_of(results["shard-00"], "configuration_unchanged")
     assert not drift.passed

@@ -68,7 +68,8 @@ def lines_in(store_dir: Path) -> int:
 
 
 def requests(fleet: SimulatedFleet, n: int) -> int:
-    return sum(sum(fleet.stats(i)["chat_requests_by_status"].values()) for i in range(n))
+    """Chat requests but the weights probes (the only greedy ones: ``helpers.prompts_answered``)."""
+    return sum(sum((s := fleet.stats(i))["chat_requests_by_status"].values()) - s["greedy_requests"] for i in range(n))
 
 
 def settle(fleet: SimulatedFleet, n: int) -> None:

@@ -10,6 +10,7 @@ from expansion_dag.prompts import load_catalog
 
 CATALOG = """
 seed: 0
+local_root: bundled
 sources:
   - name: metamathqa
     extractor: metamathqa

@@ -32,8 +32,9 @@ def test_run_scope_starts_only_this_runs_server_and_serves_any_shard_from_it(tmp
         assert len(fleet.stop()) == 1
 
 
-def test_a_keyed_fleet_launches_its_servers_with_api_key_and_records_no_key(tmp_path, monkeypatch):
-    # SGLang reads its key only from --api-key: the probe fails if a launched server runs keyless.
+def test_a_keyed_fleet_launches_its_servers_with_the_key_in_a_file_and_records_no_key(tmp_path, monkeypatch):
+    # SGLang reads its key only as an argument, here from its --config file: the probe fails if a
+    # launched server runs keyless.
     monkeypatch.setenv("SGLANG_API_KEY", "sk-never-in-metadata")
     [port] = free_ports(1)
     fleet = FleetResource(
@@ -45,7 +46,7 @@ def test_a_keyed_fleet_launches_its_servers_with_api_key_and_records_no_key(tmp_
         config = fleet.effective_config(info, info.servers[0].url)
     finally:
         fleet.stop()
-    assert config["launch_command"].endswith("--api-key {api_key}")
+    assert config["launch_command"].endswith("--config {api_key_file}")
     assert "sk-never-in-metadata" not in repr(config)
     assert config["simulator"] is True and config["slots"] == 16
     assert config["slots_source"] == SLOTS_FROM_SERVER
@@ -53,15 +54,17 @@ def test_a_keyed_fleet_launches_its_servers_with_api_key_and_records_no_key(tmp_
     assert sys.executable not in repr(config)
 
 
-def test_the_sglang_command_names_a_key_only_when_one_is_set(monkeypatch):
+def test_the_sglang_command_names_a_key_file_only_when_a_key_is_set(monkeypatch):
     fleet = FleetResource(mode="launch", launch_command=SGLANG_LAUNCH_COMMAND, api_key_env="FLEET_TEST_KEY")
     monkeypatch.delenv("FLEET_TEST_KEY", raising=False)
-    assert "--api-key" not in fleet.command()
+    assert "--config" not in fleet.command()
     monkeypatch.setenv("FLEET_TEST_KEY", "k")
-    assert fleet.command() == SGLANG_LAUNCH_COMMAND + " --api-key {api_key}"
-    # A command that places the key itself is left as written.
-    placed = FleetResource(mode="launch", launch_command="serve --key={api_key}", api_key_env="FLEET_TEST_KEY")
-    assert placed.command() == "serve --key={api_key}"
+    assert fleet.command() == SGLANG_LAUNCH_COMMAND + " --config {api_key_file}"
+    # A command that places the file itself is left as written; vLLM reads the key from its environment.
+    placed = FleetResource(mode="launch", launch_command="serve --args={api_key_file}", api_key_env="FLEET_TEST_KEY")
+    assert placed.command() == "serve --args={api_key_file}"
+    vllm = FleetResource(mode="launch", backend="vllm", launch_command="vllm serve {model_path}", api_key_env="FLEET_TEST_KEY")
+    assert vllm.command() == "vllm serve {model_path}"
 
 
 def test_a_tool_call_parser_adds_each_backends_flags_to_the_command():
