@@ -140,8 +140,13 @@ def wait_ready(
     poll_s: float = 0.5,
     log_path: Path | None = None,
     pid: int | None = None,
+    log_writer: subprocess.Popen[bytes] | None = None,
 ) -> None:
-    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting"."""
+    """Block until ``/health`` answers 200; refused connections and 503 mean "still starting".
+
+    ``log_writer``: the process that writes the server's log (the key's mask); a server that exited
+    is quoted once it has written all the server said, not before.
+    """
     url = url.rstrip("/")
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
@@ -156,6 +161,9 @@ def wait_ready(
         except httpx.HTTPError as exc:
             last = f"{type(exc).__name__}"
         if pid is not None and not pid_alive(pid):
+            if log_writer is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    log_writer.wait(timeout=10)  # it ends once the server's output is closed
             raise ServerStartError(
                 f"{url}: the server process {pid} exited before it was ready. Last log lines "
                 f"({log_path}):\n{tail(log_path)}"
@@ -219,6 +227,7 @@ class Launcher:
         self.env = dict(env or {})
         self._api_key = api_key
         self._key_env = key_env
+        self._log_writers: dict[int, subprocess.Popen[bytes]] = {}  # by port: the key's masks
 
     def url(self, spec: LaunchSpec) -> str:
         return f"http://{self.host}:{spec.port}"
@@ -296,7 +305,8 @@ class Launcher:
             # one still loading, and reported now rather than after the whole timeout.
             pid = self._recorded_pid(spec)
             try:
-                wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid)
+                wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid,
+                           log_writer=self._log_writers.get(spec.port))
             finally:
                 self._key_path(spec).unlink(missing_ok=True)  # read at start-up, needed no more
             if self.launches_simulator:
@@ -376,6 +386,7 @@ class Launcher:
             finally:
                 if masking is not None:
                     masking.stdin.close()  # type: ignore[union-attr]  # the server holds its own copy
+                    self._log_writers[spec.port] = masking
         self._pid_path(spec).write_text(str(process.pid))
 
     def stop(self, *, timeout_s: float = 30.0) -> list[int]:
