@@ -1,8 +1,8 @@
 """The ``expansion-dag`` command: runs, plans and builds without the Dagster UI.
 """
 
-from expansion_dag.cli.commands import main
+from expansion_dag.cli.commands import STAGES, Stage, main, run_expansion
 
 __all__ = [
-    "main"
+    "STAGES", "Stage", "main", "run_expansion"
 ]
