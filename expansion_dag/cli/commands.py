@@ -236,7 +236,8 @@ def run_expansion(
     home = prepare_dagster_home()
     quiet_third_party()
     run_config = current_config()
-    print(f"Dagster instance: {home}\nrun configuration: {run_config.source} (digest {run_config.digest()})", flush=True)
+    print(f"Dagster instance: {home}\nrun configuration: {run_config.source} (digest {run_config.digest()})",
+          flush=True)  # fmt: skip
     try:
         with _Signals().active() as signals:
             try:

@@ -78,7 +78,8 @@ def rehearsal(tmp_path_factory):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     store = CompletionStore(storage / "completions")
     manifest = Manifest.read(current_version(storage / "training_set"))
-    identities = ModeIdentities(load_config(str(config)).generation.mix(), manifest.identity["model"], manifest.simulated)
+    mix = load_config(str(config)).generation.mix()
+    identities = ModeIdentities(mix, manifest.identity["model"], manifest.simulated)
     budgeted = pl.read_parquet(storage / "assets" / "budgeted_prompts.parquet")
     keys = ShardWork(budgeted, identities).frontier_keys(store.latest_records(digest=True))
     standing = [r for r in store.latest_records(digest=True) if r["key"] in keys]

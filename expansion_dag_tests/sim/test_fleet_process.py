@@ -38,7 +38,8 @@ def test_a_fleet_that_cannot_start_says_why():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        with pytest.raises(RuntimeError, match="did not start.*OSError"), FleetProcess([dataclasses.replace(FAST, port=port)]):
+        taken_port = dataclasses.replace(FAST, port=port)
+        with pytest.raises(RuntimeError, match="did not start.*OSError"), FleetProcess([taken_port]):
             pass
 
 
