@@ -1,16 +1,17 @@
 """Borrowing on bounded queues (issue 33): the share of attempts a full queue refuses (SIMULATOR).
 
-Four shards, each in its own process as Dagster runs them, one simulated SGLang server each (8
-slots, queues bounded at 2: a request beyond them is answered 503 "The request queue is full.").
-Shard 0 has 5 prompts and ends at once; the other three have 150 each and borrow its server, and
+The simulator's borrowing workload (``expansion_dag.sim.workloads``): four shards, each in its own
+process as Dagster runs them, one simulated SGLang server each (8 slots, queues bounded at 2: a
+request beyond them is answered 503 "The request queue is full."), the servers in a process of their
+own. Shard 0 has 5 prompts and ends at once; the other three have 150 each and borrow its server, and
 each other's at their ends. Answers take about 0.1 s, so a worker's time between two requests is
 small beside them, as on GPUs. Every figure is a SIMULATOR figure, never a GPU one.
 
 How often a bounded queue refuses depends on how fast the clients act on what ``/v1/loads``
 says, and so on the machine: it is measured here, not asserted in a test. What does not depend on
-the machine is asserted by ``expansion_dag_tests/generation/test_outcomes.py`` on one run of this script:
-no prompt fails from a 503, every 503 is counted as backpressure, and the borrowers together
-never hold more of a server than its slots (from the simulator's own timeline).
+the machine is asserted by ``expansion_dag_tests/generation/test_outcomes.py`` on one run of the same
+workload: no prompt fails from a 503, every 503 is counted as backpressure, and the borrowers
+together never hold more of a server than its slots (from the simulator's own timeline).
 
     .venv/bin/python bench/bench_borrowing.py --runs 10            # ~1 min on 2 cores
     .venv/bin/python bench/bench_borrowing.py --runs 10 --busy 2   # beside 2 spinning processes
@@ -24,12 +25,10 @@ as it looks idle, the rule before issue 36.
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
 import multiprocessing
-import re
 import subprocess
 import sys
 import tempfile
@@ -41,32 +40,28 @@ from harness import header, write_result  # (bench/ is on sys.path when run as a
 
 from expansion_dag.core import SamplingSettings
 from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
-from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag.sim import (
+    BORROWING_SERVER,
+    BORROWING_SHARDS,
+    FleetProcess,
+    borrowing_prompt,
+    most_borrowed_at_once,
+    refusals_by_phase,
+)
 from expansion_dag.store import CompletionStore
 
-SIZES = (5, 150, 150, 150)
-SLOTS = 8
-QUEUE = 2
-SIM = SimServerConfig(port=0, max_running_requests=SLOTS, max_queued_requests=QUEUE, ttft_s=0.001,
-                      token_latency_s=0.002, output_median_tokens=40, keep_timeline=True)  # fmt: skip
-MODEL = SIM.model_name
+SLOTS = BORROWING_SERVER.max_running_requests
+MODEL = BORROWING_SERVER.model_name
 SAMPLING = SamplingSettings()
 #: Shard 0 is done within ``owner_wait_s``: its server is lent soon after, as a done shard's is.
 ENGINE = EngineConfig(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600,
                       spill_poll_s=0.2, max_attempts=2, owner_wait_s=0.5)  # fmt: skip
-_OWNER = re.compile(r" of s(\d+)\.$")
 
 
-def work(shard: int, size: int) -> list[WorkItem]:
-    items = []
-    for i in range(size):
-        prompt_id = f"s{shard}-p{i:04d}"
-        items.append(WorkItem(
-            key=SAMPLING.key(prompt_id, MODEL), prompt_id=prompt_id, source="s",
-            messages=[{"role": "user", "content": f"Tell me fact number {i} of s{shard}."}],
-            prompt_tokens=16, max_tokens=3000, expected_output_tokens=40 + i % 7,
-        ))  # fmt: skip
-    return items
+def work(shard: int) -> list[WorkItem]:
+    return [WorkItem(key=SAMPLING.key(prompt_id, MODEL), prompt_id=prompt_id, source="s", prompt_tokens=16,
+                     messages=[{"role": "user", "content": text}], max_tokens=3000, expected_output_tokens=40 + i % 7)
+            for i, (prompt_id, text) in enumerate(borrowing_prompt(shard, i) for i in range(BORROWING_SHARDS[shard]))]  # fmt: skip
 
 
 def _shard(root: Path, index: int, urls: list[str], stagger_s: float, config: EngineConfig) -> dict[str, Any]:
@@ -74,55 +69,27 @@ def _shard(root: Path, index: int, urls: list[str], stagger_s: float, config: En
     servers = [Server(url, SLOTS) for url in urls]
     time.sleep(index * stagger_s)  # shards launched one after another
     with CompletionStore(root).writer(f"shard-{index:02d}") as writer:
-        report = generate_shard(work(index, SIZES[index]), [servers[index]], writer=writer, model=MODEL,
+        report = generate_shard(work(index), [servers[index]], writer=writer, model=MODEL,
                                 sampling=SAMPLING, config=config, helpers=servers, fleet_urls=urls)  # fmt: skip
     borrowed = {url: stats.requests for url, stats in report.helpers.items()}
     return {"ok": report.ok, "failed": report.failed, "attempts": report.attempts,
             "backpressure": report.backpressure, "aborted": report.aborted, "borrowed": borrowed}  # fmt: skip
 
 
-def borrowed_in_flight(timeline: dict[str, Any], owner: int) -> int:
-    """The most requests of other shards the server held at once, from its own record."""
-    edges = []
-    for r in timeline["requests"]:
-        found = r["instruction"] and _OWNER.search(r["instruction"])
-        if found and int(found.group(1)) != owner:
-            edges += [(r["arrived"], 1), (r["ended"], -1)]
-    most = held = 0
-    for _, step in sorted(edges, key=lambda e: (e[0], e[1])):  # an end before an arrival at the same instant
-        held += step
-        most = max(most, held)
-    return most
-
-
-def refusals(timeline: dict[str, Any], owner: int) -> dict[str, int]:
-    """The server's 503s by when they came: before its own shard's first request, while its shard
-    sent, or after its shard's last request (the server borrowed at the end)."""
-    own = [r for r in timeline["requests"]
-           if r["instruction"] and (found := _OWNER.search(r["instruction"])) and int(found.group(1)) == owner]  # fmt: skip
-    first = min((r["arrived"] for r in own), default=float("inf"))
-    last = max((r["arrived"] for r in own), default=float("-inf"))
-    when = collections.Counter()
-    for r in timeline["requests"]:
-        if r["status"] == 503:
-            when["before its shard" if r["arrived"] < first else "after its shard" if r["arrived"] > last else "while its shard sent"] += 1
-    return dict(when)
-
-
 def one_run(root: Path, stagger_s: float = 0.0, config: EngineConfig = ENGINE) -> dict[str, Any]:
-    # The processes are forked before the fleet's thread starts, and are all up before any shard
-    # starts: the shards start together, as a backfill of four partitions does.
-    with concurrent.futures.ProcessPoolExecutor(len(SIZES), mp_context=multiprocessing.get_context("fork")) as pool:
-        list(pool.map(time.sleep, [0.2] * len(SIZES)))
-        with SimulatedFleet([SIM] * len(SIZES)) as fleet:
+    n = len(BORROWING_SHARDS)
+    # The shards' processes are all up before any shard starts: they start together, as a backfill
+    # of four partitions does.
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+        list(pool.map(time.sleep, [0.2] * n))
+        with FleetProcess([BORROWING_SERVER] * n) as fleet:
             urls = fleet.urls
-            n = len(SIZES)
             shards = list(pool.map(_shard, [root] * n, range(n), [urls] * n, [stagger_s] * n, [config] * n))
-            stats = [fleet.stats(i) for i in range(len(SIZES))]
+            stats = fleet.wait_idle()
     attempts = sum(s["attempts"] for s in shards)
     refused = sum(s["chat_requests_by_status"].get("503", 0) for s in stats)
     return {
-        "prompts": sum(SIZES),
+        "prompts": sum(BORROWING_SHARDS),
         "ok": sum(s["ok"] for s in shards),
         "prompts_failed": sum(s["failed"] for s in shards),
         "attempts": attempts,
@@ -132,8 +99,8 @@ def one_run(root: Path, stagger_s: float = 0.0, config: EngineConfig = ENGINE) -
         "borrowed_from_shard_0_server": sum(s["borrowed"].get(urls[0], 0) for s in shards[1:]),
         "servers": [
             {"slots": s["slots"], "idle_reported_max": max((idle for _, idle in s["timeline"]["loads"]), default=None),
-             "borrowed_in_flight_max": borrowed_in_flight(s["timeline"], i),
-             "refused_503": s["chat_requests_by_status"].get("503", 0), "refused": refusals(s["timeline"], i)}
+             "borrowed_in_flight_max": most_borrowed_at_once(s["timeline"], i),
+             "refused_503": s["chat_requests_by_status"].get("503", 0), "refused": refusals_by_phase(s["timeline"], i)}
             for i, s in enumerate(stats)
         ],  # fmt: skip
         "shards": shards,

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from harness import SimulatedFleet, cpu_s, header, stats, write_result  # (bench/ is on sys.path)
+from harness import cpu_s, header, stats, write_result  # (bench/ is on sys.path)
 
 from expansion_dag.core import ModeIdentities, ModeMix, SamplingSettings, count_prompt_tokens, load_tokenizer
 from expansion_dag.generation import EngineConfig, Server, ShardWork, TurnPlanner, WorkItem, generate_shard
 from expansion_dag.prompts import extract_prompts, package_dir
 from expansion_dag.servers import SGLANG, template_tools
+from expansion_dag.sim import FleetProcess, SimServerConfig
 from expansion_dag.store import CompletionStore
 
 MODEL = "Qwen/Qwen3-8B"
@@ -81,10 +82,10 @@ def main() -> None:
     args = parser.parse_args()
     frame = conversations(args.copies)
     tokenizer = load_tokenizer()
-    options = ["--max-running-requests", str(args.slots), "--context-length", str(CONTEXT), "--ttft-ms", "5",
-               "--token-latency-ms", "0.5", "--output-median-tokens", "150", "--stream-interval", "256"]
+    server = SimServerConfig(port=0, max_running_requests=args.slots, context_length=CONTEXT, ttft_s=0.005,
+                             token_latency_s=0.0005, output_median_tokens=150, stream_interval=256)  # fmt: skip
     phases: dict[str, list[dict[str, Any]]] = {"single prompts": [], "conversations": []}
-    with SimulatedFleet(1, options, base_port=21000) as fleet, tempfile.TemporaryDirectory() as tmp:
+    with FleetProcess([server]) as fleet, tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             planner = TurnPlanner(tokenizer, CONTEXT, CAP, MIN_OUT, MARGIN, IDENTITIES.by_mode,
                                   ("stop", "tool_calls", "length"))

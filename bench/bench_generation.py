@@ -1,7 +1,7 @@
 """Generation benchmark: fleet utilization and client CPU, this project vs a plain httpx loop.
 
-Everything here runs against the SGLang SIMULATOR (``expansion_dag.sim``), started as a separate
-process so that the CPU measured in this process is the client's alone. Every figure printed is a
+Everything here runs against the SGLang SIMULATOR (``expansion_dag.sim``), started in a process of
+its own (``FleetProcess``) so that the CPU measured in this process is the client's alone. Every figure printed is a
 simulator figure: the time model is scaled down (milliseconds per output token) so that tens of
 thousands of requests fit in a few minutes on a small machine.
 
@@ -26,7 +26,7 @@ length: the engine gets ``expected_output_tokens = min(max_tokens, source median
 prior as ``expansion_dag.prompts.budget`` (which balances shards on ``prompt_tokens`` plus it), and the
 baseline gets nothing.
 
-Utilization is measured by the simulator: busy slot-seconds (``GET /sim/stats`` deltas) over
+Utilization is measured by the simulator: busy slot-seconds (its stats' deltas) over
 ``slots * makespan``, summed over the servers. Client CPU is ``time.process_time()`` of this
 process over the phase.
 
@@ -62,13 +62,7 @@ from typing import Any, TextIO
 
 import httpx
 import polars as pl
-from harness import (  # (bench/ is on sys.path)
-    RESULTS_DIR,
-    SimulatedFleet,
-    header,
-    machine_cpu_s,
-    write_result,
-)
+from harness import RESULTS_DIR, header, machine_cpu_s, process_cpu_s, write_result  # (bench/ is on sys.path)
 
 from expansion_dag.core import (
     DEFAULT_TOKENIZER,
@@ -81,7 +75,7 @@ from expansion_dag.core import (
 from expansion_dag.generation import EngineConfig, PromptQueue, Server, ShardRun, WorkItem
 from expansion_dag.prompts import assign_shards, shard_keys
 from expansion_dag.servers import DEFAULT_STREAM_INTERVAL
-from expansion_dag.sim import DEFAULT_REASONING_SHARE, OutputModel
+from expansion_dag.sim import DEFAULT_REASONING_SHARE, FleetProcess, OutputModel, SimServerConfig
 from expansion_dag.store import CompletionStore
 
 MODEL = "Qwen/Qwen3-8B"
@@ -331,20 +325,10 @@ def build_workload(n: int, *, seed: int, context_length: int, max_output_tokens:
         expected_output = min(max_tokens, source.output_median)
         prompt_id = f"{source.name}-{len(prompts):06d}"
         answer = model.generate(text, request_seed=None, cap=max_tokens, thinking=True, split_reasoning=True)
-        prompts.append(
-            Prompt(
-                WorkItem(
-                    key=completion_key(prompt_id, fingerprint),
-                    prompt_id=prompt_id,
-                    source=source.name,
-                    messages=conversation,
-                    prompt_tokens=p_tokens,
-                    max_tokens=max_tokens,
-                    expected_output_tokens=expected_output,
-                ),
-                answer.completion_tokens,
-            )
-        )
+        item = WorkItem(key=completion_key(prompt_id, fingerprint), prompt_id=prompt_id, source=source.name,
+                        messages=conversation, prompt_tokens=p_tokens, max_tokens=max_tokens,
+                        expected_output_tokens=expected_output)  # fmt: skip
+        prompts.append(Prompt(item, answer.completion_tokens))
     return prompts
 
 
@@ -481,19 +465,14 @@ def assign(prompts: list[Prompt], n_shards: int) -> list[list[WorkItem]]:
     return shards
 
 
-def simulated_fleet(args: argparse.Namespace) -> SimulatedFleet:
-    return SimulatedFleet(args.servers, [
-        "--max-running-requests", str(args.slots),
-        "--context-length", str(args.context_length),
-        "--ttft-ms", str(args.ttft_ms),
-        "--token-latency-ms", str(args.token_latency_ms),
-        "--output-median-tokens", str(SIM_OUTPUT_MEDIAN),
-        "--output-sigma", str(SIM_OUTPUT_SIGMA),
-        "--reasoning-parser", "qwen3",
-        "--stream-interval", str(args.stream_interval),
-        "--seed", str(args.sim_seed),
-        "--log-level", "warning",
-    ], base_port=args.base_port)  # fmt: skip
+def simulated_fleet(args: argparse.Namespace) -> FleetProcess:
+    server = SimServerConfig(
+        port=0, max_running_requests=args.slots, context_length=args.context_length, ttft_s=args.ttft_ms / 1000,
+        token_latency_s=args.token_latency_ms / 1000, output_median_tokens=SIM_OUTPUT_MEDIAN,
+        output_sigma=SIM_OUTPUT_SIGMA, reasoning_parser="qwen3", stream_interval=args.stream_interval,
+        seed=args.sim_seed,
+    )  # fmt: skip
+    return FleetProcess([server] * args.servers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,10 +594,9 @@ async def run_baseline(
 # Measuring a phase
 
 
-def measure(name: str, sim: SimulatedFleet, make_coro) -> dict[str, Any]:
-    sim.wait_idle()
-    before = sim.stats()
-    sim_cpu0 = sim.cpu_s()
+def measure(name: str, sim: FleetProcess, make_coro) -> dict[str, Any]:
+    before = sim.wait_idle()
+    sim_cpu0 = process_cpu_s(sim.pid)
     busy0, total0 = machine_cpu_s()
     usage0 = os.times()
     cpu0 = time.process_time()
@@ -629,7 +607,7 @@ def measure(name: str, sim: SimulatedFleet, make_coro) -> dict[str, Any]:
     cpu = time.process_time() - cpu0
     usage1 = os.times()
     busy1, total1 = machine_cpu_s()
-    sim_cpu = sim.cpu_s() - sim_cpu0
+    sim_cpu = process_cpu_s(sim.pid) - sim_cpu0
     after = sim.stats()
 
     slots = sum(s["slots"] for s in after)
@@ -733,7 +711,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=1, help="workload seed")
     p.add_argument("--sim-seed", type=int, default=0)
-    p.add_argument("--base-port", type=int, default=31000, help="first port tried; consecutive free ports are used")
     p.add_argument("--clients", choices=("both", "engine", "baseline"), default="both")
     p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                    help="the simulators' --stream-interval; the engine streams (stops loops) as it does in a run")
@@ -838,8 +815,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     stack = contextlib.ExitStack()
     try:
-        sim.start()
-        print(f"simulator pid {sim.process.pid} on {sim.urls[0]} .. {sim.urls[-1]}", flush=True)
+        stack.enter_context(sim)
+        print(f"simulator pid {sim.pid} on {sim.urls[0]} .. {sim.urls[-1]}", flush=True)
         if args.clients in ("both", "engine"):
             print("engine: running ...", flush=True)
             results.append(
@@ -870,7 +847,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         stack.close()
-        sim.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
     for r in results:
@@ -902,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     document.update({
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "simulator_command": sim.command,
+        "simulator": dataclasses.asdict(sim.configs[0]) | {"servers": len(sim.configs)},
         "workload": summary,
         "policy_model": model,
         "results": results,

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import RESULT_MARK, ROOT, SimulatedFleet, emit, header, write_result  # (bench/ is on sys.path)
+from harness import RESULT_MARK, ROOT, emit, header, write_result  # (bench/ is on sys.path)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +49,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", type=Path, help="the tree measured beside this one")
     p.add_argument("--tree", type=Path, default=ROOT, help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)  # the child's side
-    p.add_argument("--base-port", type=int, default=33000)
     p.add_argument("--quick", action="store_true", help="a smoke run: 600 requests, one round")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     return p
@@ -160,10 +159,12 @@ def main() -> None:
         args.requests, args.rounds = 600, 1
     trees = {"this tree": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     document = header("loop_lag", simulator=True) | {"trees": {k: str(v) for k, v in trees.items()}, "runs": []}
-    options = ["--max-running-requests", str(args.slots), "--ttft-ms", "20", "--token-latency-ms",
-               str(args.token_latency_ms), "--output-median-tokens", "200", "--output-sigma", "0.6",
-               "--stream-interval", "256", "--log-level", "warning"]  # fmt: skip
-    with SimulatedFleet(1, options, base_port=args.base_port) as fleet:
+    from expansion_dag.sim import FleetProcess, SimServerConfig
+
+    server = SimServerConfig(port=0, max_running_requests=args.slots, ttft_s=0.02,
+                             token_latency_s=args.token_latency_ms / 1000, output_median_tokens=200,
+                             output_sigma=0.6, stream_interval=256)  # fmt: skip
+    with FleetProcess([server]) as fleet:
         for round_ in range(args.rounds):
             for name, tree in trees.items():
                 fleet.wait_idle()

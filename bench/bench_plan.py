@@ -1,8 +1,9 @@
 """The plan against the run (issue 35): how close the plan's output tokens, truncation share and wall
 time come to what a run then produces. Every figure is a SIMULATOR figure, never a GPU one.
 
-One simulated SGLang server whose answer lengths depend on the source (lognormal, a median per
-source, ``--sigma``), the engine as the completions asset drives it, a cap of ``--cap`` tokens:
+One simulated SGLang server (in a process of its own) whose answer lengths depend on the source
+(lognormal, a median per source, ``--sigma``), the engine as the completions asset drives it, a cap
+of ``--cap`` tokens:
 
 1. an earlier run answers ``--prompts`` prompts of four sources into a fresh store;
 2. the plan (``expansion_dag.generation.plan``) for ``--prompts`` other prompts of the same sources is made
@@ -35,7 +36,7 @@ from expansion_dag.generation import (
     generate_shard,
     make_plan,
 )
-from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag.sim import FleetProcess, SimServerConfig
 from expansion_dag.store import CompletionStore
 
 #: Median answer length by source: short answers, code, maths, long chat.
@@ -89,7 +90,7 @@ def main() -> None:
         output_median_by_marker=tuple((f"[{s}]", m) for s, m in MEDIANS.items()),
     )
     identity = Identity(model=sim.model_name, simulated=True, fingerprint="bench-plan")
-    with tempfile.TemporaryDirectory() as root, SimulatedFleet([sim]) as fleet:
+    with tempfile.TemporaryDirectory() as root, FleetProcess([sim]) as fleet:
         store = CompletionStore(Path(root))
         earlier = run(fleet.urls[0], store, items(identity, 0, args.prompts, args.cap), sim.model_name)
         rate = earlier.output_tokens / earlier.elapsed_s

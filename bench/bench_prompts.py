@@ -25,14 +25,16 @@ the measured work, reset (``/proc/self/clear_refs``) once imports and inputs are
   uses); then, slice by slice (``--slices``), the raw tokenizer
   (``tokenizer.backend_tokenizer.encode_batch_fast`` on the texts just rendered) and
   ``budget_prompts`` (bundled Qwen3 tokenizer, context 8192, 8 shards) back to back on the same
-  prompts, their order alternating; summed over the slices each handles all 193,010 prompts. A
-  breakdown of the budget's time comes with it. In the first round, one ``budget_prompts`` call
-  on all the prompts follows, for its own time and peak memory.
+  prompts, their order alternating; summed over the slices each handles all 193,010 prompts. In
+  the first round, one ``budget_prompts`` call on all the prompts follows, for its own time and
+  peak memory.
 * ``pycalls`` (once): extraction + selection under ``sys.setprofile``, counting Python function
   calls, to show whether any Python runs per row.
-* ``extract_asset`` (once): the prompts asset end to end as it runs today (each source's raw file
-  read for the columns its extractor and filters need, one source at a time, then extraction and
-  selection), for its real peak memory.
+* ``profile`` (once): where the time goes, from outside: extraction + selection, then
+  ``budget_prompts`` on the first slice, under cProfile, their functions by own time.
+* ``extract_asset`` (once): the prompts asset end to end as it runs today, materialized through
+  Dagster (each source's raw file read for the columns its extractor and filters need, one source
+  at a time, then extraction and selection, the prompts written), for its real peak memory.
 
 The machine is shared (2 cores): the phases run round-robin ``--repeat`` times, each waits up to
 ``--quiet-wait`` seconds for the other processes to calm down, and each records how many cores the
@@ -50,14 +52,13 @@ Results are printed and written as JSON under ``bench/results/``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,19 +68,10 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from harness import (  # noqa: E402  (bench/ is on sys.path when run as a script)
-    DATA_PACKAGES,
-    Clock,
-    add_phase_options,
-    header,
-    reset_peak,
-    run_phase,
-    run_phase_here,
-    stats,
-    window_peak_mib,
-    write_result,
-)
-from text_model import TextModel, lognormal_ints  # noqa: E402
+import harness  # noqa: E402  (bench/ is on sys.path when run as a script)
+from harness import Clock, reset_peak, stats, window_peak_mib  # noqa: E402
+
+from expansion_dag.samples.text_model import TextModel, lognormal_ints  # noqa: E402
 
 FULL_ROWS = 654_676  # BAAI/Infinity-Instruct, config 0625
 FULL_BUDGET_PROMPTS = 193_010
@@ -304,14 +296,8 @@ def phase_read_asset(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
-    import expansion_dag.prompts.extract as extract_module
-    import expansion_dag.prompts.selection as selection_module
-
     catalog = catalog_for(args)
     clock = Clock()
-    clock.wrap(extract_module, "_sha256_hex32", "sha256")
-    clock.wrap(extract_module, "_invalid_utf8", "utf8_check")
-    clock.wrap(selection_module, "_rank_keys", "rank_keys")
     before = reset_peak()
     with clock.span("read"):
         raw = read_columns(data_path(args))
@@ -349,23 +335,42 @@ def phase_extract(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_extract_asset(args: argparse.Namespace) -> dict[str, Any]:
-    """The prompts asset end to end as it runs today: each source's raw file read for the columns its
-    extractor and filters need (``_extract``), then selection. For the real peak memory; run once."""
-    from expansion_dag.defs.assets.prompts import _extract
-    from expansion_dag.defs.resources import ASSETS, StorageResource
-    from expansion_dag.prompts import select_prompts
+    """The prompts asset end to end as it runs today, materialized through Dagster: each source's raw
+    file read for the columns its extractor and filters need, then selection, the prompts written.
+    For the real peak memory; run once."""
+    import dagster as dg
 
-    catalog = catalog_for(args)
+    from expansion_dag.defs.assets import build_prompts_asset
+    from expansion_dag.defs.resources import ASSETS, ParquetIOManager, StorageResource
+
+    asset = build_prompts_asset(catalog_for(args))
     clock = Clock()
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as root, dg.DagsterInstance.ephemeral() as instance:
         # The raw asset's file where the IO manager keeps it, without a copy.
         (Path(root) / ASSETS).mkdir()
         (Path(root) / ASSETS / f"raw_{SOURCE_NAME}.parquet").symlink_to(data_path(args))
-        storage = StorageResource(root=root)
+        resources = {"storage": StorageResource(root=root), "parquet_io": ParquetIOManager(root=root)}
         reset_peak()
         with clock.span("extract_select"):
-            select_prompts([_extract(storage, s) for s in catalog.sources], plan=catalog)
-    return {**clock.report(), "maxrss_mib": window_peak_mib()}
+            result = dg.materialize([asset], resources=resources, instance=instance)
+    return {**clock.report(), "success": result.success, "maxrss_mib": window_peak_mib()}
+
+
+def phase_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Where extraction, selection and budgeting spend their time, from outside (cProfile): the
+    functions of each by own time, budgeting on the first of the ``tokens`` phase's slices."""
+    from expansion_dag.prompts import BudgetConfig, budget_prompts
+
+    catalog = catalog_for(args)
+    raw = read_columns(data_path(args))
+    _, extract_select = harness.profiled(lambda: extract_and_select(raw, catalog))
+    del raw
+    prompts, tokenizer = _load_prompts(args)
+    first = prompts.head(max(BudgetConfig().batch_size, prompts.height // args.slices))
+    _, budget = harness.profiled(
+        lambda: budget_prompts(first, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS)
+    )
+    return {"extract_select": extract_select, "budget_prompts": budget, "budget_prompts_on": first.height}
 
 
 def phase_pycalls(args: argparse.Namespace) -> dict[str, Any]:
@@ -400,28 +405,6 @@ def _load_prompts(args: argparse.Namespace):
     from expansion_dag.core import load_tokenizer
 
     return pl.read_parquet(prompts_path(args)), load_tokenizer()
-
-
-@contextlib.contextmanager
-def budget_spans(clock: Clock) -> Iterator[None]:
-    """Time the parts of ``budget_prompts`` into ``clock`` (functions it calls by global name)."""
-    import expansion_dag.core.tokenizer as tokenizer_module
-    import expansion_dag.prompts.budget as budget_module
-
-    targets = {
-        (tokenizer_module, "render_prompts"): "budget_render",
-        (tokenizer_module, "count_tokens"): "budget_tokenize_and_count",
-        (budget_module, "count_all_prompt_tokens"): "budget_count_all",
-        (budget_module, "assign_shards"): "budget_assign_shards",
-    }
-    saved = {key: getattr(*key) for key in targets}
-    for (module, attribute), name in targets.items():
-        clock.wrap(module, attribute, name)
-    try:
-        yield
-    finally:
-        for (module, attribute), original in saved.items():
-            setattr(module, attribute, original)
 
 
 def phase_tokens(args: argparse.Namespace) -> dict[str, Any]:
@@ -475,7 +458,7 @@ def phase_tokens(args: argparse.Namespace) -> dict[str, Any]:
     def budget(frame: Any) -> tuple[int, float]:
         reset_peak()
         started = time.perf_counter()
-        with budget_spans(clock), clock.span("budget"):
+        with clock.span("budget"):
             result = budget_prompts(frame, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS)
         wall = time.perf_counter() - started
         peaks["budget_slices"] = max(peaks["budget_slices"], window_peak_mib())
@@ -500,7 +483,7 @@ def phase_tokens(args: argparse.Namespace) -> dict[str, Any]:
     if args.round == 0:
         full = Clock()
         reset_peak()
-        with budget_spans(full), full.span("budget_full"):
+        with full.span("budget_full"):
             result = budget_prompts(prompts, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS)
         peaks["budget_full"] = window_peak_mib()
         out["budget_full"] = {
@@ -534,13 +517,14 @@ PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "tokens": phase_tokens,
     "extract_asset": phase_extract_asset,
     "pycalls": phase_pycalls,
+    "profile": phase_profile,
 }
 ROUND = ("read", "extract", "read_asset", "tokens")
 
 
 def run_child(args: argparse.Namespace) -> None:
     preload = ("polars", "expansion_dag.prompts.budget", "expansion_dag.prompts.catalog", "expansion_dag.prompts.extract", "expansion_dag.core.tokenizer")
-    run_phase_here(PHASES[args.phase], args, preload=preload)
+    harness.run_phase_here(PHASES[args.phase], args, preload=preload)
 
 
 def spawn(phase: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -549,7 +533,7 @@ def spawn(phase: str, args: argparse.Namespace) -> dict[str, Any]:
         "--budget-prompts", str(args.budget_prompts), "--data-dir", str(args.data_dir), "--round", str(args.round),
         "--slices", str(args.slices),
     ]  # fmt: skip
-    return run_phase(command, phase, quiet_wait_s=args.quiet_wait)
+    return harness.run_phase(command, phase, quiet_wait_s=args.quiet_wait)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,43 +546,30 @@ def rate_stats(values: list[float]) -> dict[str, float]:
             "worst": round(min(values)), "n": len(values)}  # fmt: skip
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    def wall(phase: str, span: str) -> list[float]:
-        return [r["wall_s"][span] for r in runs[phase]]
+#: Each figure of the summary: the phase and the span it is read from (wall seconds, or "cpu").
+FIGURE_SPANS = {
+    "read": "read/read", "read_cpu": "read/read cpu", "read_asset": "read_asset/read_asset",
+    "extract_phase_read": "extract/read", "extract_phase_read_again": "extract/read_again",
+    "extract": "extract/extract", "extract_cpu": "extract/extract cpu", "select": "extract/select",
+    "select_cpu": "extract/select cpu", "to_list": "tokens/to_list", "render": "tokens/render",
+    "render_cpu": "tokens/render cpu", "raw_tokenize": "tokens/tokenize", "raw_tokenize_cpu": "tokens/tokenize cpu",
+    "lengths_via_ids": "tokens/lengths_via_ids", "lengths_via_len": "tokens/lengths_via_len",
+    "budget": "tokens/budget", "budget_cpu": "tokens/budget cpu",
+}  # fmt: skip
 
-    def cpu(phase: str, span: str) -> list[float]:
-        return [r["cpu_s"][span] for r in runs[phase]]
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def seconds(where: str) -> list[float]:
+        phase_span, _, clock = where.partition(" ")
+        phase, span = phase_span.split("/")
+        return [r["cpu_s" if clock else "wall_s"][span] for r in runs[phase]]
 
     ext, tok = runs["extract"], runs["tokens"]
-    figures = {
-        "read": stats(wall("read", "read")),
-        "read_cpu": stats(cpu("read", "read")),
-        "read_asset": stats(wall("read_asset", "read_asset")),
-        "extract_phase_read": stats(wall("extract", "read")),
-        "extract_phase_read_again": stats(wall("extract", "read_again")),
-        "extract": stats(wall("extract", "extract")),
-        "extract_cpu": stats(cpu("extract", "extract")),
-        "select": stats(wall("extract", "select")),
-        "select_cpu": stats(cpu("extract", "select")),
+    figures = {name: stats(seconds(where)) for name, where in FIGURE_SPANS.items()}
+    figures |= {
         "extract_select": stats([r["wall_s"]["extract"] + r["wall_s"]["select"] for r in ext]),
         "extract_select_cpu": stats([r["cpu_s"]["extract"] + r["cpu_s"]["select"] for r in ext]),
         "read_extract_select": stats([sum(r["wall_s"][k] for k in ("read", "extract", "select")) for r in ext]),
-        "sha256": stats(wall("extract", "sha256")),
-        "utf8_check": stats(wall("extract", "utf8_check")),
-        "rank_keys": stats(wall("extract", "rank_keys")),
-        "to_list": stats(wall("tokens", "to_list")),
-        "render": stats(wall("tokens", "render")),
-        "render_cpu": stats(cpu("tokens", "render")),
-        "raw_tokenize": stats(wall("tokens", "tokenize")),
-        "raw_tokenize_cpu": stats(cpu("tokens", "tokenize")),
-        "lengths_via_ids": stats(wall("tokens", "lengths_via_ids")),
-        "lengths_via_len": stats(wall("tokens", "lengths_via_len")),
-        "budget": stats(wall("tokens", "budget")),
-        "budget_cpu": stats(cpu("tokens", "budget")),
-        "budget_render": stats(wall("tokens", "budget_render")),
-        "budget_tokenize_and_count": stats(wall("tokens", "budget_tokenize_and_count")),
-        "budget_count_all": stats(wall("tokens", "budget_count_all")),
-        "budget_assign_shards": stats(wall("tokens", "budget_assign_shards")),
     }
     full = [r["budget_full"] for r in tok if "budget_full" in r]
     if full:
@@ -697,7 +668,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeat", type=int, default=3, help="rounds of every phase (default 3)")
     p.add_argument("--slices", type=int, default=8, help="slices of the budgeting input, raw and budget interleaved (default 8)")
-    add_phase_options(p, PHASES, quiet_wait_s=30.0)
+    harness.add_phase_options(p, PHASES, quiet_wait_s=30.0)
     return p
 
 
@@ -709,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         run_child(args)
         return 0
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    document = header("prompts", *DATA_PACKAGES, simulator=False, argv=argv)
+    document = harness.header("prompts", *harness.DATA_PACKAGES, simulator=False, argv=argv)
     generated = None
     if not data_path(args).exists():
         print(f"generating {args.rows:,} rows into {data_path(args)} ...", flush=True)
@@ -731,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_index + 1} {phase:<10} {timings}   peak RSS {result['maxrss_mib']:8.1f} MiB   "
                   f"others used {result['others_cores']:.2f} cores", flush=True)  # fmt: skip
     pycalls = spawn("pycalls", args)
+    profile = spawn("profile", args)
     asset = spawn("extract_asset", args)
     print(f"prompts asset as it runs today: read needed columns + extract + select "
           f"{asset['wall_s']['extract_select']:.3f} s, peak RSS {asset['maxrss_mib']:.1f} MiB", flush=True)  # fmt: skip
@@ -743,12 +715,17 @@ def main(argv: list[str] | None = None) -> int:
         "generated": generated,
         "summary": summary,
         "pycalls": pycalls,
+        "profile": profile,
         "prompts_asset_today": asset,
         "runs": runs,
     })  # fmt: skip
     print()
     print_table(summary, pycalls)
-    print(f"\nwritten {write_result('prompts', document, out_dir=args.out)}")
+    for name in ("extract_select", "budget_prompts"):
+        print(f"{name} under cProfile, its functions by own time (s):")
+        for function in profile[name][:6]:
+            print(f"  {function['own_s']:>8.3f}  {function['function']}")
+    print(f"\nwritten {harness.write_result('prompts', document, out_dir=args.out)}")
     return 0
 
 

@@ -24,12 +24,11 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 
 import httpx
-from harness import HOST, header, serve_http, write_result  # (bench/ is on sys.path when run as a script)
+from harness import header, http_server_child, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
 from expansion_dag.servers import (
     SGLANG,
@@ -57,7 +56,7 @@ def events(n: int, seed: int = 0) -> list[bytes]:
     return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in out] + [b"data: [DONE]\n\n"]
 
 
-async def serve(port: int, n: int, gap_s: float) -> None:
+async def serve(n: int, gap_s: float) -> None:
     body = events(n)
 
     async def respond(head: bytes, writer: asyncio.StreamWriter) -> None:
@@ -68,7 +67,7 @@ async def serve(port: int, n: int, gap_s: float) -> None:
             await writer.drain()
         writer.write(b"0\r\n\r\n")
 
-    await serve_http(port, respond)
+    await serve_http(respond)
 
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
@@ -137,29 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=4, help="requests per measurement")
     p.add_argument("--gap-ms", type=float, nargs="+", default=[1.0, 10.0], help="time between events")
     p.add_argument("--rounds", type=int, default=3, help="each measurement this many times, interleaved; the median is kept")
-    p.add_argument("--port", type=int, default=34700)
     p.add_argument("--serve", type=float, help=argparse.SUPPRESS)  # internal: be the server, events every SERVE s
     args = p.parse_args(argv)
     if args.serve is not None:
-        asyncio.run(serve(args.port, args.events, args.serve))
+        asyncio.run(serve(args.events, args.serve))
         return 0
     result = header("stream-read", simulator=False, argv=argv)
     result.update({"args": vars(args), "us_cpu_per_event": {}})
-    for n, gap_ms in enumerate(args.gap_ms):
-        port = args.port + n
-        server = subprocess.Popen([sys.executable, __file__, "--serve", str(gap_ms / 1000), "--port", str(port),
-                                   "--events", str(args.events)])
-        try:
-            time.sleep(1.5)
-            url = f"http://{HOST}:{port}"
+    for gap_ms in args.gap_ms:
+        with http_server_child([sys.executable, __file__, "--serve", str(gap_ms / 1000), "--events", str(args.events)]) as url:
             samples: dict[str, list[float]] = {name: [] for name in NAMES}
             for _ in range(args.rounds):
                 for name in NAMES:
                     seconds = asyncio.run(measure(name, url, args.repeats))
                     samples[name].append(1e6 * seconds / (args.repeats * (args.events + 3)))
-        finally:
-            server.terminate()
-            server.wait(10)
         figures = {name: round(sorted(s)[len(s) // 2], 1) for name, s in samples.items()}
         result["us_cpu_per_event"][f"{gap_ms:g} ms apart"] = figures
         floor = figures[NAMES[0]]

@@ -18,7 +18,7 @@ the Dagster assets build them.
 
 The fleet: ``--servers`` (8) simulated SGLang servers of 72 slots at the reference fleet's per-slot
 speed (``bench_waste.py``: 0.05 s an output token, 0.2 s to the first) divided by ``--time-factor``,
-in a process of their own, each keeping its timeline (``keep_timeline``): every request's arrival,
+in a process of their own (``FleetProcess``), each keeping its timeline (``keep_timeline``): every request's arrival,
 end and status, from which each request's start on a slot is replayed (the scheduler's first come,
 first served queue). Two phases on the same prompts, side by side, each on a fresh fleet:
 
@@ -60,7 +60,6 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import math
@@ -107,7 +106,7 @@ from expansion_dag.servers import (
     parse_chat_completion,
     template_tools,
 )
-from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag.sim import FleetProcess, SimServerConfig
 from expansion_dag.store import CompletionStore
 
 BUDGET = BudgetConfig()
@@ -240,54 +239,6 @@ def sim_config(args: argparse.Namespace) -> SimServerConfig:
         output_prompt_exponent=PROMPT_EXPONENT, output_phrase_sigma=PHRASE_SIGMA,
         looping_prompt_share=args.looping_prompt_share, keep_timeline=True,
     )  # fmt: skip
-
-
-def _serve_fleet(configs: list[SimServerConfig], conn: Any) -> None:
-    """The fleet's process: serve until told to stop, handing over each server's stats when asked."""
-    with SimulatedFleet(configs) as fleet:
-        conn.send(fleet.urls)
-        with contextlib.suppress(EOFError):  # the benchmark went away: stop with it
-            while conn.recv() == "stats":
-                conn.send([fleet.stats(i) for i in range(len(configs))])
-
-
-class TimelineFleet:
-    """Simulated servers that keep their timelines, in a process of their own so that the client's
-    CPU is measured alone (``harness.SimulatedFleet`` runs the simulator's command line, which has no
-    option for the timeline)."""
-
-    def __init__(self, configs: list[SimServerConfig]):
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self.process = context.Process(target=_serve_fleet, args=(configs, child), daemon=True)
-
-    def __enter__(self) -> TimelineFleet:
-        self.process.start()
-        self.urls: list[str] = self._conn.recv()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.send("stop")
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(10)
-
-    def stats(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Each server's stats and timeline, once none runs or queues a request (a stopped answer's
-        end is recorded when the server sees its client go)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._conn.send("stats")
-            stats = self._conn.recv()
-            if not any(s["num_running"] or s["num_waiting"] for s in stats) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.5)
-
-    def cpu_s(self) -> float:
-        assert self.process.pid is not None
-        return process_cpu_s(self.process.pid)
 
 
 def slot_starts(requests: list[dict[str, Any]], slots: int) -> dict[int, float]:
@@ -501,15 +452,16 @@ async def plain_loop(night: Night, urls: list[str], stagger_s: float) -> dict[st
 
 def run_phase(name: str, night: Night, args: argparse.Namespace) -> dict[str, Any]:
     stagger_s = args.stagger_s / args.time_factor
-    with TimelineFleet([sim_config(args)] * args.servers) as fleet:
+    with FleetProcess([sim_config(args)] * args.servers) as fleet:
         print(f"{name}: running on {len(fleet.urls)} simulated servers ...", flush=True)
-        sim_cpu, wall = fleet.cpu_s(), time.perf_counter()
+        sim_cpu, wall = process_cpu_s(fleet.pid), time.perf_counter()
         if name == "engine":
             client = engine_phase(night, fleet.urls, stagger_s)
         else:
             client = asyncio.run(plain_loop(night, fleet.urls, stagger_s))
-        wall, sim_cpu = time.perf_counter() - wall, fleet.cpu_s() - sim_cpu
-        stats = fleet.stats()
+        wall, sim_cpu = time.perf_counter() - wall, process_cpu_s(fleet.pid) - sim_cpu
+        # A stopped answer's end is recorded when the server sees its client go: a moment later.
+        stats = fleet.wait_idle()
     figures = timeline_figures(stats, night, args.time_factor)
     ratio = figures["makespan_over_bound"]
     print(f"{name}: makespan {figures['makespan_s']:.1f} s, {ratio:.3f}x its bound", flush=True)

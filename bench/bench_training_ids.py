@@ -6,7 +6,7 @@ The records (``--source``):
 * ``simulator`` (the default: the issue asks for the simulator's ids): a real run of the engine
   (``generate_shard``, as the completions asset drives it: streamed answers, ids asked for with
   ``return_input_ids_in_sglext`` and ``return_output_ids_in_sglext``) against simulated SGLang
-  0.5.23 servers (``expansion_dag.sim`` in a process of its own, real HTTP, fast simulated time)
+  0.5.23 servers (``expansion_dag.sim.FleetProcess``: a process of their own, real HTTP, fast simulated time)
   that return the prompt's and the sampled ids as SGLang does, into a ``CompletionStore``; timed
   apart, never in a build's figures. The prompts are ``bench_training_set.py``'s (16,000: one user
   message, some with a system message, some multi-turn), thinking mode with the qwen3 reasoning
@@ -43,6 +43,7 @@ Results are printed and written as JSON under ``bench/results/``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -62,17 +63,10 @@ from bench_training_set import (  # (bench/ is on sys.path when run as a script)
     spawn,
     stream_records,
 )
-from harness import (
-    DATA_PACKAGES,
-    Clock,
-    SimulatedFleet,
-    add_phase_options,
-    header,
-    reset_peak,
-    run_phase_here,
-    window_peak_mib,
-    write_result,
-)
+import harness
+from harness import Clock, reset_peak, window_peak_mib
+
+from expansion_dag.sim import FleetProcess, SimServerConfig
 
 BUILDS = ("retokenized", "ids")
 SOURCES = ("simulator", "fabricated")
@@ -80,17 +74,15 @@ FABRICATE_BATCH = 512
 
 # The simulated fleet. Answers as bench_training_set.py's records are (their answer tokens: median
 # 1,028, log-sigma 0.55, 59% reasoning), cut at MAX_TOKENS, above about 1% of them.
-SIM_MODEL = "Qwen/Qwen3-8B"  # the simulator's served model (its default)
-SIM_SERVERS, SIM_SLOTS = 2, 64
+SIM_SERVERS = 2
 ANSWER_MEDIAN = 1030
 MAX_TOKENS = 3700
 STREAM_INTERVAL = 256
-SIM_OPTIONS = [
-    "--max-running-requests", str(SIM_SLOTS), "--context-length", "32768", "--reasoning-parser", "qwen3",
-    "--output-median-tokens", str(ANSWER_MEDIAN), "--output-sigma", "0.55", "--reasoning-share", "0.59",
-    # Fast simulated time: 1,000 tokens in 20 ms, so the two processes' CPU sets the pace.
-    "--ttft-ms", "0", "--token-latency-ms", "0.02", "--stream-interval", str(STREAM_INTERVAL), "--log-level", "warning",
-]  # fmt: skip
+# Fast simulated time: 1,000 tokens in 20 ms, so the two processes' CPU sets the pace.
+SIM_SERVER = SimServerConfig(
+    port=0, max_running_requests=64, context_length=32768, reasoning_parser="qwen3", output_median_tokens=ANSWER_MEDIAN,
+    output_sigma=0.55, reasoning_share=0.59, ttft_s=0.0, token_latency_s=0.00002, stream_interval=STREAM_INTERVAL,
+)  # fmt: skip
 SHARD = "shard-00"
 
 
@@ -147,12 +139,13 @@ def simulate_records(args: argparse.Namespace) -> dict[str, Any]:
              for p, n in zip(prompts, counts)]  # fmt: skip
     store = CompletionStore(args.scratch / "store")
     config = EngineConfig(progress_interval_s=3600, canary=False)
-    with SimulatedFleet(SIM_SERVERS, [*SIM_OPTIONS, "--seed", str(args.seed)], base_port=args.base_port) as fleet:
+    server = dataclasses.replace(SIM_SERVER, seed=args.seed)
+    with FleetProcess([server] * SIM_SERVERS) as fleet:
         with store.writer(SHARD) as writer:
-            servers = [Server(url, SIM_SLOTS, stream_interval=STREAM_INTERVAL) for url in fleet.urls]
-            report = generate_shard(items, servers, writer=writer, model=SIM_MODEL, sampling=SamplingSettings(),
+            servers = [Server(url, server.max_running_requests, stream_interval=STREAM_INTERVAL) for url in fleet.urls]
+            report = generate_shard(items, servers, writer=writer, model=server.model_name, sampling=SamplingSettings(),
                                     config=config)  # fmt: skip
-        command, server_cpu_s = fleet.command, fleet.cpu_s()
+        server_cpu_s = harness.process_cpu_s(fleet.pid)
     paths = build_inputs(args)
     records = with_ids = 0
     with open(paths["ids"], "w", encoding="utf-8") as ids, open(paths["retokenized"], "w", encoding="utf-8") as text:
@@ -163,7 +156,7 @@ def simulate_records(args: argparse.Namespace) -> dict[str, Any]:
             without = {k: v for k, v in record.items() if k not in (PROMPT_IDS, OUTPUT_IDS)}
             text.write(json.dumps(without, ensure_ascii=False) + "\n")
     return {
-        "simulator": command, "servers": SIM_SERVERS, "slots": SIM_SLOTS, "max_tokens": MAX_TOKENS,
+        "simulator": dataclasses.asdict(server), "servers": SIM_SERVERS, "max_tokens": MAX_TOKENS,
         "stream_interval": STREAM_INTERVAL, "prompts": len(items), "records": records, "records_with_ids": with_ids,
         "ok": report.ok, "failed": report.failed, "finish_reasons": dict(report.finish_reasons),
         "output_tokens": report.output_tokens, "prompt_token_drift": dict(report.prompt_token_drift),
@@ -255,19 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slices", type=int, default=DEFAULT_SLICES, help=f"slices of the records (default {DEFAULT_SLICES})")
     p.add_argument("--repeat", type=int, default=2, help="rounds over all slices, one process each (default 2)")
     p.add_argument("--work-dir", type=Path, default=None, help="where builds write (default: --data-dir)")
-    p.add_argument("--base-port", type=int, default=23000, help="first port tried for the simulated servers")
     p.add_argument("--build", choices=BUILDS, help=argparse.SUPPRESS)
     p.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)  # this run's folder: its simulated records
-    add_phase_options(p, PHASES, quiet_wait_s=5.0)
+    harness.add_phase_options(p, PHASES, quiet_wait_s=5.0)
     args = p.parse_args(argv)
     args.work_dir = args.work_dir or args.data_dir
     if args.phase:
-        run_phase_here(PHASES[args.phase], args, preload=("polars", "expansion_dag.core.tokenizer", "expansion_dag.training.build"))
+        harness.run_phase_here(PHASES[args.phase], args, preload=("polars", "expansion_dag.core.tokenizer", "expansion_dag.training.build"))
         return 0
     args.data_dir.mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     simulated = args.source == "simulator"
-    document = header("training_ids", *DATA_PACKAGES, simulator=simulated, argv=argv)
+    document = harness.header("training_ids", *harness.DATA_PACKAGES, simulator=simulated, argv=argv)
     # The simulated records are this run's own (a scratch folder): the engine's run is part of the result.
     with tempfile.TemporaryDirectory(prefix="training-ids-", dir=args.work_dir) as scratch:
         extra: dict[str, Any] = {"source": args.source}
@@ -293,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "repeat": args.repeat, "seed": args.seed},
                      "summary": summary, "pairs": pairs, "memory_runs": memory})  # fmt: skip
     print(json.dumps(summary, indent=2))
-    print(f"\nwritten {write_result('training_ids', document, out_dir=args.out)}")
+    print(f"\nwritten {harness.write_result('training_ids', document, out_dir=args.out)}")
     return 0
 
 

@@ -32,17 +32,8 @@ from typing import Any
 
 from bench_training_ids import ensure_ids_records  # (bench/ is on sys.path when run as a script)
 from bench_training_set import bench_identities, stream_records
-from harness import (
-    DATA_PACKAGES,
-    Clock,
-    add_phase_options,
-    header,
-    reset_peak,
-    run_phase,
-    run_phase_here,
-    window_peak_mib,
-    write_result,
-)
+import harness
+from harness import Clock, reset_peak, window_peak_mib
 
 REFERENCE_RECORDS = 193_010
 NIGHT_RECORDS = 20_000
@@ -90,7 +81,7 @@ def spawn(args: argparse.Namespace, build: str) -> dict[str, Any]:
         sys.executable, __file__, "--phase", "build", "--build", build, "--work-dir", str(args.work_dir),
         "--workers", str(args.workers),
     ]  # fmt: skip
-    return run_phase(command, build, quiet_wait_s=args.quiet_wait)
+    return harness.run_phase(command, build, quiet_wait_s=args.quiet_wait)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -101,20 +92,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="processes that build new parts (default 1)")
     p.add_argument("--work-dir", type=Path, default=None, help="where the store and the builds go (default: --data-dir)")
     p.add_argument("--build", choices=BUILDS, help=argparse.SUPPRESS)  # the child's side
-    add_phase_options(p, PHASES, quiet_wait_s=5.0)
+    harness.add_phase_options(p, PHASES, quiet_wait_s=5.0)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.phase:
-        run_phase_here(PHASES[args.phase], args, preload=("polars", "expansion_dag.core.tokenizer", "expansion_dag.training"))
+        harness.run_phase_here(PHASES[args.phase], args, preload=("polars", "expansion_dag.core.tokenizer", "expansion_dag.training"))
         return 0
     args.data_dir.mkdir(parents=True, exist_ok=True)
     args.work_dir = (args.work_dir or args.data_dir) / f"parts-{args.records}-{args.night}"
     shutil.rmtree(args.work_dir, ignore_errors=True)
     args.work_dir.mkdir(parents=True)
-    document = header("training_parts", *DATA_PACKAGES, simulator=False, argv=argv)
+    document = harness.header("training_parts", *harness.DATA_PACKAGES, simulator=False, argv=argv)
     # The records of both nights, with ids (generated and fabricated once, cached under --data-dir).
     args.records, first_night = args.records + args.night, args.records
     records = list(stream_records(ensure_ids_records(args)))
@@ -146,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "builds": results,
     })  # fmt: skip
-    print(f"\nwritten {write_result('training_parts', document, out_dir=args.out)}")
+    print(f"\nwritten {harness.write_result('training_parts', document, out_dir=args.out)}")
     shutil.rmtree(args.work_dir, ignore_errors=True)
     return 0
 

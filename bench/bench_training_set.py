@@ -17,17 +17,18 @@ from slice to slice (whoever runs first finds the tokenizer's word cache cold):
 * ``build``: ``build_training_set(records, tokenizer, TrainingSetConfig(), out_dir)`` on the
   slice's records, held in a list: tokens of the manifest per wall second. Everything the build
   does is inside: rendering both templates, tokenizing, masks, Parquet (zstd) writing, fsync,
-  hashing the shards, the manifest. A breakdown of its time comes with it.
+  hashing the shards, the manifest.
 * ``raw``: the very texts the build tokenizes (its segments, three per assistant turn: what
-  precedes the turn, the turn, its trailer; rendered beforehand by the build's own helpers,
-  untimed) through ``tokenizer.backend_tokenizer.encode_batch_fast`` in the build's batches
-  (``chunk_rows`` samples, 3 texts for each assistant turn the build masks). Taking ``.ids`` out
-  of the encodings, which the build needs, is timed apart.
+  precedes the turn, the turn, its trailer; recovered untimed from a build of the slice, each row's
+  ids decoded run by run of its loss mask) through ``tokenizer.backend_tokenizer.encode_batch_fast``
+  in the build's batches (``chunk_rows`` rows). Taking ``.ids`` out of the encodings, which the
+  build needs, is timed apart.
 * ``map``: a ``datasets.Dataset`` of the same texts, ``.map(batched=True)`` with the same
   ``encode_batch_fast`` call and batch size, writing ``input_ids`` to an Arrow cache file.
 
 Summed over the slices, each contender handles the whole 21.7M tokens every round. Ratios are
-given both from the round totals and paired (slice by slice, same process).
+given both from the round totals and paired (slice by slice, same process). Where the build's time
+goes: one build of the first slice under cProfile (``profile``, once), its functions by own time.
 
 Memory (``memory`` processes): the build on records streamed from the JSONL (one ``json.loads``
 per line, as the completion store streams them) at ``--records / 10`` and ``--records``; the peak
@@ -56,22 +57,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from harness import (  # (bench/ is on sys.path when run as a script)
-    DATA_PACKAGES,
-    Clock,
-    add_phase_options,
-    header,
-    reset_peak,
-    run_phase,
-    run_phase_here,
-    stats,
-    window_peak_mib,
-    window_start_rss_mib,
-    write_result,
-)
-from text_model import TextModel, lognormal_ints
+import harness  # (bench/ is on sys.path when run as a script)
+from harness import Clock, reset_peak, window_peak_mib
 
 from expansion_dag.core import DEFAULT_MODE, Identity, ModeIdentities, ModeMix, SamplingSettings
+from expansion_dag.samples.text_model import TextModel, lognormal_ints
 
 #: The identity the generated records' keys belong to (``completion_key(prompt_id, "settings")``).
 BENCH_IDENTITY = Identity(model="bench", simulated=True, fingerprint="settings")
@@ -176,19 +166,17 @@ def stream_records(path: Path) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
-def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) -> list[list[str]]:
-    """The texts the build tokenizes, batch by batch, rendered by the build's own helpers."""
-    from expansion_dag.training.mode_rules import _mode_rules
-    from expansion_dag.training.rendering import _segments
-    from expansion_dag.training.samples import _screened_chunks, _Tally
+def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_dir: Path) -> list[list[str]]:
+    """The texts a build of ``records`` tokenizes, batch by batch: recovered from its rows (a build
+    of its own, untimed), each row's ids decoded run by run of its loss mask."""
+    from expansion_dag.training import build_training_set, data_files
 
-    batches = []
-    identities = bench_identities()
-    rules = _mode_rules(tokenizer, identities)
-    for samples in _screened_chunks(iter(records), config, _Tally(identities, {}), rules):
-        # Three texts per assistant turn; a sample whose render does not split is left out, as the build does.
-        batches.append([text for texts in _segments(samples, tokenizer, rules) if texts is not None for text in texts])
-    return batches
+    out_dir = work_dir / f"segments-{os.getpid()}"
+    try:
+        build_training_set(iter(records), tokenizer, config, out_dir, identities=bench_identities())
+        return list(harness.set_texts([Path(f) for f in data_files(out_dir)], tokenizer, config.chunk_rows))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,23 +184,9 @@ def segment_batches(records: list[dict[str, Any]], tokenizer: Any, config: Any) 
 
 
 def run_build(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_dir: Path) -> dict[str, Any]:
-    from expansion_dag.training import build, build_training_set, exports, mode_rules, parquet, rows
-    from expansion_dag.training.parquet import _ShardWriter
+    from expansion_dag.training import build_training_set
 
     clock = Clock()
-    # Timed in each module that calls it by its global name.
-    wrapped = [(rows, "_segments"), (rows, "_encode"), (mode_rules, "_encode"), (build, "_table"),
-               (rows, "_within_length"), (parquet, "_sha256"), (exports, "_sha256"), (build, "_fsync")]  # fmt: skip
-    saved = {(module, name): getattr(module, name) for module, name in wrapped}
-    for module, name in wrapped:
-        clock.wrap(module, name, name.lstrip("_"))
-    write = _ShardWriter.write
-
-    def timed_write(self: Any, table: Any) -> None:
-        with clock.span("parquet_write"):
-            write(self, table)
-
-    _ShardWriter.write = timed_write
     out_dir = work_dir / f"build-{os.getpid()}"
     reset_peak()
     try:
@@ -220,15 +194,8 @@ def run_build(records: list[dict[str, Any]], tokenizer: Any, config: Any, work_d
             manifest = build_training_set(iter(records), tokenizer, config, out_dir, identities=bench_identities())
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-        _ShardWriter.write = write
-        for (module, name), original in saved.items():
-            setattr(module, name, original)
-    report = clock.report()
-    # Spans inside the build overlap (the encoding runs in a worker thread) and a process-wide CPU
-    # figure means nothing for them: keep the build's CPU only.
-    report["cpu_s"] = {"build": report["cpu_s"]["build"]}
     return {
-        **report,
+        **clock.report(),
         "samples": manifest.samples,
         "tokens": manifest.tokens,
         "assistant_tokens": manifest.assistant_tokens,
@@ -298,7 +265,7 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
         part = records[index * len(records) // args.slices : (index + 1) * len(records) // args.slices]
         setup = Clock()
         with setup.span("render_segments"):  # untimed for raw and map: their texts come ready
-            batches = segment_batches(part, tokenizer, config)
+            batches = segment_batches(part, tokenizer, config, args.work_dir)
         shift = (args.round * args.slices + index) % len(CONTENDERS)
         order = CONTENDERS[shift:] + CONTENDERS[:shift]
         results: dict[str, Any] = {}
@@ -322,7 +289,7 @@ def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = args.work_dir / f"memory-{os.getpid()}"
     clock = Clock()
     process_peak_before = reset_peak()
-    window_start = window_start_rss_mib()
+    window_start = harness.window_start_rss_mib()
     try:
         with clock.span("build_streamed"):
             manifest = build_training_set(
@@ -336,12 +303,32 @@ def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
             "setup_peak_mib": process_peak_before}  # fmt: skip
 
 
-PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"throughput": phase_throughput, "memory": phase_memory}
+def phase_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Where the build's time goes: one build of the first slice under cProfile."""
+    from expansion_dag.core import load_tokenizer
+    from expansion_dag.training import TrainingSetConfig, build_training_set
+
+    tokenizer, config = load_tokenizer(), TrainingSetConfig()
+    records = list(stream_records(records_path(args, args.records)))
+    part = records[: len(records) // args.slices]
+    out_dir = args.work_dir / f"profile-{os.getpid()}"
+    try:
+        manifest, functions = harness.profiled(
+            lambda: build_training_set(iter(part), tokenizer, config, out_dir, identities=bench_identities())
+        )
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return {"records": len(part), "tokens": manifest.tokens, "functions": functions}
+
+
+PHASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "throughput": phase_throughput, "memory": phase_memory, "profile": phase_profile,
+}
 
 
 def run_child(args: argparse.Namespace) -> None:
     preload = ("datasets", "polars", "expansion_dag.core.tokenizer", "expansion_dag.training.build")
-    run_phase_here(PHASES[args.phase], args, preload=preload)
+    harness.run_phase_here(PHASES[args.phase], args, preload=preload)
 
 
 def spawn(phase: str, args: argparse.Namespace, *, script: str = __file__, **extra: Any) -> dict[str, Any]:
@@ -352,14 +339,14 @@ def spawn(phase: str, args: argparse.Namespace, *, script: str = __file__, **ext
     ]  # fmt: skip
     for key, value in extra.items():
         command += [f"--{key}", str(value)]
-    return run_phase(command, phase, quiet_wait_s=args.quiet_wait)
+    return harness.run_phase(command, phase, quiet_wait_s=args.quiet_wait)
 
 
 # ---------------------------------------------------------------------------------------------
 # Summary
 
 
-def summarize(pairs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(pairs: list[dict[str, Any]], memory: list[dict[str, Any]], profile: dict[str, Any]) -> dict[str, Any]:
     rounds = sorted({p["round"] for p in pairs})
     wall_key = {"build": "build", "raw": "tokenize", "map": "map"}
 
@@ -403,11 +390,6 @@ def summarize(pairs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> dict
         tokens = sum(p[name]["tokens"] for p in pairs)
         return round(tokens / sum(p[name]["cpu_s"][wall_key[name]] for p in pairs))
 
-    spans = ("build", "segments", "encode", "table", "within_length", "parquet_write", "sha256", "fsync")
-    breakdown = {}
-    for span in spans:
-        per_round = [sum(p["build"]["wall_s"].get(span, 0.0) for p in pairs if p["round"] == r) for r in rounds]
-        breakdown[span] = {"median": round(statistics.median(per_round), 3), "best": round(min(per_round), 3)}
     small, large = memory
     tokens = {p[name]["tokens"] for p in pairs for name in CONTENDERS}
     per_slice_tokens = {p["slice"]: {p[name]["tokens"] for name in CONTENDERS} for p in pairs}
@@ -426,7 +408,8 @@ def summarize(pairs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> dict
             "dataset_map_vs_raw_tokenizer": paired("map", "raw"),
         },
         "tokens_per_cpu_s": {name: cpu_tps(name) for name in CONTENDERS},
-        "build_breakdown_wall_s_per_round": breakdown,
+        # One profiled build (slower than unprofiled): its functions by own time.
+        "build_profile": profile,
         "render_segments_s_per_round": statistics.median(
             [sum(p["render_segments_s"] for p in pairs if p["round"] == r) for r in rounds]
         ),
@@ -439,7 +422,7 @@ def summarize(pairs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> dict
             "growth_mib": [round(r["build_peak_rss_mib"] - r["window_start_rss_mib"], 1) for r in (small, large)],
         },
         "peak_rss_mib": {name: max(p[name]["peak_rss_mib"] for p in pairs) for name in CONTENDERS},
-        "others_cores": stats([p["others_cores"] for p in pairs if p["slice"] == 0]),
+        "others_cores": harness.stats([p["others_cores"] for p in pairs if p["slice"] == 0]),
         "targets": {
             "build_at_least_0.8_of_raw": paired("build", "raw")["median"] >= 0.8,
             "peak_memory_within_1.2x_at_10x_input": large["build_peak_rss_mib"] / small["build_peak_rss_mib"] <= 1.2,
@@ -469,9 +452,10 @@ def print_table(summary: dict[str, Any]) -> None:
     for key, value in summary["paired_ratios"].items():
         print(line.format(key, f"{value['median']:.3f}", f"{value['best']:.3f}", f"{value['worst']:.3f}"))
     print()
-    print(line.format("build breakdown (wall s per round)", "median", "best", ""))
-    for key, value in summary["build_breakdown_wall_s_per_round"].items():
-        print(line.format(key, f"{value['median']:.3f}", f"{value['best']:.3f}", ""))
+    profile = summary["build_profile"]
+    print(f"one build of {profile['records']:,} records under cProfile: its functions by own time (s)")
+    for function in profile["functions"]:
+        print(f"  {function['own_s']:>8.3f}  {function['function']}")
     print()
     print("memory:", json.dumps(summary["memory"]))
     print("peak RSS MiB:", json.dumps(summary["peak_rss_mib"]))
@@ -489,7 +473,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, default=DEFAULT_SLICES, help=f"slices of the records (default {DEFAULT_SLICES})")
     p.add_argument("--repeat", type=int, default=2, help="rounds over all slices, one process each (default 2)")
     p.add_argument("--work-dir", type=Path, default=None, help="where builds write (default: --data-dir)")
-    add_phase_options(p, PHASES, quiet_wait_s=5.0)
+    harness.add_phase_options(p, PHASES, quiet_wait_s=5.0)
     p.add_argument("--size", type=int, default=None, help=argparse.SUPPRESS)
     return p  # fmt: skip
 
@@ -502,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.data_dir.mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    document = header("training_set", *DATA_PACKAGES, simulator=False, argv=argv)
+    document = harness.header("training_set", *harness.DATA_PACKAGES, simulator=False, argv=argv)
     small = max(1, args.records // 10)
     if not records_path(args, args.records).exists():
         print(f"generating {args.records:,} records into {records_path(args, args.records)} ...", flush=True)
@@ -527,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory {n:>8,} records {result['tokens']:>12,} tokens  build peak RSS {result['build_peak_rss_mib']:8.1f} MiB "
               f"(RSS at its start {result['window_start_rss_mib']:.1f}, process peak {result['process_peak_rss_mib']:.1f})",
               flush=True)  # fmt: skip
-    summary = summarize(pairs, memory)
+    profile = spawn("profile", args)
+    summary = summarize(pairs, memory, profile)
     document.update({
         "settings": {"records": args.records, "slices": args.slices, "memory_sizes": [small, args.records],
                      "repeat": args.repeat, "seed": args.seed, "config": "TrainingSetConfig() defaults"},
@@ -537,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     })  # fmt: skip
     print()
     print_table(summary)
-    print(f"\nwritten {write_result('training_set', document, out_dir=args.out)}")
+    print(f"\nwritten {harness.write_result('training_set', document, out_dir=args.out)}")
     return 0
 
 

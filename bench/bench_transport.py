@@ -1,16 +1,16 @@
-"""Client CPU per request of the network layer's seams into httpx and httpcore, side by side.
+"""Client CPU per request of the network layer's two public seams into httpcore, side by side.
 
 The workers' client (``HttpClient``) sends the same requests to a local server process on one
-kept-alive connection, through three transports:
+kept-alive connection, through two transports, both on public APIs only:
 
-- ``private: httpx's transport, its _pool swapped``: the layer before it used public APIs only,
-  ``httpx.AsyncHTTPTransport`` with its private ``_pool`` replaced by ``OneConnection``. It is kept
-  here only as the baseline; the product no longer builds it.
-- ``public: AsyncioTransport on OneConnection``: the product's (``asyncio_transport``), an httpx
-  ``AsyncBaseTransport`` of our own on the same ``OneConnection``.
-- ``public: AsyncioTransport on httpcore's pool``: the same transport on httpcore's
-  ``AsyncConnectionPool`` of one connection, given the same asyncio network backend
-  (``network_backend=``): the seam httpcore offers for a backend of one's own.
+- ``baseline: AsyncioTransport on httpcore's pool``: httpcore's ``AsyncConnectionPool`` of one
+  connection, given the product's asyncio network backend (``network_backend=``): the seam httpcore
+  offers for a backend of one's own.
+- ``AsyncioTransport on OneConnection``: the product's (``asyncio_transport``), an httpx
+  ``AsyncBaseTransport`` of our own on one ``AsyncHTTP11Connection``.
+
+(The layer before them swapped httpx's private ``_pool``; BENCHMARKS.md's run N1 measured both
+against it before it was removed. Nothing here reads or writes a private attribute.)
 
 Two workloads: plain answers (one JSON completion each) and streamed ones (``--events`` chunked
 events, each one item of the body's stream). The events are sent at once: the wake-up an event
@@ -30,13 +30,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import httpcore
 import httpx
-from harness import HOST, free_ports, header, serve_http, write_result  # (bench/ is on sys.path when run as a script)
+from harness import header, http_server_child, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
 from expansion_dag.servers import HttpClient, asyncio_network, tls_context
 
@@ -52,7 +51,7 @@ REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "ma
 REFERENCE_REQUESTS_PER_S = 3.4
 
 
-async def serve(port: int, events: int) -> None:
+async def serve(events: int) -> None:
     async def respond(head: bytes, writer: asyncio.StreamWriter) -> None:
         if head.startswith(b"POST /plain"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
@@ -61,14 +60,7 @@ async def serve(port: int, events: int) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         writer.write(b"".join(b"%x\r\n%s\r\n" % (len(EVENT), EVENT) for _ in range(events)) + b"0\r\n\r\n")
 
-    await serve_http(port, respond)
-
-
-def private_pool() -> httpx.AsyncBaseTransport:
-    """The baseline: httpx's own transport, its private pool swapped for one connection."""
-    transport = httpx.AsyncHTTPTransport(verify=tls_context())
-    transport._pool = asyncio_network.OneConnection(tls=tls_context(), keepalive_expiry=5.0)  # type: ignore[assignment]
-    return transport
+    await serve_http(respond)
 
 
 def public_pool() -> httpx.AsyncBaseTransport:
@@ -80,9 +72,8 @@ def public_pool() -> httpx.AsyncBaseTransport:
 
 
 VARIANTS = {
-    "private: httpx's transport, its _pool swapped": private_pool,
-    "public: AsyncioTransport on OneConnection": lambda: asyncio_network.asyncio_transport(tls=tls_context()),
-    "public: AsyncioTransport on httpcore's pool": public_pool,
+    "baseline: AsyncioTransport on httpcore's pool": public_pool,
+    "AsyncioTransport on OneConnection: the product's": lambda: asyncio_network.asyncio_transport(tls=tls_context()),
 }
 
 
@@ -111,23 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1000, help="plain requests per measurement (streamed: a fifth)")
     p.add_argument("--events", type=int, default=20, help="events per streamed answer")
     p.add_argument("--rounds", type=int, default=15, help="each measurement this many times, interleaved")
-    p.add_argument("--port", type=int, default=34800)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: be the server
     args = p.parse_args(argv)
     if args.serve:
-        asyncio.run(serve(args.port, args.events))
+        asyncio.run(serve(args.events))
         return 0
-    port = free_ports(1, args.port)
     result = header("transport", "httpx", "httpcore", "h11", simulator=False, argv=argv)
-    result.update({"args": vars(args) | {"port": port}, "us_cpu_per_request": {}})
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--port", str(port), "--events", str(args.events)]
-    )
+    result.update({"args": vars(args), "us_cpu_per_request": {}})
     names = list(VARIANTS)
-    try:
-        time.sleep(1.5)
+    with http_server_child([sys.executable, __file__, "--serve", "--events", str(args.events)]) as server:
         for workload, requests in (("plain", args.requests), ("streamed", max(1, args.requests // 5))):
-            url = f"http://{HOST}:{port}/{workload}"
+            url = f"{server}/{workload}"
             samples: dict[str, list[float]] = {name: [] for name in names}
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[: r % len(names)]:
@@ -145,9 +130,6 @@ def main(argv: list[str] | None = None) -> int:
             for name, us in figures.items():
                 extra = (us - baseline) * 1e-6 * REFERENCE_REQUESTS_PER_S
                 print(f"| {name} | {us:.1f} | {ratios[name]:.3f} | {extra:.1e} |")
-    finally:
-        server.terminate()
-        server.wait(10)
     print(f"\nwritten to {write_result('transport', result)}")
     return 0
 

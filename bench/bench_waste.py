@@ -6,8 +6,8 @@ at 0.8 utilization that is ~135 s a request, ~0.05 s an output token per slot. T
 down by ``--time-factor`` (token latency and TTFT divided by it).
 
 Part A (real HTTP, one process): the engine (``ShardRun``, as the Dagster asset builds it) against
-simulated SGLang servers started as a separate process, so the CPU measured here is the client's
-alone. 3% of prompts loop until the cap each time they are asked (``--looping-prompt-share``),
+simulated SGLang servers in a process of their own (``FleetProcess``), so the CPU measured here is
+the client's alone. 3% of prompts loop until the cap each time they are asked (``--looping-prompt-share``),
 and the servers' queues are bounded (``--max-queued-requests``: a 503 beyond it, backpressure). Phases on the same prompts:
 ``stream+stop`` (streaming at ``--stream-interval`` tokens an event, loops stopped by the
 detector), ``stream+stop, a wake-up an event`` (the same on asyncio's own event loop, without the
@@ -75,7 +75,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import SimulatedFleet, header, write_result  # (bench/ is on sys.path when run as a script)
+from harness import header, write_result  # (bench/ is on sys.path when run as a script)
 
 from expansion_dag.core import DEFAULT_TOKENIZER, SamplingSettings
 from expansion_dag.generation import (
@@ -90,7 +90,7 @@ from expansion_dag.generation import (
     spearman,
 )
 from expansion_dag.servers import DEFAULT_STREAM_INTERVAL, find_loop
-from expansion_dag.sim import DEFAULT_REASONING_SHARE, OutputModel
+from expansion_dag.sim import DEFAULT_REASONING_SHARE, FleetProcess, OutputModel, SimServerConfig
 from expansion_dag.store import CompletionStore
 
 MODEL = "Qwen/Qwen3-8B"
@@ -121,19 +121,15 @@ PROMPT_SIGMA = 0.6
 # Part A: early stopping and streaming over real HTTP
 
 
-def simulated_fleet(args: argparse.Namespace, stream_interval: int) -> SimulatedFleet:
-    options = [
-        "--max-running-requests", str(SLOTS), "--context-length", str(CONTEXT),
-        "--stream-interval", str(stream_interval),
-        "--ttft-ms", str(REFERENCE_TTFT_S * 1000 / args.time_factor),
-        "--token-latency-ms", str(REFERENCE_TOKEN_LATENCY_S * 1000 / args.time_factor),
-        "--output-median-tokens", str(ANSWER_MEDIAN), "--output-sigma", str(ANSWER_SIGMA),
-        "--reasoning-parser", "qwen3", "--looping-prompt-share", str(args.looping_prompt_share),
-        "--max-queued-requests", str(args.max_queued_requests), "--log-level", "warning",
-    ]  # fmt: skip
-    if args.natural_max_tokens is not None:
-        options += ["--output-max-tokens", str(args.natural_max_tokens)]
-    return SimulatedFleet(args.servers, options, base_port=args.base_port)
+def simulated_fleet(args: argparse.Namespace, stream_interval: int) -> FleetProcess:
+    server = SimServerConfig(
+        port=0, max_running_requests=SLOTS, context_length=CONTEXT, stream_interval=stream_interval,
+        ttft_s=REFERENCE_TTFT_S / args.time_factor, token_latency_s=REFERENCE_TOKEN_LATENCY_S / args.time_factor,
+        output_median_tokens=ANSWER_MEDIAN, output_sigma=ANSWER_SIGMA, reasoning_parser="qwen3",
+        looping_prompt_share=args.looping_prompt_share, max_queued_requests=args.max_queued_requests,
+        output_max_tokens=args.natural_max_tokens,
+    )  # fmt: skip
+    return FleetProcess([server] * args.servers)
 
 
 def part_a_items(n: int, servers: int) -> list[list[WorkItem]]:
@@ -622,7 +618,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="part A: tokens per streamed event (a phase at 1 runs beside it)")
     p.add_argument("--client-tick-s", type=float, default=None,
                    help="part A: the engine's client_tick_s (default: its default); a phase without it runs beside")
-    p.add_argument("--base-port", type=int, default=32500)
     p.add_argument("--skip-a", action="store_true")
     p.add_argument("--skip-b", action="store_true")
     p.add_argument("--mixed-prompts", type=int, default=20_000,

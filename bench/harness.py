@@ -1,5 +1,6 @@
-"""The benchmarks' shared harness: clocks, machine facts, child processes, the simulated fleet and
-the JSON result. Each ``bench_*.py`` script keeps only what it measures.
+"""The benchmarks' shared harness: clocks and profiles, machine facts, child processes, a quiet
+machine, ports and bare HTTP servers, and the JSON result. Each ``bench_*.py`` script keeps only what
+it measures; the simulated fleet is the simulator's own (``expansion_dag.sim.FleetProcess``).
 
 Scripts run as ``.venv/bin/python bench/bench_X.py``, which puts ``bench/`` on ``sys.path``, so
 they import this module as ``harness``.
@@ -10,18 +11,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import datetime
 import importlib
+import itertools
 import json
+import operator
 import os
 import platform
+import pstats
 import resource
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
@@ -172,16 +177,6 @@ class Clock:
             self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - w
             self.cpu[name] = self.cpu.get(name, 0.0) + cpu_s() - c
 
-    def wrap(self, module: Any, attribute: str, name: str) -> None:
-        """Time every call of ``module.attribute`` (a module-level function called by global name)."""
-        original = getattr(module, attribute)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.span(name):
-                return original(*args, **kwargs)
-
-        setattr(module, attribute, timed)
-
     def report(self) -> dict[str, Any]:
         return {
             "wall_s": {k: round(v, 4) for k, v in self.wall.items()},
@@ -193,6 +188,53 @@ def stats(values: list[float]) -> dict[str, float]:
     """Median, best (lowest) and worst of repeated timings."""
     return {"median": round(statistics.median(values), 3), "best": round(min(values), 3),
             "worst": round(max(values), 3), "n": len(values)}  # fmt: skip
+
+
+def profiled(call: Callable[[], Any], *, top: int = 15) -> tuple[Any, list[dict[str, Any]]]:
+    """``call()`` under cProfile, in this thread and in every thread it starts; its result, and the
+    ``top`` functions by their own time (calls within them apart). Measured from outside: nothing is
+    patched, but profiled code runs slower than it does alone, so the figures are shares of a
+    profiled run, not timings of an unprofiled one."""
+    profiles = [cProfile.Profile()]
+
+    def in_each_new_thread(*_: Any) -> None:
+        sys.setprofile(None)
+        profiles.append(cProfile.Profile())
+        profiles[-1].enable()
+
+    threading.setprofile(in_each_new_thread)
+    profiles[0].enable()
+    try:
+        result = call()
+    finally:
+        profiles[0].disable()
+        threading.setprofile(None)  # type: ignore[arg-type]
+    merged = pstats.Stats(profiles[0])
+    for profile in profiles[1:]:
+        merged.add(profile)
+    rows = sorted(merged.stats.items(), key=lambda item: -item[1][2])[:top]  # type: ignore[attr-defined]
+    return result, [
+        {"function": f"{Path(path).name}:{line}({name})", "calls": calls, "own_s": round(own, 4),
+         "cumulative_s": round(cumulative, 4)}
+        for (path, line, name), (_, calls, own, cumulative, _) in rows
+    ]  # fmt: skip
+
+
+def set_texts(files: Iterable[Path], tokenizer: Any, batch_rows: int) -> Iterator[list[str]]:
+    """A built training set's own texts, ``batch_rows`` rows a batch: each row's ids decoded run by
+    run of its loss mask, which gives back the pieces the build tokenized (what precedes a turn of
+    the assistant, the turn, its trailer)."""
+    import pyarrow.parquet as pq
+
+    decode = tokenizer.backend_tokenizer.decode_batch
+    for path in files:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=["input_ids", "loss_mask"]):
+            pieces = [
+                [token for token, _ in run]
+                for ids, mask in zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist())
+                for _, run in itertools.groupby(zip(ids, mask), key=operator.itemgetter(1))
+            ]
+            yield decode(pieces, skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +340,7 @@ def run_phase(command: list[str], phase: str, *, quiet_wait_s: float) -> dict[st
 
 
 # ---------------------------------------------------------------------------------------------
-# Ports and the simulated fleet
+# Ports and bare HTTP servers
 
 
 def free_ports(count: int, start: int) -> int:
@@ -317,110 +359,14 @@ def free_ports(count: int, start: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports from {start}")
 
 
-#: Runs the simulator CLI after asking Linux to SIGTERM it when the benchmark dies (even by
-#: SIGKILL), so that no simulator outlives it; set in the child after exec, not in a preexec_fn.
-_SIM_LAUNCHER = """
-import ctypes, os, runpy, signal, sys
-try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-except Exception:
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("the benchmark exited before the simulator started")
-sys.argv = ["expansion-sim", *sys.argv[2:]]
-runpy.run_module("expansion_dag.sim", run_name="__main__")
-"""
+LISTENING = "listening on port "
 
 
-class SimulatedFleet:
-    """``servers`` SGLang SIMULATOR servers (``expansion_dag.sim``) in one process of their own, so
-    that the CPU measured in the benchmark's process is the client's alone; 127.0.0.1 only.
-
-    ``options`` are the simulator's command-line options besides ``--host`` and ``--ports``.
-    """
-
-    def __init__(self, servers: int, options: list[str], *, base_port: int):
-        first = free_ports(servers, base_port)
-        self.ports = list(range(first, first + servers))
-        self.urls = [f"http://{HOST}:{p}" for p in self.ports]
-        #: What is run, as a result shows it.
-        self.command = [sys.executable, "-m", "expansion_dag.sim", "--host", HOST,
-                        "--ports", f"{self.ports[0]}-{self.ports[-1]}", *options]  # fmt: skip
-        self.log_path = Path(tempfile.gettempdir()) / f"bench-sim-{os.getpid()}-{first}.log"
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> SimulatedFleet:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        import httpx
-
-        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        launch = [sys.executable, "-c", _SIM_LAUNCHER, str(os.getpid()), *self.command[3:]]
-        self.process = subprocess.Popen(
-            launch, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
-        pending = set(self.urls)
-        with httpx.Client(timeout=2.0) as client:
-            while pending:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"simulator exited with {self.process.returncode}: {self.log_tail()}")
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"simulator not healthy after {timeout_s:.0f} s: {self.log_tail()}")
-                for url in sorted(pending):
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get(f"{url}/health").status_code == 200:
-                            pending.discard(url)
-                if pending:
-                    time.sleep(0.2)
-
-    def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-2000:]
-        return ""
-
-    def cpu_s(self) -> float:
-        assert self.process is not None
-        return process_cpu_s(self.process.pid)
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Each server's ``/sim/stats``: busy slot-seconds, completions, the tail's clock..."""
-        import httpx
-
-        with httpx.Client(timeout=10.0) as client:
-            return [client.get(f"{url}/sim/stats").json() for url in self.urls]
-
-    def wait_idle(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while any(s["num_running"] or s["num_waiting"] for s in self.stats()):
-            if time.monotonic() > deadline:
-                raise RuntimeError("simulator still busy after the previous phase")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        if self.process.returncode in (0, -signal.SIGTERM):
-            self.log_path.unlink(missing_ok=True)  # kept when the simulator failed, for its errors
-
-
-async def serve_http(port: int, respond: Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]) -> None:
-    """A bare HTTP/1.1 server on ``HOST``: each request on a kept-alive connection is read whole
-    (head and ``content-length`` body) and ``respond`` writes the answer, given the request's head.
-    The network benchmarks measure the client, so the server does as little as HTTP allows."""
+async def serve_http(respond: Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]) -> None:
+    """A bare HTTP/1.1 server on ``HOST``, on a port the system gives, said on stdout once it listens
+    (``LISTENING``): each request on a kept-alive connection is read whole (head and
+    ``content-length`` body) and ``respond`` writes the answer, given the request's head. The network
+    benchmarks measure the client, so the server does as little as HTTP allows."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -433,9 +379,24 @@ async def serve_http(port: int, respond: Callable[[bytes, asyncio.StreamWriter],
             await reader.readexactly(length)
             await respond(head, writer)
 
-    server = await asyncio.start_server(handle, HOST, port)
+    server = await asyncio.start_server(handle, HOST, 0)
     async with server:
+        print(LISTENING + str(server.sockets[0].getsockname()[1]), flush=True)
         await server.serve_forever()
+
+
+@contextlib.contextmanager
+def http_server_child(command: list[str]) -> Iterator[str]:
+    """A child process that runs ``serve_http``, its URL once it listens; stopped on exit."""
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()  # type: ignore[union-attr]
+        if not line.startswith(LISTENING):
+            raise RuntimeError(f"the server child did not start (exit status {server.poll()}): {line!r}")
+        yield f"http://{HOST}:{int(line[len(LISTENING):])}"
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,6 +203,68 @@ def test_the_layers_under_the_shell_import_no_dagster():
     assert with_dagster == []
 
 
+BENCH = ROOT / "bench"
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of a module's docstring nodes: text about other files, not code that uses them."""
+    scopes = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    bodies = [tree, *(n for n in ast.walk(tree) if isinstance(n, scopes))]
+    return {
+        id(body.body[0].value) for body in bodies
+        if body.body and isinstance(body.body[0], ast.Expr) and isinstance(body.body[0].value, ast.Constant)
+    }
+
+
+def test_no_test_imports_or_runs_a_benchmark():
+    """A test that needs a benchmark's workload imports it from the package, where the benchmark
+    imports it too: a benchmark is free to change how it measures without breaking a test."""
+    scripts = {path.stem for path in BENCH.glob("*.py")}
+    assert scripts, "no benchmark found: the rule would hold of nothing"
+    found = []
+    # This module reads the benchmarks' source, to hold them to the rules here; it runs none.
+    for path in sorted(set((ROOT / "expansion_dag_tests").rglob("*.py")) - {Path(__file__).resolve()}):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        docstrings = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                # A path to a script: the folder as one part of it, or a script's file name.
+                if node.value == "bench" or any(f"{script}.py" in node.value for script in scripts):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+                continue
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: imports {m}" for m in modules
+                      if m.split(".")[0] in scripts | {"bench"}]  # fmt: skip
+    assert found == []
+
+
+def test_benchmarks_reach_no_private_name():
+    """A benchmark measures the package and its dependencies through their public APIs: it neither
+    imports nor reads nor replaces a private name (a function to time it, httpx's ``_pool``), so an
+    upgrade or a refactoring that keeps the public API keeps the benchmarks running."""
+    found = []
+    for path in sorted(BENCH.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(alias.name for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Attribute):  # of anything but the benchmark's own objects
+                own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                names = [] if own else [node.attr]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                      if any(part.startswith("_") and not part.endswith("__") for part in n.split("."))]  # fmt: skip
+    assert found == []
+
+
 #: Dagster's layers beneath its public API, reached through public-looking names: the instance's
 #: storages (Dagster+ refuses their methods) and a job's asset layer. Each held only while the pin did.
 DAGSTER_INTERNALS = {"event_log_storage", "run_storage", "schedule_storage", "asset_layer"}

@@ -1,8 +1,9 @@
-"""The ``expansion-dag`` command: runs, plans and builds without the Dagster UI.
+"""The ``expansion-dag`` command: runs, plans and builds without the Dagster UI; ``run_expansion`` is
+its run's one sequence, for whoever runs it from Python (the benchmarks measure each of its steps).
 """
 
-from expansion_dag.cli.commands import main
+from expansion_dag.cli.commands import STAGES, Stage, main, run_expansion
 
 __all__ = [
-    "main"
+    "STAGES", "Stage", "main", "run_expansion"
 ]

@@ -19,7 +19,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -42,6 +42,10 @@ DEFAULT_HOME = ".dagster_home"
 DISPLAY_INTERVAL_S = 1.0
 #: After SIGINT, how long shard processes get to record their run's end before they are killed.
 SHARD_STOP_GRACE_S = 20.0
+#: The steps of ``expansion-dag run``, in order, as :func:`run_expansion` names them to its ``stage``.
+STAGES = ("prepare", "generate", "training_set")
+#: Runs one step, ``stage(name, step)``, and returns what ``step()`` returns.
+Stage = Callable[[str, Callable[[], Any]], Any]
 
 
 class Interrupted(BaseException):
@@ -209,36 +213,53 @@ def _stop_fleet(keep: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.retry_outcomes is not None:
+    return run_expansion(args.config, keep_fleet=args.keep_fleet, retry_outcomes=args.retry_outcomes)
+
+
+def run_expansion(
+    config: str | None = None,
+    *,
+    keep_fleet: bool = False,
+    retry_outcomes: str | None = None,
+    stage: Stage | None = None,
+) -> int:
+    """``expansion-dag run``: the prepare run, every shard, the training-set run; its exit status.
+
+    ``config`` as ``--config``; ``stage`` runs each of :data:`STAGES` (``stage(name, step)`` returns
+    ``step()``), where a benchmark measures them. Call it in a process of its own: the shards'
+    partitions are read from the configuration when the definitions are first imported.
+    """
+    if retry_outcomes is not None:
         # Through the environment, like every single-field override: the shards' processes see it too.
-        os.environ["EXPANSION_RETRY_OUTCOMES"] = args.retry_outcomes
-    use_config(args.config)
+        os.environ["EXPANSION_RETRY_OUTCOMES"] = retry_outcomes
+    use_config(config)
     home = prepare_dagster_home()
     quiet_third_party()
-    config = current_config()
-    print(f"Dagster instance: {home}\nrun configuration: {config.source} (digest {config.digest()})", flush=True)
+    run_config = current_config()
+    print(f"Dagster instance: {home}\nrun configuration: {run_config.source} (digest {run_config.digest()})",
+          flush=True)  # fmt: skip
     try:
         with _Signals().active() as signals:
             try:
-                return _run_all(signals)
+                return _run_all(signals, stage or (lambda _name, step: step()))
             finally:
-                _stop_fleet(args.keep_fleet)
+                _stop_fleet(keep_fleet)
     except Interrupted as exc:
         print(f"interrupted by {exc}; finished completions are kept", flush=True)
         return 128 + exc.signum
 
 
-def _run_all(signals: _Signals) -> int:
+def _run_all(signals: _Signals, stage: Stage) -> int:
     from expansion_dag.definitions import defs
     from expansion_dag.defs import SHARD_KEYS
 
-    run_id, ok, why = _execute("prepare_job")
+    run_id, ok, why = stage("prepare", lambda: _execute("prepare_job"))
     signals.check()
     print(f"prepare_job run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
     _print_plan(run_id)  # before the first request: what the run will send, cost and yield
     if not ok:
         return 1
-    shard_results = _run_shards(SHARD_KEYS)
+    shard_results = stage("generate", lambda: _run_shards(SHARD_KEYS))
     failed = []
     for key, (run_id, ok, why) in shard_results.items():
         print(f"generate_job[{key}] run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
@@ -251,7 +272,7 @@ def _run_all(signals: _Signals) -> int:
             flush=True,
         )
         return 1
-    run_id, ok, why = _execute("training_set_job")
+    run_id, ok, why = stage("training_set", lambda: _execute("training_set_job"))
     signals.check()
     print(f"training_set_job run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
     if not ok:

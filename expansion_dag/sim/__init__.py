@@ -85,7 +85,9 @@ Deliberate differences from a real server:
 
 Several servers share one process and one event loop, each on its own port with its own state:
 :class:`SimulatedFleet` for tests, ``expansion-sim --ports 30000-30007`` on the command line.
-A fleet in the test's own process shares its GIL with the client; benchmarks run the command.
+A fleet in the test's own process shares its GIL with the client; benchmarks start one in a process
+of its own (:class:`FleetProcess`), and share their simulated workloads with the tests
+(:mod:`expansion_dag.sim.workloads`).
 
 Cost, measured on this project's 2-core machine (server and a raw-socket client pinned to one
 core each, 8 servers x 72 slots): about 0.28 ms of server CPU per request plus 1.2 us per prompt
@@ -101,9 +103,19 @@ from expansion_dag.sim.config import DEFAULT_REASONING_SHARE, SimServerConfig
 from expansion_dag.sim.dialects import VllmDialect
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.sim.generation import OutputModel
+from expansion_dag.sim.process import FleetProcess
 from expansion_dag.sim.server import READY_LINE, SimServer
+from expansion_dag.sim.workloads import (
+    BORROWING_SERVER,
+    BORROWING_SHARDS,
+    borrowing_prompt,
+    most_borrowed_at_once,
+    refusals_by_phase,
+    shard_of,
+)
 
 __all__ = [
-    "DEFAULT_REASONING_SHARE", "OutputModel", "READY_LINE", "SimServer", "SimServerConfig",
-    "SimulatedFleet", "VllmDialect", "main"
+    "BORROWING_SERVER", "BORROWING_SHARDS", "DEFAULT_REASONING_SHARE", "FleetProcess", "OutputModel", "READY_LINE",
+    "SimServer", "SimServerConfig", "SimulatedFleet", "VllmDialect", "borrowing_prompt", "main",
+    "most_borrowed_at_once", "refusals_by_phase", "shard_of"
 ]

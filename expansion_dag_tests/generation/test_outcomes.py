@@ -3,12 +3,8 @@ against simulated servers over real HTTP whose looping prompts loop every time t
 whose queues are bounded."""
 
 import collections
-import json
 import random
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -35,7 +31,14 @@ from expansion_dag.generation import (
     spearman,
 )
 from expansion_dag.servers import DegenerateError, Loop, error_from_status
-from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag.sim import (
+    BORROWING_SERVER,
+    BORROWING_SHARDS,
+    SimServerConfig,
+    SimulatedFleet,
+    borrowing_prompt,
+    most_borrowed_at_once,
+)
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.helpers import wait_for
 
@@ -44,7 +47,6 @@ SAMPLING = SamplingSettings()
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600,
             spill_poll_s=0.05, owner_wait_s=0)  # the idle helpers here have no shard of their own to wait for
 SIM = dict(port=0, max_running_requests=4, ttft_s=0.001, token_latency_s=0.0003, output_median_tokens=40)
-BORROWING = Path(__file__).resolve().parents[2] / "bench" / "bench_borrowing.py"
 
 
 def work(n, shard="s0", prefix="Tell me fact"):
@@ -160,24 +162,43 @@ def test_a_loop_on_a_borrowed_server_is_recorded_there_and_the_server_stays_in_u
 
 
 def test_shards_borrowing_bounded_queues_lose_no_prompt_and_never_hold_more_than_a_server_has(tmp_path):
-    """Four shards, one per server and each in its own process, each server's queue bounded at two:
-    shard 0 ends early and the other three borrow its slots at once (bench/bench_borrowing.py, one
-    run). How many attempts a full queue refuses depends on the machine's speed: the benchmark
-    measures it. What must hold on any machine is asserted here, from the simulator's own record."""
-    out = tmp_path / "result.json"
-    done = subprocess.run([sys.executable, str(BORROWING), "--runs", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = json.loads(out.read_text())["runs"][0]
-    assert run["ok"] == run["prompts"] and run["prompts_failed"] == 0
-    assert run["borrowed_from_shard_0_server"] > 30, "shard 0's server was not borrowed: the test proves nothing"
+    """The simulator's borrowing workload, one run: four shards, one server each, each queue bounded
+    at two; shard 0 ends first and the other three borrow its slots at once (``bench_borrowing.py``
+    runs the shards together, in a process each). How many attempts a full queue refuses depends on the machine's
+    speed: the benchmark measures it. What must hold on any machine is asserted here, from the
+    simulator's own record."""
+    store = CompletionStore(tmp_path)
+    reports = {}
+
+    def shard(index, urls):
+        servers = [Server(url, BORROWING_SERVER.max_running_requests) for url in urls]
+        prompts = [borrowing_prompt(index, i) for i in range(BORROWING_SHARDS[index])]
+        items = [WorkItem(key=SAMPLING.key(prompt_id, MODEL), prompt_id=prompt_id, source="s", prompt_tokens=16,
+                          messages=[{"role": "user", "content": text}], max_tokens=3000, expected_output_tokens=40)
+                 for prompt_id, text in prompts]  # fmt: skip
+        with store.writer(f"shard-{index:02d}") as writer:
+            reports[index] = generate_shard(items, [servers[index]], writer=writer, model=MODEL, sampling=SAMPLING,
+                                            config=EngineConfig(**FAST), helpers=servers, fleet_urls=urls)
+
+    with SimulatedFleet([BORROWING_SERVER] * len(BORROWING_SHARDS)) as fleet:
+        urls = fleet.urls
+        shard(0, urls)  # done before the others start: they all find its server idle at once
+        others = [threading.Thread(target=shard, args=(i, urls)) for i in range(1, len(BORROWING_SHARDS))]
+        for thread in others:
+            thread.start()
+        for thread in others:
+            thread.join()
+        stats = [fleet.stats(i) for i in range(len(BORROWING_SHARDS))]
+    assert [reports[i].ok for i in range(len(BORROWING_SHARDS))] == list(BORROWING_SHARDS)
+    assert sum(reports[i].helpers[urls[0]].requests for i in (1, 2, 3)) > 30, "shard 0's server was not borrowed"
     # Every refusal the servers made was waited out as backpressure, never spent as a failure.
-    assert run["refused_503"] == run["backpressure_counted"]
+    refused = sum(s["chat_requests_by_status"].get("503", 0) for s in stats)
+    assert refused == sum(report.backpressure for report in reports.values())
     # Together the borrowers may fill a server, never make it queue: they never hold more of it at
     # once than the slots its /v1/loads reports (all of them idle, for shard 0's server).
-    assert run["servers"][0]["idle_reported_max"] == run["servers"][0]["slots"] > 0
-    assert run["servers"][0]["borrowed_in_flight_max"] > 0
-    assert all(server["borrowed_in_flight_max"] <= server["slots"] for server in run["servers"]), run["servers"]
+    assert max(idle for _, idle in stats[0]["timeline"]["loads"]) == stats[0]["slots"] > 0
+    held = [most_borrowed_at_once(s["timeline"], i) for i, s in enumerate(stats)]
+    assert held[0] > 0 and all(most <= s["slots"] for most, s in zip(held, stats)), held
 
 
 def test_a_shard_does_not_borrow_a_server_before_its_own_shard_has_started(tmp_path):

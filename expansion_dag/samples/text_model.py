@@ -1,7 +1,8 @@
-"""Random English-like text for the benchmarks' generated data, fast enough to write gigabytes in
-a minute on one core: Zipf-weighted English words from the tokenizer's own vocabulary,
-punctuation, sentence capitals, newlines and list items, some numbers and code, a little
-non-ASCII. Everything is numpy over whole batches: no Python per word or per text.
+"""Random English-like text for generated datasets of any size (the rehearsal's sources, the
+benchmarks' data), fast enough to write gigabytes in a minute on one core: Zipf-weighted English
+words from the tokenizer's own vocabulary, punctuation, sentence capitals, newlines and list items,
+some numbers and code, a little non-ASCII. Everything is numpy over whole batches: no Python per
+word or per text.
 """
 
 from __future__ import annotations
@@ -104,4 +105,5 @@ def _inverse_cdf(weights: np.ndarray) -> np.ndarray:
 
 
 def lognormal_ints(rng: np.random.Generator, n: int, *, median: float, sigma: float, low: int, high: int) -> np.ndarray:
+    """``n`` lognormal draws around ``median``, rounded and clipped to [``low``, ``high``]."""
     return np.clip(np.rint(rng.lognormal(np.log(median), sigma, n)), low, high).astype(np.int64)
