@@ -25,7 +25,7 @@ from expansion_dag.servers.api import (
     serves_without_key,
 )
 from expansion_dag.servers.asyncio_network import AsyncioStream, asyncio_transport
-from expansion_dag.servers.degeneration import Loop, LoopDetector, LoopThresholds, find_loop
+from expansion_dag.servers.degeneration import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop
 from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
 from expansion_dag.servers.fleet import (
     SLOTS_CONFIGURED,
@@ -48,7 +48,7 @@ from expansion_dag.servers.tools import request_tools, template_tools, tool_choi
 
 __all__ = [
     "Answer", "AsyncioStream", "CORPUS_PATH", "ChatStream", "DEFAULT_STREAM_INTERVAL",
-    "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "LaunchSpec", "Launcher",
+    "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "LOOP_RULES", "LaunchSpec", "Launcher",
     "Loop", "LoopDetector", "LoopThresholds", "PROTECTED_PATH", "RetryPolicy", "SGLANG",
     "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "ServerFacts", "VLLM",
     "asyncio_transport", "chat_request", "corpus_bytes", "dialect_for", "error_from_status",
