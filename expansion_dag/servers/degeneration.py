@@ -59,8 +59,10 @@ class LoopThresholds:
     #: and punctuation alone (a list of numbers) needs ``counter_repeats_numeric``.
     counter_repeats: int = 64
     counter_repeats_numeric: int = 512
-    #: ``numbers``: copies of a span whose numbers change in any way.
+    #: ``numbers``: copies of a span whose numbers change in any way (not mostly counting, for a
+    #: span of numbers and punctuation alone: ``numbers_repeats_numeric``).
     numbers_repeats: int = 96
+    numbers_repeats_numeric: int = 128
     #: ``cycle``: the last ``cycle_lines`` lines hold at most ``cycle_distinct`` different lines.
     cycle_lines: int = 48
     cycle_distinct: int = 6
@@ -83,7 +85,7 @@ class LoopThresholds:
                 f"window_chars ({self.window_chars}) must hold min_loop_chars ({self.min_loop_chars}) "
                 f"and min_repeats x min_span_chars"
             )
-        for name in ("counter_repeats", "counter_repeats_numeric", "numbers_repeats", "cycle_lines"):
+        for name in ("counter_repeats", "counter_repeats_numeric", "numbers_repeats", "numbers_repeats_numeric", "cycle_lines"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name} must be at least 2, got {getattr(self, name)}")
         if not 1 <= self.cycle_distinct < self.cycle_lines:

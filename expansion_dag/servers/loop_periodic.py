@@ -31,6 +31,7 @@ class PeriodicThresholds(Protocol):
     counter_repeats: int
     counter_repeats_numeric: int
     numbers_repeats: int
+    numbers_repeats_numeric: int
 
 
 def repeated_tail(tail: str, *, min_repeats: int, min_chars: int, max_period: int) -> tuple[int, int] | None:
@@ -105,7 +106,7 @@ def exact_loop(tail: str, t: PeriodicThresholds) -> tuple[str, int, int] | None:
 
 def shape_loop(shape: Shape, t: PeriodicThresholds) -> tuple[str, str, int, int] | None:
     """(rule, span, repeats, chars) of the loop ``shape`` ends with whose numbers change."""
-    least = min(t.counter_repeats, t.numbers_repeats)
+    least = min(t.counter_repeats, t.counter_repeats_numeric, t.numbers_repeats, t.numbers_repeats_numeric)
     found = repeated_tail(shape.text, min_repeats=least, min_chars=0, max_period=len(shape.text) // least)
     if found is None:
         return None
@@ -118,10 +119,13 @@ def shape_loop(shape: Shape, t: PeriodicThresholds) -> tuple[str, str, int, int]
     numbers = shape.numbers[-repeats * per_copy :]
     counting = _counting_copies(numbers, per_copy)
     if not any(c.isalpha() for c in span):
-        # Numbers and punctuation alone are a list of numbers: counting to 400 and the first 100
-        # primes are legitimate.
-        rule, copies = ("counter" if counting else "numbers"), repeats
-        if copies < t.counter_repeats_numeric:
+        # Numbers and punctuation alone are a list of numbers: counting to 400, the first 100
+        # primes and 60 sums one after another are legitimate.
+        if counting >= t.counter_repeats_numeric:
+            rule, copies = "counter", counting
+        elif repeats >= t.numbers_repeats_numeric and counting < repeats / 2:
+            rule, copies = "numbers", repeats
+        else:
             return None
     elif counting >= t.counter_repeats:
         rule, copies = "counter", counting
