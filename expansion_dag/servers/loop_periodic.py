@@ -11,7 +11,7 @@ than the exact one: more than the shipped corpus of legitimate answers ever hold
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from expansion_dag.servers.loop_thresholds import LoopThresholds
 
 #: Characters at the text's end whose earlier occurrences propose the candidate periods.
 _PROBE_CHARS = 8
@@ -21,17 +21,6 @@ _DIGITS = re.compile(r"[0-9]+")
 _DIGIT_CHARS = "0123456789"
 #: Longer numbers are not compared (an int of thousands of digits is slow to build).
 _MAX_DIGITS = 18
-
-
-class PeriodicThresholds(Protocol):
-    min_span_chars: int
-    min_repeats: int
-    min_loop_chars: int
-    window_chars: int
-    counter_repeats: int
-    counter_repeats_numeric: int
-    numbers_repeats: int
-    numbers_repeats_numeric: int
 
 
 def repeated_tail(tail: str, *, min_repeats: int, min_chars: int, max_period: int) -> tuple[int, int] | None:
@@ -93,7 +82,7 @@ class Shape:
                 del self.numbers[:dropped]
 
 
-def exact_loop(tail: str, t: PeriodicThresholds) -> tuple[str, int, int] | None:
+def exact_loop(tail: str, t: LoopThresholds) -> tuple[str, int, int] | None:
     """(span, repeats, chars) of the exact loop ``tail`` ends with."""
     found = repeated_tail(
         tail, min_repeats=t.min_repeats, min_chars=t.min_loop_chars, max_period=t.window_chars // t.min_repeats
@@ -104,7 +93,7 @@ def exact_loop(tail: str, t: PeriodicThresholds) -> tuple[str, int, int] | None:
     return tail[-period:], covered // period, covered
 
 
-def shape_loop(shape: Shape, t: PeriodicThresholds) -> tuple[str, str, int, int] | None:
+def shape_loop(shape: Shape, t: LoopThresholds) -> tuple[str, str, int, int] | None:
     """(rule, span, repeats, chars) of the loop ``shape`` ends with whose numbers change."""
     least = min(t.counter_repeats, t.counter_repeats_numeric, t.numbers_repeats, t.numbers_repeats_numeric)
     found = repeated_tail(shape.text, min_repeats=least, min_chars=0, max_period=len(shape.text) // least)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Protocol
+from expansion_dag.servers.loop_thresholds import LoopThresholds
 
 _WORDS = re.compile(r"\w+")
 #: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
@@ -23,19 +23,10 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
 _MAX_UNIT_CHARS = 2000
 
 
-class UnitThresholds(Protocol):
-    cycle_lines: int
-    cycle_distinct: int
-    resaid_sentences: int
-    resaid_similarity: float
-    resaid_min_words: int
-    resaid_lookback: int
-
-
 class Units:
     """Fed the text as it arrives; ``loop`` says once a ``cycle`` or ``resaid`` rule holds."""
 
-    def __init__(self, thresholds: UnitThresholds):
+    def __init__(self, thresholds: LoopThresholds):
         self._t = thresholds
         self._line = ""
         self._lines: collections.deque[str] = collections.deque(maxlen=thresholds.cycle_lines)
