@@ -11,12 +11,13 @@ than the exact one: more than the shipped corpus of legitimate answers ever hold
 from __future__ import annotations
 
 import re
+
 from expansion_dag.servers.loop_thresholds import LoopThresholds
 
 #: Characters at the text's end whose earlier occurrences propose the candidate periods.
 _PROBE_CHARS = 8
 #: What a run of digits becomes in the shape: a character no answer holds.
-PLACEHOLDER = "\x00"
+_PLACEHOLDER = "\x00"
 _DIGITS = re.compile(r"[0-9]+")
 _DIGIT_CHARS = "0123456789"
 #: Longer numbers are not compared (an int of thousands of digits is slow to build).
@@ -58,7 +59,7 @@ def _covered(tail: str, period: int, known: int) -> int:
 class Shape:
     """The last ``window_chars`` of a text's shape, built as the text arrives, and its numbers.
 
-    Each run of digits is one ``PLACEHOLDER`` in ``text`` and one string in ``numbers``, in order.
+    Each run of digits is one ``_PLACEHOLDER`` in ``text`` and one string in ``numbers``, in order.
     """
 
     def __init__(self, window_chars: int):
@@ -73,10 +74,10 @@ class Shape:
         text = whole.rstrip(_DIGIT_CHARS)
         self._held = whole[len(text) :]
         self.numbers += _DIGITS.findall(text)
-        self.text += _DIGITS.sub(PLACEHOLDER, text)
+        self.text += _DIGITS.sub(_PLACEHOLDER, text)
         cut = len(self.text) - self._window
         if cut > 0:
-            dropped = self.text.count(PLACEHOLDER, 0, cut)
+            dropped = self.text.count(_PLACEHOLDER, 0, cut)
             self.text = self.text[cut:]
             if dropped:
                 del self.numbers[:dropped]
@@ -101,7 +102,7 @@ def shape_loop(shape: Shape, t: LoopThresholds) -> tuple[str, str, int, int] | N
         return None
     period, covered = found
     span = shape.text[-period:]
-    per_copy = span.count(PLACEHOLDER)
+    per_copy = span.count(_PLACEHOLDER)
     if per_copy == 0:
         return None  # the same characters each time: the exact rule's
     repeats = covered // period
@@ -148,5 +149,5 @@ def _counting_copies(numbers: list[str], per_copy: int) -> int:
 
 def _fill(span: str, numbers: list[str]) -> str:
     """The span as written, its placeholders given back their numbers."""
-    pieces = span.split(PLACEHOLDER)
+    pieces = span.split(_PLACEHOLDER)
     return "".join(p + n for p, n in zip(pieces, numbers)) + pieces[-1]

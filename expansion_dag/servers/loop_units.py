@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import re
+from collections.abc import Iterable
+
 from expansion_dag.servers.loop_thresholds import LoopThresholds
 
 _WORDS = re.compile(r"\w+")
@@ -24,7 +26,7 @@ _MAX_UNIT_CHARS = 2000
 
 
 class Units:
-    """Fed the text as it arrives; ``loop`` says once a ``cycle`` or ``resaid`` rule holds."""
+    """Fed the text as it arrives; ``feed`` says once a ``cycle`` or ``resaid`` rule holds."""
 
     def __init__(self, thresholds: LoopThresholds):
         self._t = thresholds
@@ -33,9 +35,9 @@ class Units:
         self._sentence = ""
         #: Word sets of the last sentences long enough to judge.
         self._said: collections.deque[frozenset[str]] = collections.deque(maxlen=thresholds.resaid_lookback)
-        #: The sentences, one after another, each nearly the same as an earlier one: their count and text.
+        #: The sentences, one after another, each nearly the same as an earlier one: how many, their characters.
         self._streak = 0
-        self._streak_text: list[str] = []
+        self._streak_chars = 0
 
     def feed(self, delta: str) -> tuple[str, str, int, int] | None:
         """(rule, span, repeats, chars) once the text ends in a loop of lines or sentences."""
@@ -74,18 +76,16 @@ class Units:
             said = frozenset(words)
             if _said_before(said, self._said, t.resaid_similarity):
                 self._streak += 1
-                self._streak_text.append(sentence)
+                self._streak_chars += len(sentence) + 1
                 if self._streak >= t.resaid_sentences and found is None:
-                    text = self._streak_text
-                    found = ("resaid", text[-1], self._streak, sum(len(x) + 1 for x in text))
+                    found = ("resaid", sentence, self._streak, self._streak_chars)
             else:
-                self._streak = 0
-                self._streak_text = []
+                self._streak = self._streak_chars = 0
             self._said.append(said)
         return found
 
 
-def _said_before(said: frozenset[str], earlier: collections.abc.Iterable[frozenset[str]], similarity: float) -> bool:
+def _said_before(said: frozenset[str], earlier: Iterable[frozenset[str]], similarity: float) -> bool:
     """Whether an earlier sentence shares at least ``similarity`` of the two's words (Jaccard)."""
     size = len(said)
     for other in earlier:
