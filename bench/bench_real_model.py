@@ -125,8 +125,12 @@ MATH_WORD = [
 ]
 
 
-def build_prompts(count: int, seed: int) -> list[dict[str, str]]:
-    """``count`` distinct prompts, a quarter each of lists, code, math and explanations, shuffled."""
+#: The kinds of the issue's run (44): code, math word problems, explanations.
+ISSUE_KINDS = ("code", "math", "explain")
+
+
+def build_prompts(count: int, seed: int, kinds: tuple[str, ...] = ("list", *ISSUE_KINDS)) -> list[dict[str, str]]:
+    """``count`` distinct prompts, as many of each of ``kinds`` (lists, code, math, explanations), shuffled."""
     rng = random.Random(seed)
 
     def numbers() -> dict[str, Any]:
@@ -139,7 +143,7 @@ def build_prompts(count: int, seed: int) -> list[dict[str, str]]:
     def one_of(*makers):
         return rng.choice(makers)()
 
-    kinds = {
+    makers = {
         "list": lambda: rng.choice(LISTS).format(**numbers()),
         "code": lambda: one_of(
             lambda: f"Write a {rng.choice(LANGUAGES)} function that {rng.choice(CODE_TASKS + EXTRA_CODE_TASKS)}.",
@@ -156,12 +160,11 @@ def build_prompts(count: int, seed: int) -> list[dict[str, str]]:
             lambda: rng.choice(GENERAL_PROMPTS + CONTEXT_PROMPTS),
         ),
     }
-    names = list(kinds)
     out: list[dict[str, str]] = []
     seen: set[str] = set()
     while len(out) < count:
-        kind = names[len(out) % len(names)]
-        text = kinds[kind]()
+        kind = kinds[len(out) % len(kinds)]
+        text = makers[kind]()
         if text not in seen:
             seen.add(text)
             out.append({"id": f"p{len(out):04d}", "kind": kind, "prompt": text})
@@ -182,7 +185,7 @@ def vllm_server(model_dir: Path, slots: int, port: int, log: Path) -> Iterator[t
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", SERVED_NAME, "--max-model-len", str(CONTEXT), "--max-num-seqs", str(slots),
-        "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(2 * 2**30), "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(2**30), "--enforce-eager",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     url = f"http://127.0.0.1:{port}"
@@ -233,7 +236,7 @@ class Run:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.prompts = build_prompts(args.prompts, args.seed)
+        self.prompts = build_prompts(args.prompts, args.seed, tuple(args.kinds.split(",")))
         self.tokenizer = load_tokenizer(str(args.model_dir))
         self.sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=-1, seed=args.seed,
                                          max_output_tokens=args.max_tokens)  # fmt: skip
@@ -426,6 +429,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--prompts", type=int, default=280)
     parser.add_argument("--seed", type=int, default=44)
+    parser.add_argument("--kinds", default=",".join(ISSUE_KINDS), help="of list, code, math, explain (default: the issue's)")
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
