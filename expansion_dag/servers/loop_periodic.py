@@ -1,5 +1,6 @@
 """The rules that look for one span repeated back to back at the text's end: ``exact`` (the same
-characters each time) and, on the text's *shape* (every run of digits one placeholder),
+characters each time) and, on the text's *shape* (every run of digits one placeholder, every run
+of one character at most three long),
 ``counter`` (only numbers change, each counting by a constant step: ``n + 584, n + 585, ...``)
 and ``numbers`` (only numbers change, any way at all: ``(x^240 - x^13)^2 = (x^260 - x^14)^2 = ...``).
 
@@ -20,6 +21,9 @@ _PROBE_CHARS = 8
 _PLACEHOLDER = "\x00"
 _DIGITS = re.compile(r"[0-9]+")
 _DIGIT_CHARS = "0123456789"
+#: A run of one character longer than three is three in the shape: ``MMGXLIIII...`` (a count of
+#: I's that wanders) and padding that grows with a number keep one shape.
+_RUN = re.compile(r"([^0-9])\1{3,}")
 #: Longer numbers are not compared (an int of thousands of digits is slow to build).
 _MAX_DIGITS = 18
 
@@ -69,12 +73,14 @@ class Shape:
         self._held = ""
 
     def feed(self, delta: str) -> None:
-        # A trailing run of digits may go on in the next delta: it waits (a number is one placeholder).
+        # The text's last run of digits, or of one character, may go on in the next delta: it waits.
         whole = self._held + delta
         text = whole.rstrip(_DIGIT_CHARS)
+        if len(text) == len(whole) and text:
+            text = text.rstrip(text[-1])
         self._held = whole[len(text) :]
         self.numbers += _DIGITS.findall(text)
-        self.text += _DIGITS.sub(_PLACEHOLDER, text)
+        self.text += _RUN.sub(r"\1\1\1", _DIGITS.sub(_PLACEHOLDER, text))
         cut = len(self.text) - self._window
         if cut > 0:
             dropped = self.text.count(_PLACEHOLDER, 0, cut)

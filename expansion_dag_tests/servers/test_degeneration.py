@@ -153,6 +153,13 @@ def test_a_counting_loop_is_stopped_as_a_counter_soon_after_it_needs(copy):
     assert stop <= seen + DEFAULT.check_every_chars + 7
 
 
+def test_a_counter_whose_copies_carry_a_run_of_wandering_length_is_still_a_counter():
+    # As the real model wrote it: the run of I's grows and shrinks while the number counts.
+    text = "Each numeral adds its value.\n" + "".join(f"If it's a `MMGXL{'I' * (48 + i % 5)}`, it adds {i}. " for i in range(1, 300))
+    stop, loop = first_stop(text)
+    assert loop.rule == "counter" and loop.repeats >= DEFAULT.counter_repeats
+
+
 def test_counting_that_a_legitimate_answer_does_is_left_alone():
     counting = "Counting: " + ", ".join(str(i) for i in range(1, 401)) + "."
     table = "\n".join(f"7 x {i} = {7 * i}" for i in range(1, 41))
