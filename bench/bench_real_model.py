@@ -322,13 +322,15 @@ def plain_phase(run: Run, url: str) -> tuple[dict[str, Any], list[dict[str, Any]
 async def _continue(run: Run, url: str, stopped: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each stopped answer asked to go on: the same messages, its text the final assistant message."""
     queue = list(stopped)
+    # A stopped single-turn answer's record keeps no messages: the run's own prompts have them.
+    messages_of = {item.prompt_id: item.messages for item in run.items}
     out: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(7200, connect=10)) as client:
 
         async def worker() -> None:
             while queue:
                 record = queue.pop()
-                messages = [*record["messages"], {"role": "assistant", "content": record["content"]}]
+                messages = [*messages_of[record["prompt_id"]], {"role": "assistant", "content": record["content"]}]
                 body = chat_request(SERVED_NAME, messages, run.args.continue_tokens, run.sampling)
                 body |= {"continue_final_message": True, "add_generation_prompt": False}
                 response = await client.post(f"{url}/v1/chat/completions", json=body)
