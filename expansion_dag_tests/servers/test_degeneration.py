@@ -57,8 +57,8 @@ def test_the_real_model_fixture_holds_loops_of_every_rule_and_legitimate_repetit
     assert sum(a["repetitive"] for a in legitimate) >= 30
 
 
-#: Deltas of about the 256 tokens of a streamed event (the fleet's ``stream_interval``).
-EVENT_CHARS = 1024
+#: Deltas of about the 256 tokens of a streamed event (the fleet's ``stream_interval``), at 3 characters a token.
+EVENT_CHARS = 768
 
 
 @pytest.mark.parametrize("answer", real_answers("loop"), ids=lambda a: f"{a['id']}-{a['rule']}")
