@@ -143,7 +143,7 @@ class GenerationConfig(BaseModel):
     )
     loop_min_span_chars: int = Field(default=1, ge=1, description="Shortest repeated span that counts as a loop.")
     loop_min_repeats: int = Field(default=4, ge=2, description="Back-to-back repeats of the span that make a loop.")
-    loop_min_chars: int = Field(default=1200, ge=1, description="Characters the repeats must cover together.")
+    loop_min_chars: int = Field(default=400, ge=1, description="Characters the repeats must cover together.")
     loop_window_chars: int = Field(default=8192, ge=1, description="How far back from the end a loop is looked for.")
     client_tick_s: float = Field(
         default=0.1,

@@ -51,7 +51,7 @@ class EngineConfig:
     #: ``loop_window_chars`` (see ``expansion_dag.servers.degeneration``).
     loop_min_span_chars: int = 1
     loop_min_repeats: int = 4
-    loop_min_chars: int = 1200
+    loop_min_chars: int = 400
     loop_window_chars: int = 8192
     #: While streamed events come often, read every stream once a tick instead of waking up for
     #: each event (``expansion_dag.generation.event_loop``); an event is read at most this late. 0: never.

@@ -129,6 +129,7 @@ class Recorder:
             record |= {
                 "content": error.content,
                 "reasoning_content": error.reasoning,
+                "loop_rule": error.rule,
                 "loop_span": error.loop.span,
                 "loop_repeats": error.loop.repeats,
                 "streamed_chunks": error.chunks,
@@ -139,6 +140,7 @@ class Recorder:
             if error.output_ids is not None:
                 record[OUTPUT_IDS] = pack(error.output_ids)
             self.report.output_tokens_by_outcome[error.kind] += error.tokens
+            self.report.degenerate_by_rule[error.rule] += 1
         await self._write(record)
         self.report.failed += 1
         self.report.failures_by_kind[error.kind] += 1

@@ -25,7 +25,7 @@ from expansion_dag.servers.api import (
     serves_without_key,
 )
 from expansion_dag.servers.asyncio_network import AsyncioStream, asyncio_transport
-from expansion_dag.servers.degeneration import Loop, LoopDetector, LoopThresholds, find_loop
+from expansion_dag.servers.degeneration import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop
 from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
 from expansion_dag.servers.fleet import (
     SLOTS_CONFIGURED,
@@ -68,9 +68,9 @@ from expansion_dag.servers.weights import (
 __all__ = [
     "Answer", "AsyncioStream", "CORPUS_PATH", "ChatStream", "DEFAULT_STREAM_INTERVAL",
     "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "KEY_DELIVERY", "KeyDelivery",
-    "LaunchSpec", "Launcher", "Loop", "LoopDetector", "LoopThresholds", "PROBE_MESSAGES", "PROBE_TOKENS",
-    "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER",
-    "SLOTS_LAUNCHED", "ServerFacts", "VLLM",
+    "LOOP_RULES", "LaunchSpec", "Launcher", "Loop", "LoopDetector", "LoopThresholds", "PROBE_MESSAGES",
+    "PROBE_TOKENS", "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED",
+    "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "VLLM",
     "asyncio_transport", "chat_request", "corpus_bytes", "dialect_for", "error_from_status",
     "files_digest", "find_loop", "finish_error", "folder_weights", "generate", "hub_commit", "is_healthy",
     "key_delivery", "looping_answers", "make_client",

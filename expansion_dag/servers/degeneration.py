@@ -1,125 +1,89 @@
-"""Spotting a degenerate answer while it is generated: a span repeated back to back until the cap.
+"""Spotting a degenerate answer while it is generated: a loop, by one of five rules.
 
-A model stuck in a loop emits the same span again and again, exactly: the end of its text becomes
-periodic. Legitimate repetition (a markdown table, a list, code with repeated lines, step-by-step
-arithmetic) repeats a *shape*, with cells, items, names and numbers that change; its exact period
-breaks within a few lines. So the test is: does the text end with one span repeated back to back at
-least ``min_repeats`` times, covering at least ``min_loop_chars`` characters?
+A model stuck in a loop writes the same thing again and again until the cap. How it repeats
+itself was read off a real model's answers (SmolLM2-135M-Instruct: the fixture
+``expansion_dag_tests/data/real_model_answers.jsonl.gz``), and each way is a rule (``LOOP_RULES``):
+
+- ``exact``: one span repeated back to back, the same characters each time, at least
+  ``min_repeats`` times over at least ``min_loop_chars`` (``loop_periodic``);
+- ``counter``: one span repeated back to back whose numbers all count by constant steps
+  (``n + 584, n + 585, ...``, ``#define MAX_NAME 242``, ``243``, ...): an enumeration that never ends;
+- ``numbers``: one span repeated back to back whose numbers change in any other way;
+- ``cycle``: a few lines recurring in any order (``loop_units``);
+- ``resaid``: sentence after sentence saying again, in nearly the same words, what an earlier one said.
+
+Legitimate repetition (a markdown table, a list, unit tests, step-by-step arithmetic, a chorus)
+repeats a *shape* with cells, items, names and numbers that change, and it ends: exact repeats
+break within a few lines, and the shape rules ask for more copies than legitimate answers hold
+(counting to 400, Fibonacci for 60 lines and 50 unit tests of one function are all legitimate
+in the shipped corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``, built by
+``expansion_dag/servers/repetitive_corpus.py``). A list of numbers alone (digits and punctuation)
+needs ``counter_repeats_numeric`` copies: the first 100 primes are an answer.
 
 Characters, not tokens: the client sees text, and a token loop is a character loop.
 
-Cost: the check runs every ``check_every_chars`` new characters and looks only at the last
-``window_chars``. Candidate periods are the distances back to earlier occurrences of the text's
-last few characters (``str.rfind``, in C), and each candidate is one slice comparison, so a check
-costs microseconds, not a scan of every period.
+Cost: the rules run every ``check_every_chars`` new characters. The span rules look only at the
+last ``window_chars`` (candidate periods from ``str.rfind``, one slice comparison each); the shape
+is built once per new character, and each line and sentence is judged once, when complete.
 
 Known limit: an answer that is *meant* to be one span repeated many times (a 40 x 40 matrix of
-zeros, "all work and no play" a hundred times) reads as a loop; such answers are rare and poor
-training data anyway. The shipped corpus of legitimate repetitive answers
-(``expansion_dag_tests/data/repetitive_answers.jsonl.gz``, built by
-``expansion_dag/servers/repetitive_corpus.py``) shows what does not trip it.
+zeros, "all work and no play" a hundred times) or to count past hundreds reads as a loop; such
+answers are rare and poor training data anyway.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from expansion_dag.servers.loop_periodic import Shape, exact_loop, shape_loop
+from expansion_dag.servers.loop_thresholds import LoopThresholds
+from expansion_dag.servers.loop_units import Units
 
-@dataclass(frozen=True, kw_only=True)
-class LoopThresholds:
-    """When a repeated span counts as a loop; see the module docstring."""
 
-    #: The shortest span counted (1: a run of one character, e.g. endless newlines, counts too); a
-    #: run of a shorter span is not counted as a run of its multiples either.
-    min_span_chars: int = 1
-    #: Back-to-back copies of the span, the first included.
-    min_repeats: int = 4
-    #: The repeated region must cover at least this many characters: short runs ("| --- | --- |",
-    #: "ha ha ha", a row of "=") are formatting, not a loop.
-    min_loop_chars: int = 1200
-    #: How far back a check looks; the longest span found is ``window_chars // min_repeats``.
-    window_chars: int = 8192
-    #: New characters between checks.
-    check_every_chars: int = 64
-
-    def __post_init__(self) -> None:
-        if self.min_span_chars < 1:
-            raise ValueError(f"min_span_chars must be at least 1, got {self.min_span_chars}")
-        if self.min_repeats < 2:
-            raise ValueError(f"min_repeats must be at least 2, got {self.min_repeats}")
-        if self.check_every_chars < 1:
-            raise ValueError(f"check_every_chars must be at least 1, got {self.check_every_chars}")
-        if self.window_chars < max(self.min_loop_chars, self.min_repeats * self.min_span_chars):
-            raise ValueError(
-                f"window_chars ({self.window_chars}) must hold min_loop_chars ({self.min_loop_chars}) "
-                f"and min_repeats x min_span_chars"
-            )
-
-    @property
-    def max_span_chars(self) -> int:
-        return self.window_chars // self.min_repeats
+#: What each rule saw, for a message; in the order a check tries them (each stop's record names its rule).
+_SEEN = {
+    "exact": "a span of {chars} characters repeated {n} times back to back",
+    "counter": "a span repeated {n} times back to back, its numbers counting",
+    "numbers": "a span repeated {n} times back to back, only its numbers changing",
+    "cycle": "{n} lines in a row made of a few lines recurring",
+    "resaid": "{n} sentences in a row each saying again what an earlier one said",
+}
+LOOP_RULES = tuple(_SEEN)
 
 
 @dataclass(frozen=True)
 class Loop:
-    """A detected loop: the repeated span and how much of the text's end it covers."""
+    """A detected loop: the rule that saw it, a repeated span (the last copy, as written), how many
+    copies (spans, lines or sentences) and how much of the text's end they cover."""
 
     span: str
     repeats: int
     chars: int
+    rule: str = "exact"
 
-
-#: Characters at the text's end whose earlier occurrences propose the candidate periods.
-_PROBE_CHARS = 8
+    def describe(self) -> str:
+        """What the rule saw: ``rule counter: a span repeated 64 times back to back, ...``."""
+        return f"rule {self.rule}: " + _SEEN[self.rule].format(n=self.repeats, chars=len(self.span))
 
 
 def find_loop(text: str, thresholds: LoopThresholds) -> Loop | None:
-    """The loop ``text`` ends with, or None; looks only at the last ``window_chars``."""
-    t = thresholds
-    tail = text[-t.window_chars :]
-    n = len(tail)
-    if n < t.min_loop_chars:
-        return None
-    probe = tail[-_PROBE_CHARS:]
-    # Each earlier occurrence of the probe ending at distance p is a candidate period p; the
-    # nearest occurrences come first, so the shortest period (the span itself) is found first.
-    end = n - 1
-    while True:
-        start = tail.rfind(probe, 0, end)
-        if start < 0:
-            return None
-        period = n - len(probe) - start
-        end = start + len(probe) - 1
-        if period > t.max_span_chars:
-            return None
-        need = max(t.min_loop_chars, t.min_repeats * period)
-        if need > n:
-            continue
-        region = tail[-need:]
-        if region[period:] == region[:-period]:
-            if period < t.min_span_chars:
-                return None  # a run of a span too short to count (its multiples are the same run)
-            covered = _covered(tail, period, need)
-            return Loop(span=tail[-period:], repeats=covered // period, chars=covered)
-
-
-def _covered(tail: str, period: int, known: int) -> int:
-    """How far back from the end ``tail`` keeps the period (at least ``known``)."""
-    covered = known - known % period  # whole copies of the last span
-    while covered + period <= len(tail) and tail[-covered - period : -covered] == tail[-period:]:
-        covered += period
-    return covered
+    """The loop a detector fed ``text`` in one piece finds (by any rule), or None."""
+    return LoopDetector(thresholds, check_every_chars=1).feed(text)
 
 
 class LoopDetector:
     """Fed the text of one stream as it arrives; says once it ends in a loop.
 
-    It keeps only the last ``window_chars``: the caller keeps the whole text.
+    It keeps only the last ``window_chars`` (and the rules' own short memory): the caller keeps the
+    whole text. Deltas are gathered and the rules run once ``check_every_chars`` have come.
     """
 
-    def __init__(self, thresholds: LoopThresholds):
+    def __init__(self, thresholds: LoopThresholds, *, check_every_chars: int | None = None):
         self._thresholds = thresholds
+        self._check_every = check_every_chars or thresholds.check_every_chars
         self._tail = ""
+        self._shape = Shape(thresholds.window_chars)
+        self._units = Units(thresholds)
         self._pending: list[str] = []
         self._unchecked = 0
         self.loop: Loop | None = None
@@ -130,9 +94,27 @@ class LoopDetector:
             return self.loop
         self._pending.append(delta)
         self._unchecked += len(delta)
-        if self._unchecked >= self._thresholds.check_every_chars:
+        if self._unchecked >= self._check_every:
             self._unchecked = 0
-            self._tail = (self._tail + "".join(self._pending))[-self._thresholds.window_chars :]
+            new = "".join(self._pending)
             self._pending = []
-            self.loop = find_loop(self._tail, self._thresholds)
+            self.loop = self._check(new)
         return self.loop
+
+    def _check(self, new: str) -> Loop | None:
+        t = self._thresholds
+        self._tail = (self._tail + new)[-t.window_chars :]
+        self._shape.feed(new)
+        # Every rule sees every piece of text, whichever fires: the unit rules keep their own memory.
+        units = self._units.feed(new)
+        exact = exact_loop(self._tail, t)
+        if exact is not None:
+            return Loop(*exact, rule="exact")
+        shaped = shape_loop(self._shape, t)
+        if shaped is not None:
+            rule, span, repeats, chars = shaped
+            return Loop(span, repeats, chars, rule=rule)
+        if units is not None:
+            rule, span, repeats, chars = units
+            return Loop(span, repeats, chars, rule=rule)
+        return None

@@ -62,6 +62,8 @@ class DegenerateError(RequestError):
         self.prompt_ids = prompt_ids
         self.output_ids = output_ids
         self.loop = loop
+        #: The detector's rule that saw the loop (``degeneration.LOOP_RULES``).
+        self.rule = loop.rule
         #: Content and reasoning deltas received.
         self.chunks = chunks
         #: The tokens those deltas carried, estimated from the stream interval (see
@@ -250,9 +252,7 @@ class ChatStream:
     def degenerate(self, loop: Loop) -> DegenerateError:
         return DegenerateError(
             f"stopped a degenerate answer after {self.chunks} streamed chunks (about "
-            f"{self.streamed_tokens} tokens): a span of "
-            f"{len(loop.span)} characters repeated {loop.repeats} times back to back "
-            f"({quote(loop.span, 80)})",
+            f"{self.streamed_tokens} tokens): {loop.describe()} ({quote(loop.span, 80)})",
             content=self.content,
             reasoning=self.reasoning,
             loop=loop,

@@ -68,7 +68,7 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
     ok = [r for r in records if r["status"] == OK]
     assert len(degenerate) == 10 and len(ok) == 30
     for record in degenerate:
-        assert record["error"] == "degenerate"
+        assert record["error"] == "degenerate" and record["loop_rule"] == "exact"
         assert record["loop_repeats"] >= 4 and record["loop_span"] in record["content"]
         assert record["streamed_tokens"] < CAP / 4  # stopped well before the cap
         # The tokens it cost are counted from the events and the interval: the simulator's words
@@ -84,7 +84,7 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
     assert all(r["finish_reason"] == "stop" and r["content"] for r in ok)
     # Closing the stream aborted each loop on the server and freed its slot.
     assert stats["aborted"] == 10 and stats["num_running"] == 0
-    assert report.failures_by_kind == {"degenerate": 10}
+    assert report.failures_by_kind == {"degenerate": 10} and report.degenerate_by_rule == {"exact": 10}
     assert report.output_tokens_by_outcome["degenerate"] == sum(r["streamed_tokens"] for r in degenerate)
     assert report.useful_token_share(drop_truncated=True) > 0.5
     assert set(report.dropped_slot_seconds(drop_truncated=True)) == {"degenerate"}

@@ -1,22 +1,86 @@
-"""The loop detector: no false stop on the shipped corpus of repetitive answers, every loop stopped early."""
+"""The loop detector: a real model's loops stopped early by the rule that describes them, counting
+loops included; no false stop on the real model's legitimate answers or on the shipped corpus of
+repetitive answers."""
 
 import collections
+import gzip
+import json
+import random
+from pathlib import Path
 
 import pytest
 
 from expansion_dag import servers
-from expansion_dag.servers import LoopDetector, LoopThresholds, find_loop
+from expansion_dag.core import RequestError
+from expansion_dag.servers import (
+    LOOP_RULES,
+    VLLM,
+    DegenerateError,
+    LoopDetector,
+    LoopThresholds,
+    find_loop,
+    parse_chat_stream,
+)
 
 DEFAULT = LoopThresholds()
+#: SmolLM2-135M-Instruct's answers, labelled by a person: ``loop`` (with the rule that describes
+#: it) or ``legitimate``; how they were made and judged: ``real_model_answers.md`` beside it.
+REAL_ANSWERS = Path(__file__).resolve().parents[1] / "data" / "real_model_answers.jsonl.gz"
 
 
 def first_stop(text, thresholds=DEFAULT, piece=7):
-    """Where a detector fed ``text`` in small deltas, as a stream arrives, stops it (None: never)."""
+    """Where a detector fed ``text`` in small deltas, as a stream arrives, stops it, and the loop
+    (None, None: never)."""
     detector = LoopDetector(thresholds)
     for i in range(0, len(text), piece):
-        if detector.feed(text[i : i + piece]):
-            return i + piece
-    return None
+        if loop := detector.feed(text[i : i + piece]):
+            return i + piece, loop
+    return None, None
+
+
+def real_answers(label):
+    with gzip.open(REAL_ANSWERS, "rt", encoding="utf-8") as f:
+        answers = [json.loads(line) for line in f]
+    return [a for a in answers if a["label"] == label]
+
+
+# --- a real model's answers ------------------------------------------------------------------
+
+
+def test_the_real_model_fixture_holds_loops_of_every_rule_and_legitimate_repetition():
+    loops, legitimate = real_answers("loop"), real_answers("legitimate")
+    rules = collections.Counter(a["rule"] for a in loops)
+    assert set(rules) == set(LOOP_RULES)
+    assert rules["counter"] >= 2
+    assert len(legitimate) >= 100
+    # Legitimate answers that repeat a shape: tables, numbered lists, step-by-step sums, tests.
+    assert sum(a["repetitive"] for a in legitimate) >= 30
+
+
+#: Deltas of about the 256 tokens of a streamed event (the fleet's ``stream_interval``), at 3 characters a token.
+EVENT_CHARS = 768
+
+
+@pytest.mark.parametrize("answer", real_answers("loop"), ids=lambda a: f"{a['id']}-{a['rule']}")
+def test_a_real_model_loop_is_stopped_by_the_rule_that_describes_it(answer):
+    stop, loop = first_stop(answer["content"], piece=EVENT_CHARS)
+    assert loop is not None and loop.rule == answer["rule"]
+
+
+def test_the_real_model_loops_that_ran_to_the_cap_are_stopped_early():
+    capped = [a for a in real_answers("loop") if a["finish_reason"] == "length"]
+    read = [min(1.0, first_stop(a["content"], piece=EVENT_CHARS)[0] / len(a["content"])) for a in capped]
+    # Most of their text never generated: what the stops save (a loop that starts late in the
+    # answer is seen late, a few of them only by its end).
+    assert sum(read) / len(read) < 0.45 and sum(r < 1 for r in read) >= 0.9 * len(read)
+
+
+def test_no_legitimate_real_model_answer_is_stopped():
+    stopped = {a["id"]: first_stop(a["content"], piece=EVENT_CHARS)[1] for a in real_answers("legitimate")}
+    assert {k: v for k, v in stopped.items() if v is not None} == {}
+
+
+# --- the shipped corpus ----------------------------------------------------------------------
 
 
 def test_the_shipped_corpus_is_what_the_generator_makes_and_holds_every_kind():
@@ -29,26 +93,31 @@ def test_the_shipped_corpus_is_what_the_generator_makes_and_holds_every_kind():
 
 
 def test_no_legitimate_repetitive_answer_is_stopped():
-    stopped = [a["id"] for a in servers.read_corpus() if first_stop(a["text"]) is not None]
+    stopped = [a["id"] for a in servers.read_corpus() if first_stop(a["text"])[0] is not None]
     assert stopped == []
 
 
 def test_every_looping_answer_is_stopped_soon_after_its_loop_starts():
     for answer in servers.looping_answers():
-        stop = first_stop(answer["text"])
+        stop, loop = first_stop(answer["text"])
         assert stop is not None, answer["id"]
         lag = stop - answer["loop_starts_at"]
         # The loop must cover min_loop_chars (or min_repeats spans) before it counts, plus one check.
-        assert lag <= 2 * DEFAULT.min_loop_chars + DEFAULT.check_every_chars, answer["id"]
+        assert lag <= max(2 * DEFAULT.min_loop_chars, DEFAULT.min_repeats * 400) + DEFAULT.check_every_chars, answer["id"]
         assert stop < len(answer["text"]) / 4, answer["id"]
 
 
-def test_the_loop_found_names_its_span_and_how_much_it_covers():
+# --- each rule -------------------------------------------------------------------------------
+
+
+def test_the_loop_found_names_its_rule_its_span_and_how_much_it_covers():
     text = "We start here. " + "Wait, let me reconsider the problem from the start. " * 60
     loop = find_loop(text, DEFAULT)
+    assert loop.rule == "exact"
     assert loop.span == "Wait, let me reconsider the problem from the start. "
     assert loop.repeats == 60
     assert loop.chars == 60 * len(loop.span)
+    assert loop.describe() == "rule exact: a span of 52 characters repeated 60 times back to back"
 
 
 def test_a_short_run_is_formatting_and_the_thresholds_decide_what_is_long():
@@ -62,10 +131,88 @@ def test_a_short_run_is_formatting_and_the_thresholds_decide_what_is_long():
     assert find_loop("ab" * 1000, LoopThresholds(min_span_chars=2)) is not None
 
 
+#: The counting loops the issue saw run to the cap, each from its start: (first copy, next copy).
+ISSUE_COUNTERS = [
+    lambda i: f"2A^{i}/3 + ",
+    lambda i: f"max(game[{i}]), ",
+    lambda i: f"n + {i}, ",
+    lambda i: f"{6971 + 10 * (i - 1)}, ",
+]
+
+
+@pytest.mark.parametrize("copy", ISSUE_COUNTERS, ids=["power", "index", "sum", "numbers alone"])
+def test_a_counting_loop_is_stopped_as_a_counter_soon_after_it_needs(copy):
+    text = "Let me write the terms out.\n\n" + "".join(copy(i) for i in range(1, 2000))
+    stop, loop = first_stop(text)
+    assert loop.rule == "counter"
+    assert loop.span in text and loop.repeats >= DEFAULT.counter_repeats
+    numbers_alone = not any(c.isalpha() for c in copy(1))
+    need = DEFAULT.counter_repeats_numeric if numbers_alone else DEFAULT.counter_repeats
+    # Stopped once it holds the copies the rule needs, give or take a check and a partial copy.
+    seen = len("Let me write the terms out.\n\n" + "".join(copy(i) for i in range(1, need + 3)))
+    assert stop <= seen + DEFAULT.check_every_chars + 7
+
+
+def test_a_counter_whose_copies_carry_a_run_of_wandering_length_is_still_a_counter():
+    # As the real model wrote it: the run of I's grows and shrinks while the number counts.
+    text = "Each numeral adds its value.\n" + "".join(f"If it's a `MMGXL{'I' * (48 + i % 5)}`, it adds {i}. " for i in range(1, 300))
+    stop, loop = first_stop(text)
+    assert loop.rule == "counter" and loop.repeats >= DEFAULT.counter_repeats
+
+
+def test_counting_that_a_legitimate_answer_does_is_left_alone():
+    counting = "Counting: " + ", ".join(str(i) for i in range(1, 401)) + "."
+    table = "\n".join(f"7 x {i} = {7 * i}" for i in range(1, 41))
+    tests = "\n".join(f"    assert add({i}, {i}) == {2 * i}" for i in range(50))
+    for text in (counting, table, tests):
+        assert first_stop(text) == (None, None)
+
+
+def test_a_span_whose_numbers_change_without_counting_is_stopped_by_the_numbers_rule():
+    text = "So\n" + "".join(f"(x^{100 + 20 * i + i % 3} - x^{10 + i % 5} + 27x)^2 = " for i in range(200))
+    stop, loop = first_stop(text)
+    assert loop.rule == "numbers" and loop.repeats >= DEFAULT.numbers_repeats
+    # Fewer copies than the rule needs: Fibonacci line by line is an answer.
+    fibonacci, a, b = [], 0, 1
+    for i in range(2, 60):
+        fibonacci.append(f"F({i}) = F({i - 1}) + F({i - 2}) = {b} + {a} = {a + b}")
+        a, b = b, a + b
+    assert first_stop("\n".join(fibonacci)) == (None, None)
+
+
+def test_a_number_cut_between_two_deltas_is_read_whole():
+    text = "Let me write the terms out.\n\n" + "".join(f"n + {i}, " for i in range(1, 400))
+    by_char, by_piece = first_stop(text, piece=1), first_stop(text, piece=7)
+    for stop, loop in (by_char, by_piece):
+        assert loop.rule == "counter" and loop.span in text and loop.repeats >= DEFAULT.counter_repeats
+    # Both stop at the same check, give or take the piece that carries it past.
+    assert abs(by_char[0] - by_piece[0]) <= DEFAULT.check_every_chars
+
+
+def test_a_few_lines_recurring_in_any_order_are_a_cycle():
+    lines = ["if ((i + j) % i == 0) {", "continue;", "}", "if ((i + j) % j == 0) {"]
+    rng = random.Random(3)  # no span repeats back to back
+    text = "int main() {\n" + "\n".join("    " + rng.choice(lines) for _ in range(80)) + "\n"
+    stop, loop = first_stop(text)
+    assert loop.rule == "cycle" and loop.repeats == DEFAULT.cycle_lines
+    assert set(lines) <= set(loop.span.split("\n"))
+
+
+def test_sentences_said_again_in_other_words_are_resaid():
+    days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+    text = "Tom reads every day.\n" + "\n".join(
+        f"Tom reads {1 + k % 2} page on {days[k % 7]}, so he reads {1 + k % 2} + 1 = {2 + k % 2} pages." for k in range(40)
+    )
+    stop, loop = first_stop(text)
+    assert loop.rule == "resaid" and loop.repeats == DEFAULT.resaid_sentences
+
+
 def test_the_detector_keeps_only_its_window_and_stays_stopped():
     detector = LoopDetector(LoopThresholds(window_chars=2048))
-    for i in range(2000):
-        assert detector.feed(f"line {i} is different\n") is None
+    rng = random.Random(5)
+    words = "apple river stone cloud garden window market engine paper signal forest bridge".split()
+    for _ in range(2000):
+        assert detector.feed(" ".join(rng.choices(words, k=rng.randint(3, 9))) + "\n") is None
     loop = None
     for _ in range(200):
         loop = detector.feed("again and again\n") or loop
@@ -73,8 +220,26 @@ def test_the_detector_keeps_only_its_window_and_stays_stopped():
     assert detector.feed("something new entirely") is loop
 
 
+def test_a_stopped_stream_says_which_rule_stopped_it():
+    text = "".join(f"#define MAX_NAME {i}\n" for i in range(1, 400))
+    lines = [
+        b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text[i : i + 40]}}]}).encode()
+        for i in range(0, len(text), 40)
+    ]
+    with pytest.raises(DegenerateError) as caught:
+        parse_chat_stream(lines, VLLM, DEFAULT)
+    error = caught.value
+    assert isinstance(error, RequestError) and error.rule == error.loop.rule == "counter"
+    assert "rule counter: a span repeated" in error.message and error.loop.span in text
+
+
 @pytest.mark.parametrize(
-    "bad", [dict(min_span_chars=0), dict(min_repeats=1), dict(check_every_chars=0), dict(window_chars=100)]
+    "bad",
+    [
+        dict(min_span_chars=0), dict(min_repeats=1), dict(check_every_chars=0), dict(window_chars=100),
+        dict(counter_repeats=1), dict(numbers_repeats=0), dict(cycle_distinct=48), dict(resaid_similarity=0),
+        dict(resaid_sentences=0),
+    ],
 )
 def test_thresholds_that_cannot_work_are_refused(bad):
     with pytest.raises(ValueError):

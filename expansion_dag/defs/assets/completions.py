@@ -216,6 +216,8 @@ def _generate(
     metadata = _metadata(report, shard, url, fell_back, done, failed, missing, shard_keys & work.done, final, effective)
     metadata |= _mode_metadata(identities, shard_prompts)
     metadata |= _waste_metadata(report, settings.drop_truncated) | {"degenerate_total": figures.degenerate}
+    # This run's stopped loops by the detector's rule that saw each.
+    metadata["degenerate_by_rule"] = dg.MetadataValue.json(dict(report.degenerate_by_rule))
     metadata |= _yield_metadata(report)
     metadata |= plan_against_actual(expected, report, progress.first_speed)
     if work.conversations:

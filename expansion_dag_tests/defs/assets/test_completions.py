@@ -246,6 +246,7 @@ def test_waste_figures_and_the_learned_order_are_in_each_shards_metadata(tmp_pat
     # Loops are the model's doing: far above max_failure_rate (1%), they fail no shard.
     assert all(r.success for r in first.values())
     assert sum(m["degenerate_total"].value for m in metadata) == 6
+    assert sum(m["degenerate_by_rule"].value.get("exact", 0) for m in metadata) == 6  # the simulator's loops are exact
     assert total("output_tokens_kept") == sum(r["completion_tokens"] for r in records) > 0
     assert total("output_tokens_generated") > total("output_tokens_kept")
     for m in metadata:

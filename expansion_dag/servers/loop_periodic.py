@@ -1,0 +1,159 @@
+"""The rules that look for one span repeated back to back at the text's end: ``exact`` (the same
+characters each time) and, on the text's *shape* (every run of digits one placeholder, every run
+of one character at most three long),
+``counter`` (only numbers change, each counting by a constant step: ``n + 584, n + 585, ...``)
+and ``numbers`` (only numbers change, any way at all: ``(x^240 - x^13)^2 = (x^260 - x^14)^2 = ...``).
+
+Legitimate step-by-step text repeats a shape too (a multiplication table, unit tests of one
+function, counting to 400, Fibonacci line by line), so the shape rules ask for far more repeats
+than the exact one: more than the shipped corpus of legitimate answers ever holds.
+"""
+
+from __future__ import annotations
+
+import re
+
+from expansion_dag.servers.loop_thresholds import LoopThresholds
+
+#: Characters at the text's end whose earlier occurrences propose the candidate periods.
+_PROBE_CHARS = 8
+#: What a run of digits becomes in the shape: a character no answer holds.
+_PLACEHOLDER = "\x00"
+_DIGITS = re.compile(r"[0-9]+")
+_DIGIT_CHARS = "0123456789"
+#: A run of one character longer than three is three in the shape: ``MMGXLIIII...`` (a count of
+#: I's that wanders) and padding that grows with a number keep one shape.
+_RUN = re.compile(r"([^0-9])\1{3,}")
+#: Longer numbers are not compared (an int of thousands of digits is slow to build).
+_MAX_DIGITS = 18
+
+
+def repeated_tail(tail: str, *, min_repeats: int, min_chars: int, max_period: int) -> tuple[int, int] | None:
+    """The shortest span ``tail`` ends with, repeated back to back at least ``min_repeats`` times
+    over at least ``min_chars``: (its length, the characters its copies cover), or None.
+
+    Candidate periods are the distances back to earlier occurrences of the last few characters
+    (``str.rfind``, in C), nearest first, and each is one slice comparison: microseconds a call.
+    """
+    n = len(tail)
+    probe = tail[-_PROBE_CHARS:]
+    end = n - 1
+    while True:
+        start = tail.rfind(probe, 0, end)
+        if start < 0:
+            return None
+        period = n - len(probe) - start
+        end = start + len(probe) - 1
+        need = max(min_chars, min_repeats * period)
+        if period > max_period or need > n:
+            return None  # a longer period needs more still
+        region = tail[-need:]
+        if region[period:] == region[:-period]:
+            return period, _covered(tail, period, need)
+
+
+def _covered(tail: str, period: int, known: int) -> int:
+    """How far back from the end ``tail`` keeps the period (at least ``known``), in whole copies."""
+    covered = known - known % period
+    while covered + period <= len(tail) and tail[-covered - period : -covered] == tail[-period:]:
+        covered += period
+    return covered
+
+
+class Shape:
+    """The last ``window_chars`` of a text's shape, built as the text arrives, and its numbers.
+
+    Each run of digits is one ``_PLACEHOLDER`` in ``text`` and one string in ``numbers``, in order.
+    """
+
+    def __init__(self, window_chars: int):
+        self._window = window_chars
+        self.text = ""
+        self.numbers: list[str] = []
+        self._held = ""
+
+    def feed(self, delta: str) -> None:
+        # The text's last run of digits, or of one character, may go on in the next delta: it waits.
+        whole = self._held + delta
+        text = whole.rstrip(_DIGIT_CHARS)
+        if len(text) == len(whole) and text:
+            text = text.rstrip(text[-1])
+        self._held = whole[len(text) :]
+        self.numbers += _DIGITS.findall(text)
+        self.text += _RUN.sub(r"\1\1\1", _DIGITS.sub(_PLACEHOLDER, text))
+        cut = len(self.text) - self._window
+        if cut > 0:
+            dropped = self.text.count(_PLACEHOLDER, 0, cut)
+            self.text = self.text[cut:]
+            if dropped:
+                del self.numbers[:dropped]
+
+
+def exact_loop(tail: str, t: LoopThresholds) -> tuple[str, int, int] | None:
+    """(span, repeats, chars) of the exact loop ``tail`` ends with."""
+    found = repeated_tail(
+        tail, min_repeats=t.min_repeats, min_chars=t.min_loop_chars, max_period=t.window_chars // t.min_repeats
+    )
+    if found is None or found[0] < t.min_span_chars:
+        return None  # a run of a span too short to count (its multiples are the same run)
+    period, covered = found
+    return tail[-period:], covered // period, covered
+
+
+def shape_loop(shape: Shape, t: LoopThresholds) -> tuple[str, str, int, int] | None:
+    """(rule, span, repeats, chars) of the loop ``shape`` ends with whose numbers change."""
+    least = min(t.counter_repeats, t.counter_repeats_numeric, t.numbers_repeats, t.numbers_repeats_numeric)
+    found = repeated_tail(shape.text, min_repeats=least, min_chars=0, max_period=len(shape.text) // least)
+    if found is None:
+        return None
+    period, covered = found
+    span = shape.text[-period:]
+    per_copy = span.count(_PLACEHOLDER)
+    if per_copy == 0:
+        return None  # the same characters each time: the exact rule's
+    repeats = covered // period
+    numbers = shape.numbers[-repeats * per_copy :]
+    counting = _counting_copies(numbers, per_copy)
+    if not any(c.isalpha() for c in span):
+        # Numbers and punctuation alone are a list of numbers: counting to 400, the first 100
+        # primes and 60 sums one after another are legitimate.
+        if counting >= t.counter_repeats_numeric:
+            rule, copies = "counter", counting
+        elif repeats >= t.numbers_repeats_numeric and counting < repeats / 2:
+            rule, copies = "numbers", repeats
+        else:
+            return None
+    elif counting >= t.counter_repeats:
+        rule, copies = "counter", counting
+    elif repeats >= t.numbers_repeats:
+        rule, copies = "numbers", repeats
+    else:
+        return None
+    return rule, _fill(span, numbers[-per_copy:]), copies, covered + sum(len(x) - 1 for x in numbers)
+
+
+def _counting_copies(numbers: list[str], per_copy: int) -> int:
+    """How many copies at the end have each number move by its own constant step, one at least not 0."""
+    if any(len(x) > _MAX_DIGITS for x in numbers):
+        return 0
+    values = [int(x) for x in numbers]
+    copies = len(values) // per_copy
+    if copies < 2:
+        return 0
+    last = len(values) - per_copy
+    steps = [values[last + j] - values[last - per_copy + j] for j in range(per_copy)]
+    if not any(steps):
+        return 0
+    copy = copies - 2
+    while copy > 0:
+        base = copy * per_copy
+        if any(values[base + j] - values[base - per_copy + j] != steps[j] for j in range(per_copy)):
+            break
+        copy -= 1
+    return copies - copy
+
+
+def _fill(span: str, numbers: list[str]) -> str:
+    """The span as written, its placeholders given back their numbers."""
+    pieces = span.split(_PLACEHOLDER)
+    return "".join(p + n for p, n in zip(pieces, numbers)) + pieces[-1]

@@ -1,0 +1,99 @@
+"""The rules that read the text a line and a sentence at a time, for loops no single span repeats:
+
+- ``cycle``: the last lines are a few lines recurring in any order (``if ((i + j) % i == 0)``,
+  then ``% j``, then ``% i`` again, ... in code that never ends);
+- ``resaid``: sentence after sentence says again, in nearly the same words, what an earlier one
+  said (a paragraph re-said with a word changed here and there).
+
+Each line and sentence is looked at once, when it is complete; the cost is per unit of text, not
+per check.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterable
+
+from expansion_dag.servers.loop_thresholds import LoopThresholds
+
+_WORDS = re.compile(r"\w+")
+#: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
+#: A line or sentence that runs longer is judged as it is: the unfinished one is never re-read whole
+#: for every delta.
+_MAX_UNIT_CHARS = 2000
+
+
+class Units:
+    """Fed the text as it arrives; ``feed`` says once a ``cycle`` or ``resaid`` rule holds."""
+
+    def __init__(self, thresholds: LoopThresholds):
+        self._t = thresholds
+        self._line = ""
+        self._lines: collections.deque[str] = collections.deque(maxlen=thresholds.cycle_lines)
+        self._sentence = ""
+        #: Word sets of the last sentences long enough to judge.
+        self._said: collections.deque[frozenset[str]] = collections.deque(maxlen=thresholds.resaid_lookback)
+        #: The sentences, one after another, each nearly the same as an earlier one: how many, their characters.
+        self._streak = 0
+        self._streak_chars = 0
+
+    def feed(self, delta: str) -> tuple[str, str, int, int] | None:
+        """(rule, span, repeats, chars) once the text ends in a loop of lines or sentences."""
+        found = self._feed_lines(delta)
+        return self._feed_sentences(delta) or found
+
+    def _feed_lines(self, delta: str) -> tuple[str, str, int, int] | None:
+        *complete, self._line = (self._line + delta).split("\n")
+        if len(self._line) > _MAX_UNIT_CHARS:
+            complete.append(self._line)
+            self._line = ""
+        found = None
+        for line in complete:
+            line = line.strip()
+            if not line:
+                continue
+            self._lines.append(line)
+            if len(self._lines) == self._lines.maxlen and found is None:
+                counts = collections.Counter(self._lines)
+                if len(counts) <= self._t.cycle_distinct:
+                    span = "\n".join(line for line, _ in counts.most_common())
+                    found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in self._lines))
+        return found
+
+    def _feed_sentences(self, delta: str) -> tuple[str, str, int, int] | None:
+        *complete, self._sentence = _SENTENCE_END.split(self._sentence + delta)
+        if len(self._sentence) > _MAX_UNIT_CHARS:
+            complete.append(self._sentence)
+            self._sentence = ""
+        found = None
+        t = self._t
+        for sentence in complete:
+            words = _WORDS.findall(sentence.lower())
+            if len(words) < t.resaid_min_words:
+                continue
+            said = frozenset(words)
+            if _said_before(said, self._said, t.resaid_similarity):
+                self._streak += 1
+                self._streak_chars += len(sentence) + 1
+                if self._streak >= t.resaid_sentences and found is None:
+                    found = ("resaid", sentence, self._streak, self._streak_chars)
+            else:
+                self._streak = self._streak_chars = 0
+            self._said.append(said)
+        return found
+
+
+def _said_before(said: frozenset[str], earlier: Iterable[frozenset[str]], similarity: float) -> bool:
+    """Whether an earlier sentence shares at least ``similarity`` of the two's words (Jaccard)."""
+    size = len(said)
+    for other in earlier:
+        # |a & b| / |a | b| >= s needs min/max of the sizes >= s: most pairs end here.
+        small, large = (size, len(other)) if size <= len(other) else (len(other), size)
+        if small < similarity * large:
+            continue
+        shared = len(said & other)
+        if shared >= similarity * (size + len(other) - shared):
+            return True
+    return False
