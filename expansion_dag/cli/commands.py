@@ -383,7 +383,9 @@ def dry_run(args: argparse.Namespace) -> int:
         print("dry-run: no servers to mirror: pass --mirror URLS or name fleet.urls in the configuration", file=sys.stderr)
         return 2
     api_key = os.environ.get(args.api_key_env or config.fleet.api_key_env) or None
-    real = probe_fleet(urls, backend=args.backend or config.fleet.backend, api_key=api_key)
+    real = probe_fleet(
+        urls, backend=args.backend or config.fleet.backend, api_key=api_key, stream_interval=config.fleet.stream_interval
+    )
     slots = {s.slots for s in real.servers}
     # The simulators speak the real servers' dialect (what they return, token ids included), as the
     # oldest version of it, which the simulator emulates.

@@ -30,7 +30,8 @@ SENT = {
 
 
 def request(**kwargs):
-    return servers.chat_request("m", MESSAGES, 100, SamplingSettings(), **kwargs)
+    """The body sent for ``MESSAGES`` with ``kwargs``."""
+    return servers.chat_request("m", MESSAGES, 100, SamplingSettings(), **kwargs).body()
 
 
 def test_a_request_with_tools_sends_them_in_one_form_with_its_tool_choice():

@@ -16,9 +16,9 @@ Legitimate repetition (a markdown table, a list, unit tests, step-by-step arithm
 repeats a *shape* with cells, items, names and numbers that change, and it ends: exact repeats
 break within a few lines, and the shape rules ask for more copies than legitimate answers hold
 (counting to 400, Fibonacci for 60 lines and 50 unit tests of one function are all legitimate
-in the shipped corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``, built by
-``expansion_dag/servers/repetitive_corpus.py``). A list of numbers alone (digits and punctuation)
-needs ``counter_repeats_numeric`` copies: the first 100 primes are an answer.
+in the tests' corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``). A list of
+numbers alone (digits and punctuation) needs ``counter_repeats_numeric`` copies: the first 100
+primes are an answer.
 
 Characters, not tokens: the client sees text, and a token loop is a character loop.
 
@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expansion_dag.servers.loop_periodic import Shape, exact_loop, shape_loop
-from expansion_dag.servers.loop_thresholds import LoopThresholds
-from expansion_dag.servers.loop_units import Units
+from expansion_dag.servers.loops.loop_periodic import Shape, exact_loop, shape_loop
+from expansion_dag.servers.loops.loop_thresholds import LoopThresholds
+from expansion_dag.servers.loops.loop_units import Units
 
 
 #: What each rule saw, for a message; in the order a check tries them (each stop's record names its rule).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from expansion_dag.servers.loop_thresholds import LoopThresholds
+from expansion_dag.servers.loops.loop_thresholds import LoopThresholds
 
 #: Characters at the text's end whose earlier occurrences propose the candidate periods.
 _PROBE_CHARS = 8

@@ -1,4 +1,4 @@
-"""When the loop detector's rules (``expansion_dag.servers.degeneration``) call a text a loop."""
+"""When the loop detector's rules (``expansion_dag.servers.loops.degeneration``) call a text a loop."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class LoopThresholds:
-    """When each rule calls the text a loop; the rules are in ``expansion_dag.servers.degeneration``."""
+    """When each rule calls the text a loop; the rules are in ``expansion_dag.servers.loops.degeneration``.
+
+    The span rule's fields are the run configuration's (``generation.loop_*``): given, never assumed here.
+    """
 
     #: The shortest span counted (1: a run of one character, e.g. endless newlines, counts too); a
     #: run of a shorter span is not counted as a run of its multiples either.
-    min_span_chars: int = 1
+    min_span_chars: int
     #: Back-to-back copies of the span, the first included.
-    min_repeats: int = 4
+    min_repeats: int
     #: The repeated region must cover at least this many characters: short runs ("| --- | --- |",
     #: "ha ha ha", a row of "=") are formatting, not a loop.
-    min_loop_chars: int = 400
+    min_loop_chars: int
     #: How far back a check looks; the longest span found is ``window_chars // min_repeats``.
-    window_chars: int = 8192
+    window_chars: int
     #: New characters between checks.
     check_every_chars: int = 64
     #: ``counter``: copies of a span whose numbers all count by constant steps; a span of numbers

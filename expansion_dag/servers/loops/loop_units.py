@@ -15,7 +15,7 @@ import collections
 import re
 from collections.abc import Iterable
 
-from expansion_dag.servers.loop_thresholds import LoopThresholds
+from expansion_dag.servers.loops.loop_thresholds import LoopThresholds
 
 _WORDS = re.compile(r"\w+")
 #: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
