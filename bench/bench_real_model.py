@@ -332,6 +332,9 @@ async def _continue(run: Run, url: str, stopped: list[dict[str, Any]]) -> list[d
                 record = queue.pop()
                 messages = [*messages_of[record["prompt_id"]], {"role": "assistant", "content": record["content"]}]
                 body = chat_request(SERVED_NAME, messages, run.args.continue_tokens, run.sampling)
+                # No seed: vLLM 0.32's CPU build fails a seeded request whose prompt is prefilled in
+                # chunks ("CPU Generator does not use offset"), and the engine with it.
+                body.pop("seed", None)
                 body |= {"continue_final_message": True, "add_generation_prompt": False}
                 response = await client.post(f"{url}/v1/chat/completions", json=body)
                 response.raise_for_status()
@@ -439,6 +442,8 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=256, help="tokens per streamed event (the fleet's default)")
     parser.add_argument("--continue-tokens", type=int, default=768)
     parser.add_argument("--within", type=int, default=256, help="a stopped answer ending within this many more tokens is a false stop")
+    parser.add_argument("--project-records", type=Path,
+                        help="continue and cap phases: the records of an earlier project phase (its .jsonl.gz)")
     parser.add_argument("--url", help="an OpenAI server already serving the model as 'smollm2' (default: start one)")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--baseline", default="ca92c16", help="git revision of the detector compared against")
@@ -463,6 +468,9 @@ def main() -> None:
             run = Run(args)
             document["server"] = {"url": url, "started_here": pid is not None}
             records: list[dict[str, Any]] = []
+            if args.project_records:
+                with gzip.open(args.project_records, "rt", encoding="utf-8") as f:
+                    records = [json.loads(line) for line in f]
             for phase in served:
                 before = group_cpu_s(pid) if pid else None
                 if phase == "project":
