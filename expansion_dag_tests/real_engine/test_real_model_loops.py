@@ -5,8 +5,8 @@ every run writes the same answer), once repeating one line exactly and once coun
 it was asked (``a(94) = 102, a(95) = 103, ...`` for a list that ends at ``a(28)``). Each answer is
 streamed through the project's own client (``send_chat``, as the engine sends it) with the default
 loop thresholds, and must be stopped well before its cap with the rule that saw it named. Both
-answers were read in full, greedy, to 1,200 tokens on this engine: the first loops from about token
-150, the second counts on from about token 250.
+answers were read in full, greedy, to 1,200 tokens on this engine: the first repeats one
+``#define`` line from its second line on, the second counts on past ``a(28)`` from about token 375.
 
 The model is the folder CI builds (``.models/smollm2-135m-instruct``; see ``docs/development.md``).
 """
