@@ -24,7 +24,14 @@ from expansion_dag.servers import SGLANG, VLLM, parse_chat_completion, parse_cha
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.ports import free_ports
 
-MISSING = object()
+class _Missing:
+    """Removes a field; its repr is fixed so that xdist's workers collect the same test ids."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
 
 
 def plain_body(dialect) -> dict[str, Any]:

@@ -179,10 +179,11 @@ REAL_RUN_CONFIG: dict[str, Any] = {"resources": {"settings": {"config": REAL_SET
 #: Few prompts, of the bundled samples: math word problems, which it answers in a few sentences.
 REAL_CATALOG: dict[str, Any] = {
     "seed": 0,
+    "local_root": "bundled",  # the package's sample files
     "sources": [{
         "name": "metamathqa",
         "hub_id": "meta-math/MetaMathQA",
-        "local_path": "metamathqa/MetaMathQA-395K.json",  # the package's bundled sample
+        "local_path": "metamathqa/MetaMathQA-395K.json",
         "extractor": "metamathqa",
         "quota": 8,
     }],
