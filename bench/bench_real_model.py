@@ -3,8 +3,10 @@ engine itself, and what the loop detector costs the client.
 
 CPU figures: SmolLM2-135M-Instruct (``.models/smollm2-135m-instruct``, built by CI) served by vLLM's
 CPU build (``.venv-vllm``) on this machine's cores, never GPU figures. The prompts
-(:func:`build_prompts`) are code, math word problems, explanations and lists, from the bundled
-sample datasets' templates and lists and a few of this script's own, seeded.
+(:func:`build_prompts`) are the issue's kinds, code, math word problems and explanations (and
+lists, with ``--kinds``), from the bundled sample datasets' templates and lists and a few of this
+script's own, seeded. Every request carries ``--seed``, so both runs write the same answer to a
+prompt until the project stops it.
 
 Phases (``--phases``, in this order):
 
@@ -17,15 +19,16 @@ Phases (``--phases``, in this order):
   the wall time.
 - ``continue``: every answer the project stopped is continued by the engine for
   ``--continue-tokens`` more (the same messages, the partial answer as the final assistant message,
-  ``continue_final_message``), and those that end on their own within ``--within`` tokens are
-  counted: the stops a user could call false.
+  ``continue_final_message``, without the seed: vLLM's CPU build fails seeded chunked prefills),
+  and those that end on their own within ``--within`` tokens are counted: the stops a user could
+  call false. ``--project-records`` runs it (and ``cap``) on an earlier project phase's records.
 - ``cap``: the project's answers that ran to the cap, written to a file for a person to read
   (``cap-answers-*.md`` beside the result): the judgement of which are loops is theirs.
 - ``detector``: the client CPU of the detector against the one at ``--baseline`` (git), on the
   same text: the answers of the fixture ``expansion_dag_tests/data/real_model_answers.jsonl.gz``
   fed as a stream would (events of 256 tokens, and of one token), until each stops or ends.
 
-    .venv/bin/python bench/bench_real_model.py                                  # the issue's shape: ~2 h on 2 shared cores
+    .venv/bin/python bench/bench_real_model.py                                  # the issue's shape: ~1.5 h on 2 shared cores
     .venv/bin/python bench/bench_real_model.py --prompts 24 --max-tokens 1024   # a smoke run, ~10 min
     .venv/bin/python bench/bench_real_model.py --phases detector                # the detector's CPU alone, ~1 min
 """
@@ -332,7 +335,10 @@ async def _continue(run: Run, url: str, stopped: list[dict[str, Any]]) -> list[d
                 record = queue.pop()
                 messages = [*messages_of[record["prompt_id"]], {"role": "assistant", "content": record["content"]}]
                 request = chat_request(SERVED_NAME, messages, run.args.continue_tokens, run.sampling)
-                body = {**request.body(), "continue_final_message": True, "add_generation_prompt": False}
+                # No seed: vLLM 0.32's CPU build fails a seeded request whose prompt is prefilled in
+                # chunks ("CPU Generator does not use offset"), and the engine with it.
+                body = {k: v for k, v in request.body().items() if k != "seed"}
+                body |= {"continue_final_message": True, "add_generation_prompt": False}
                 response = await client.post(f"{url}/v1/chat/completions", json=body)
                 response.raise_for_status()
                 answer = parse_chat_completion(response.json(), VLLM)
@@ -440,6 +446,8 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=256, help="tokens per streamed event (the fleet's default)")
     parser.add_argument("--continue-tokens", type=int, default=768)
     parser.add_argument("--within", type=int, default=256, help="a stopped answer ending within this many more tokens is a false stop")
+    parser.add_argument("--project-records", type=Path,
+                        help="continue and cap phases: the records of an earlier project phase (its .jsonl.gz)")
     parser.add_argument("--url", help="an OpenAI server already serving the model as 'smollm2' (default: start one)")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--baseline", default="ca92c16", help="git revision of the detector compared against")
@@ -464,6 +472,9 @@ def main() -> None:
             run = Run(args)
             document["server"] = {"url": url, "started_here": pid is not None}
             records: list[dict[str, Any]] = []
+            if args.project_records:
+                with gzip.open(args.project_records, "rt", encoding="utf-8") as f:
+                    records = [json.loads(line) for line in f]
             for phase in served:
                 before = group_cpu_s(pid) if pid else None
                 if phase == "project":

@@ -29,6 +29,7 @@ from expansion_dag.config import (
     CONFIG_ENV,
     SIMULATOR_LAUNCH_COMMAND,
     ConfigError,
+    RunConfig,
     current_config,
     load_config,
 )
@@ -36,6 +37,8 @@ from expansion_dag.generation import ProgressDisplay, ShardProgress, quiet_third
 
 if TYPE_CHECKING:
     from upath import UPath
+
+    from expansion_dag.servers import FleetInfo
 
 DEFAULT_HOME = ".dagster_home"
 #: How often the shard table is redrawn from the instance.
@@ -372,9 +375,20 @@ def _print_summary(out_dir: UPath) -> None:
         print(f"  {source}: {figures['samples']:,} samples, {figures['tokens']:,} tokens", flush=True)
 
 
+def mirrored_fleet(config: RunConfig, urls: list[str], *, backend: str | None, api_key: str | None) -> FleetInfo:
+    """The real fleet a dry run mirrors, probed as the run would probe it: with the slots the
+    configuration gives (vLLM reports none)."""
+    from expansion_dag.servers import probe_fleet
+
+    return probe_fleet(
+        urls, backend=backend or config.fleet.backend, api_key=api_key, slots_override=config.fleet.slots,
+        stream_interval=config.fleet.stream_interval,
+    )
+
+
 def dry_run(args: argparse.Namespace) -> int:
     """Prove a configuration on simulators that mirror a real fleet, before GPU hours are spent."""
-    from expansion_dag.servers import dialect_for, probe_fleet
+    from expansion_dag.servers import dialect_for
 
     use_config(args.config)
     config = current_config()
@@ -383,9 +397,7 @@ def dry_run(args: argparse.Namespace) -> int:
         print("dry-run: no servers to mirror: pass --mirror URLS or name fleet.urls in the configuration", file=sys.stderr)
         return 2
     api_key = os.environ.get(args.api_key_env or config.fleet.api_key_env) or None
-    real = probe_fleet(
-        urls, backend=args.backend or config.fleet.backend, api_key=api_key, stream_interval=config.fleet.stream_interval
-    )
+    real = mirrored_fleet(config, urls, backend=args.backend, api_key=api_key)
     slots = {s.slots for s in real.servers}
     # The simulators speak the real servers' dialect (what they return, token ids included), as the
     # oldest version of it, which the simulator emulates.

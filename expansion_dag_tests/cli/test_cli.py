@@ -136,6 +136,18 @@ def test_a_dry_run_mirrors_a_real_fleet_on_simulators_in_its_own_storage(tmp_pat
         assert "simulated" in event.asset_materialization.metadata["context_length_source"].value
 
 
+def test_a_dry_run_mirrors_a_vllm_fleet_with_the_slots_its_configuration_gives():
+    """vLLM reports no slots: the dry run probes the real servers with the configured ``fleet.slots``,
+    as the run itself does, instead of failing on the probe the run would pass."""
+    from expansion_dag.cli import mirrored_fleet
+    from expansion_dag.config import parse_config
+
+    config = parse_config({"fleet": {"backend": "vllm", "slots": 24}}, where="my-run.yaml", env={})
+    with SimulatedFleet([SimServerConfig(port=0, backend="vllm", max_running_requests=24)]) as fleet:
+        real = mirrored_fleet(config, fleet.urls, backend=None, api_key=None)
+    assert [(s.backend, s.slots, s.slots_source) for s in real.servers] == [("vllm", 24, "configured: fleet.slots")]
+
+
 #: Values a user edits in the file; the requests the fleet receives must carry them.
 EDITED = {"temperature": 0.41, "max_output_tokens": 320, "chat_template_kwargs": {"enable_thinking": False}}
 

@@ -5,26 +5,22 @@ every run writes the same answer), once repeating one line exactly and once coun
 it was asked (``a(94) = 102, a(95) = 103, ...`` for a list that ends at ``a(28)``). Each answer is
 streamed through the project's own client (``send_chat``, as the engine sends it) with the default
 loop thresholds, and must be stopped well before its cap with the rule that saw it named. Both
-answers were read in full, greedy, to 1,200 tokens on this engine: the first loops from about token
-150, the second counts on from about token 250.
+answers were read in full, greedy, to 1,200 tokens on this engine: the first repeats one
+``#define`` line from its second line on, the second counts on past ``a(28)`` from about token 375.
 
-The model is the folder CI builds (``.models/smollm2-135m-instruct``; see ``docs/development.md``).
+The server is the suite's real-model vLLM (``real_vllm_server``: the folder CI builds,
+``.models/smollm2-135m-instruct``; see ``docs/development.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-
 import pytest
 
 from expansion_dag.servers import VLLM, DegenerateError, chat_request, send_chat
 from expansion_dag_tests.helpers import loop_thresholds
-from expansion_dag_tests.real_engine.support import GREEDY, REQUEST_TIMEOUT_S, ROOT, VllmServer, stream_client
+from expansion_dag_tests.real_engine.support import GREEDY, REQUEST_TIMEOUT_S, VllmServer, stream_client
 
-MODEL_DIR = ROOT / ".models" / "smollm2-135m-instruct"
-#: Room for both answers at once: the cap and the prompt, twice, in the small KV cache of ``VllmServer``.
-CONTEXT_LENGTH = 4096
 MAX_TOKENS = 3072
 #: Events of a few tokens, so that a stop comes within a few tokens of the rule seeing the loop.
 STREAM_INTERVAL = 16
@@ -33,23 +29,12 @@ LOOPING_PROMPTS = [
     ("Write a C header that defines constants for the error codes of a file parser.", "exact"),
     ("Solve the recurrence a(n) = a(n-1) + 6 with a(1) = 9 and list a(1) to a(28).", "counter"),
 ]
+#: The session's server may not have started yet: its start counts against this test.
+pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def real_model_server(tmp_path_factory) -> Iterator[VllmServer]:
-    if not (MODEL_DIR / "config.json").exists():
-        pytest.fail(f"the real model these tests serve is not built: {MODEL_DIR} is missing (CI builds it)", pytrace=False)
-    server = VllmServer(MODEL_DIR, tmp_path_factory.mktemp("vllm-real") / "vllm.log", context_length=CONTEXT_LENGTH,
-                        slots=len(LOOPING_PROMPTS), api_key="real-model-key")  # fmt: skip
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
-def test_the_real_model_loops_are_stopped_early_with_the_rule_named(real_model_server: VllmServer):
-    server = real_model_server
+def test_the_real_model_loops_are_stopped_early_with_the_rule_named(real_vllm_server: VllmServer):
+    server = real_vllm_server
 
     async def stream(prompt: str) -> DegenerateError | None:
         request = chat_request(

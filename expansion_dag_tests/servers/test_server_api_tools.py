@@ -1,5 +1,5 @@
 """Tools in requests and tool calls in answers: the bodies sent, and the calls read back from plain
-and streamed answers in each server's shape (see expansion_dag/servers/tools.py for the facts)."""
+and streamed answers in each server's shape (see expansion_dag/servers/wire/tools.py for the facts)."""
 
 import json
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import re
 
-from expansion_dag.servers.loops.loop_thresholds import LoopThresholds
-
 #: Characters at the text's end whose earlier occurrences propose the candidate periods.
 _PROBE_CHARS = 8
 #: What a run of digits becomes in the shape: a character no answer holds.
@@ -89,20 +87,23 @@ class Shape:
                 del self.numbers[:dropped]
 
 
-def exact_loop(tail: str, t: LoopThresholds) -> tuple[str, int, int] | None:
-    """(span, repeats, chars) of the exact loop ``tail`` ends with."""
-    found = repeated_tail(
-        tail, min_repeats=t.min_repeats, min_chars=t.min_loop_chars, max_period=t.window_chars // t.min_repeats
-    )
-    if found is None or found[0] < t.min_span_chars:
+def exact_loop(tail: str, *, min_repeats: int, min_chars: int, min_span: int) -> tuple[str, int, int] | None:
+    """(span, repeats, chars) of the exact loop ``tail`` ends with: a span of ``min_span`` characters
+    at least, repeated ``min_repeats`` times over ``min_chars``."""
+    found = repeated_tail(tail, min_repeats=min_repeats, min_chars=min_chars, max_period=len(tail) // min_repeats)
+    if found is None or found[0] < min_span:
         return None  # a run of a span too short to count (its multiples are the same run)
     period, covered = found
     return tail[-period:], covered // period, covered
 
 
-def shape_loop(shape: Shape, t: LoopThresholds) -> tuple[str, str, int, int] | None:
-    """(rule, span, repeats, chars) of the loop ``shape`` ends with whose numbers change."""
-    least = min(t.counter_repeats, t.counter_repeats_numeric, t.numbers_repeats, t.numbers_repeats_numeric)
+def shape_loop(
+    shape: Shape, *, counter: int, counter_numeric: int, numbers: int, numbers_numeric: int
+) -> tuple[str, str, int, int] | None:
+    """(rule, span, repeats, chars) of the loop ``shape`` ends with whose numbers change: ``counter``
+    copies that count (``counter_numeric`` of numbers and punctuation alone), or ``numbers`` copies
+    (``numbers_numeric``) whose numbers change otherwise."""
+    least = min(counter, counter_numeric, numbers, numbers_numeric)
     found = repeated_tail(shape.text, min_repeats=least, min_chars=0, max_period=len(shape.text) // least)
     if found is None:
         return None
@@ -112,24 +113,24 @@ def shape_loop(shape: Shape, t: LoopThresholds) -> tuple[str, str, int, int] | N
     if per_copy == 0:
         return None  # the same characters each time: the exact rule's
     repeats = covered // period
-    numbers = shape.numbers[-repeats * per_copy :]
-    counting = _counting_copies(numbers, per_copy)
+    values = shape.numbers[-repeats * per_copy :]
+    counting = _counting_copies(values, per_copy)
     if not any(c.isalpha() for c in span):
         # Numbers and punctuation alone are a list of numbers: counting to 400, the first 100
         # primes and 60 sums one after another are legitimate.
-        if counting >= t.counter_repeats_numeric:
+        if counting >= counter_numeric:
             rule, copies = "counter", counting
-        elif repeats >= t.numbers_repeats_numeric and counting < repeats / 2:
+        elif repeats >= numbers_numeric and counting < repeats / 2:
             rule, copies = "numbers", repeats
         else:
             return None
-    elif counting >= t.counter_repeats:
+    elif counting >= counter:
         rule, copies = "counter", counting
-    elif repeats >= t.numbers_repeats:
+    elif repeats >= numbers:
         rule, copies = "numbers", repeats
     else:
         return None
-    return rule, _fill(span, numbers[-per_copy:]), copies, covered + sum(len(x) - 1 for x in numbers)
+    return rule, _fill(span, values[-per_copy:]), copies, covered + sum(len(x) - 1 for x in values)
 
 
 def _counting_copies(numbers: list[str], per_copy: int) -> int:

@@ -15,11 +15,10 @@ import collections
 import re
 from collections.abc import Iterable
 
-from expansion_dag.servers.loops.loop_thresholds import LoopThresholds
-
 _WORDS = re.compile(r"\w+")
 #: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
+_LINE_END = re.compile(r"\n")
 #: A line or sentence that runs longer is judged as it is: the unfinished one is never re-read whole
 #: for every delta.
 _MAX_UNIT_CHARS = 2000
@@ -28,13 +27,22 @@ _MAX_UNIT_CHARS = 2000
 class Units:
     """Fed the text as it arrives; ``feed`` says once a ``cycle`` or ``resaid`` rule holds."""
 
-    def __init__(self, thresholds: LoopThresholds):
-        self._t = thresholds
+    def __init__(
+        self, *, cycle_lines: int, cycle_distinct: int, resaid_sentences: int, resaid_similarity: float,
+        resaid_min_words: int, resaid_lookback: int,
+    ):
+        """``cycle``: the last ``cycle_lines`` lines hold at most ``cycle_distinct`` different ones.
+        ``resaid``: ``resaid_sentences`` sentences in a row (of ``resaid_min_words`` words at least)
+        each share ``resaid_similarity`` of their words with one of the ``resaid_lookback`` before."""
+        self._cycle_distinct = cycle_distinct
+        self._resaid_sentences = resaid_sentences
+        self._similarity = resaid_similarity
+        self._min_words = resaid_min_words
         self._line = ""
-        self._lines: collections.deque[str] = collections.deque(maxlen=thresholds.cycle_lines)
+        self._lines: collections.deque[str] = collections.deque(maxlen=cycle_lines)
         self._sentence = ""
         #: Word sets of the last sentences long enough to judge.
-        self._said: collections.deque[frozenset[str]] = collections.deque(maxlen=thresholds.resaid_lookback)
+        self._said: collections.deque[frozenset[str]] = collections.deque(maxlen=resaid_lookback)
         #: The sentences, one after another, each nearly the same as an earlier one: how many, their characters.
         self._streak = 0
         self._streak_chars = 0
@@ -45,10 +53,7 @@ class Units:
         return self._feed_sentences(delta) or found
 
     def _feed_lines(self, delta: str) -> tuple[str, str, int, int] | None:
-        *complete, self._line = (self._line + delta).split("\n")
-        if len(self._line) > _MAX_UNIT_CHARS:
-            complete.append(self._line)
-            self._line = ""
+        complete, self._line = _completed(self._line + delta, _LINE_END)
         found = None
         for line in complete:
             line = line.strip()
@@ -57,32 +62,36 @@ class Units:
             self._lines.append(line)
             if len(self._lines) == self._lines.maxlen and found is None:
                 counts = collections.Counter(self._lines)
-                if len(counts) <= self._t.cycle_distinct:
+                if len(counts) <= self._cycle_distinct:
                     span = "\n".join(line for line, _ in counts.most_common())
                     found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in self._lines))
         return found
 
     def _feed_sentences(self, delta: str) -> tuple[str, str, int, int] | None:
-        *complete, self._sentence = _SENTENCE_END.split(self._sentence + delta)
-        if len(self._sentence) > _MAX_UNIT_CHARS:
-            complete.append(self._sentence)
-            self._sentence = ""
+        complete, self._sentence = _completed(self._sentence + delta, _SENTENCE_END)
         found = None
-        t = self._t
         for sentence in complete:
             words = _WORDS.findall(sentence.lower())
-            if len(words) < t.resaid_min_words:
+            if len(words) < self._min_words:
                 continue
             said = frozenset(words)
-            if _said_before(said, self._said, t.resaid_similarity):
+            if _said_before(said, self._said, self._similarity):
                 self._streak += 1
                 self._streak_chars += len(sentence) + 1
-                if self._streak >= t.resaid_sentences and found is None:
+                if self._streak >= self._resaid_sentences and found is None:
                     found = ("resaid", sentence, self._streak, self._streak_chars)
             else:
                 self._streak = self._streak_chars = 0
             self._said.append(said)
         return found
+
+
+def _completed(text: str, end: re.Pattern[str]) -> tuple[list[str], str]:
+    """The units ``text`` completes, and the unfinished rest (judged as it is once too long)."""
+    *complete, rest = end.split(text)
+    if len(rest) > _MAX_UNIT_CHARS:
+        return [*complete, rest], ""
+    return complete, rest
 
 
 def _said_before(said: frozenset[str], earlier: Iterable[frozenset[str]], similarity: float) -> bool:
