@@ -165,7 +165,7 @@ def test_counting_that_a_legitimate_answer_does_is_left_alone():
     table = "\n".join(f"7 x {i} = {7 * i}" for i in range(1, 41))
     tests = "\n".join(f"    assert add({i}, {i}) == {2 * i}" for i in range(50))
     for text in (counting, table, tests):
-        assert first_stop(text) == (None, None)
+        assert first_stop(text, piece=1500) == (None, None)  # events of 256 tokens, as streamed
 
 
 def test_a_span_whose_numbers_change_without_counting_is_stopped_by_the_numbers_rule():
@@ -205,6 +205,15 @@ def test_sentences_said_again_in_other_words_are_resaid():
     )
     stop, loop = first_stop(text)
     assert loop.rule == "resaid" and loop.repeats == DEFAULT.resaid_sentences
+
+
+def test_text_that_never_ends_a_sentence_is_not_resaid():
+    # Stretches of 2,000 characters drawn from the same 200 words share most of them; a
+    # run-on "sentence" cut for its length is no sentence said again (the simulator writes such text).
+    rng = random.Random(11)
+    words = sorted({"".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 6))) for _ in range(200)})
+    text = " ".join(rng.choices(words, k=12_000))
+    assert first_stop(text, piece=1500) == (None, None)  # events of 256 tokens, as streamed
 
 
 def test_the_detector_keeps_only_its_window_and_stays_stopped():
