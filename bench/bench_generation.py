@@ -74,7 +74,7 @@ from expansion_dag.core import (
 )
 from expansion_dag.generation import EngineConfig, PromptQueue, Server, ShardRun, WorkItem
 from expansion_dag.prompts import assign_shards, shard_keys
-from expansion_dag.servers import DEFAULT_STREAM_INTERVAL
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL
 from expansion_dag.sim import DEFAULT_REASONING_SHARE, FleetProcess, OutputModel, SimServerConfig
 from expansion_dag.store import CompletionStore
 

@@ -80,7 +80,11 @@ def slow_fsync(folder: Path, delay_s: float, spans: list[tuple[float, float]]) -
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import expansion_dag
     from expansion_dag.core import SamplingSettings
-    from expansion_dag.generation import EngineConfig, Server, ShardRun, WorkItem, run_ticked
+    from expansion_dag.generation import EngineConfig, Server, ShardRun, WorkItem
+    try:
+        from expansion_dag.servers import run_ticked
+    except ImportError:  # a baseline tree from before the event loop joined servers/transport/
+        from expansion_dag.generation import run_ticked
     from expansion_dag.store import CompletionStore
 
     folder = Path(tempfile.mkdtemp(prefix="bench-loop-lag-"))

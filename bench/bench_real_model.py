@@ -67,7 +67,7 @@ from expansion_dag.samples.chat_sources import (
     MATH_TEMPLATES,
     WEB_TEMPLATES,
 )
-from expansion_dag.servers import VLLM, LoopDetector, LoopThresholds, chat_request, parse_chat_completion
+from expansion_dag.servers import VLLM, LoopDetector, chat_request, parse_chat_completion
 from expansion_dag.store import CompletionStore
 from expansion_dag.training import ROW, AnswerJudge, TrainingSetConfig
 
@@ -298,8 +298,8 @@ async def _plain(run: Run, url: str) -> list[dict[str, Any]]:
         async def worker() -> None:
             while queue:
                 item = queue.pop()
-                body = chat_request(SERVED_NAME, item.messages, run.args.max_tokens, run.sampling)
-                response = await client.post(f"{url}/v1/chat/completions", json=body)
+                request = chat_request(SERVED_NAME, item.messages, run.args.max_tokens, run.sampling)
+                response = await client.post(f"{url}/v1/chat/completions", json=request.body())
                 response.raise_for_status()
                 answer = parse_chat_completion(response.json(), VLLM)
                 records.append({
@@ -334,10 +334,10 @@ async def _continue(run: Run, url: str, stopped: list[dict[str, Any]]) -> list[d
             while queue:
                 record = queue.pop()
                 messages = [*messages_of[record["prompt_id"]], {"role": "assistant", "content": record["content"]}]
-                body = chat_request(SERVED_NAME, messages, run.args.continue_tokens, run.sampling)
+                request = chat_request(SERVED_NAME, messages, run.args.continue_tokens, run.sampling)
                 # No seed: vLLM 0.32's CPU build fails a seeded request whose prompt is prefilled in
                 # chunks ("CPU Generator does not use offset"), and the engine with it.
-                body.pop("seed", None)
+                body = {k: v for k, v in request.body().items() if k != "seed"}
                 body |= {"continue_final_message": True, "add_generation_prompt": False}
                 response = await client.post(f"{url}/v1/chat/completions", json=body)
                 response.raise_for_status()
@@ -403,10 +403,11 @@ def detector_phase(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(str(args.model_dir))
     old_detector, old_thresholds = baseline_detector(args.baseline)
 
+    now = EngineConfig().loop_thresholds()  # the engine's, as a run configures it
     result: dict[str, Any] = {"answers": len(texts), "chars": sum(map(len, texts))}
     for interval in (256, 1):
         streams = [_events(tokenizer, t, interval) for t in texts]
-        for name, make in (("baseline", lambda: old_detector(old_thresholds())), ("now", lambda: LoopDetector(LoopThresholds()))):
+        for name, make in (("baseline", lambda: old_detector(old_thresholds())), ("now", lambda: LoopDetector(now))):
             runs, fed = [], 0
             for _ in range(args.repeat):
                 fed, started = 0, time.process_time()

@@ -9,9 +9,9 @@ process and measures the client's CPU per event, side by side:
   waking up for an event costs on this machine; no HTTP client can cost less.
 - ``httpx on anyio``: httpx's own async network layer, reading the body (the client before).
 - ``httpx on asyncio_network``: the same ``httpx.AsyncClient`` and httpcore on
-  :mod:`expansion_dag.servers.asyncio_network`.
-- ``HttpClient``: :mod:`expansion_dag.servers.http_client`, the workers' client: the same transport
-  without ``AsyncClient``, the body read as the transport's byte stream.
+  :mod:`expansion_dag.servers.transport.asyncio_network`.
+- ``HttpClient``: :mod:`expansion_dag.servers.transport.http_client`, the workers' client: the same
+  transport without ``AsyncClient``, the body read as the transport's byte stream.
 - ``send_chat``: the whole streamed request as the engine makes it: ``HttpClient``, plus the SSE
   and JSON parsing and the loop detector.
 
@@ -30,11 +30,13 @@ import time
 import httpx
 from harness import header, http_server_child, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
+from expansion_dag.core import SamplingSettings
+from expansion_dag.generation import EngineConfig
 from expansion_dag.servers import (
     SGLANG,
     HttpClient,
-    LoopThresholds,
     asyncio_transport,
+    chat_request,
     make_client,
     send_chat,
     tls_context,
@@ -116,7 +118,9 @@ async def measure(name: str, url: str, repeats: int) -> float:
         if name == "HttpClient":
             run = lambda: read_stream(client, url)  # noqa: E731
         else:
-            run = lambda: send_chat(client, url, REQUEST, SGLANG, LoopThresholds(), stream_interval=256)  # noqa: E731
+            chat = chat_request("m", REQUEST["messages"], 256 * 100, SamplingSettings(), stream=True)
+            thresholds = EngineConfig().loop_thresholds()  # the engine's, as a run configures it
+            run = lambda: send_chat(client, url, chat, SGLANG, thresholds, stream_interval=256)  # noqa: E731
     await run()  # connect and warm up outside the measurement
     cpu = time.process_time()
     for _ in range(repeats):

@@ -96,11 +96,11 @@ from bench_waste import (  # (bench/ is on sys.path when run as a script)
 )
 from harness import RESULTS_DIR, header, process_cpu_s, write_result
 
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL
 from expansion_dag.core import ModeIdentities, ModeMix, SamplingSettings, load_tokenizer
 from expansion_dag.generation import EngineConfig, Server, ShardWork, TurnPlanner, WorkItem, generate_shard
 from expansion_dag.prompts import BudgetConfig, budget_prompts, extract_prompts, package_dir, shard_keys
 from expansion_dag.servers import (
-    DEFAULT_STREAM_INTERVAL,
     SGLANG,
     chat_request,
     parse_chat_completion,
@@ -402,7 +402,7 @@ async def plain_loop(night: Night, urls: list[str], stagger_s: float) -> dict[st
         request = chat_request(MODEL, item.messages, item.max_tokens, item.sampling or SAMPLING, tools=item.tools)
         for _ in range(RETRY_ATTEMPTS):
             try:
-                response = await client.post(f"{url}/v1/chat/completions", json=request)
+                response = await client.post(f"{url}/v1/chat/completions", json=request.body())
             except httpx.HTTPError:
                 counts["failed"] += 1
                 return None

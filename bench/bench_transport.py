@@ -37,7 +37,7 @@ import httpcore
 import httpx
 from harness import header, http_server_child, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.servers import HttpClient, asyncio_network, tls_context
+from expansion_dag.servers import AsyncioBackend, AsyncioTransport, HttpClient, asyncio_transport, tls_context
 
 COMPLETION = json.dumps({
     "id": "c", "object": "chat.completion",
@@ -66,14 +66,14 @@ async def serve(events: int) -> None:
 def public_pool() -> httpx.AsyncBaseTransport:
     pool = httpcore.AsyncConnectionPool(
         ssl_context=tls_context(), max_connections=1, keepalive_expiry=5.0,
-        network_backend=asyncio_network.AsyncioBackend(),
+        network_backend=AsyncioBackend(),
     )
-    return asyncio_network.AsyncioTransport(pool)
+    return AsyncioTransport(pool)
 
 
 VARIANTS = {
     "baseline: AsyncioTransport on httpcore's pool": public_pool,
-    "AsyncioTransport on OneConnection: the product's": lambda: asyncio_network.asyncio_transport(tls=tls_context()),
+    "AsyncioTransport on OneConnection: the product's": lambda: asyncio_transport(tls=tls_context()),
 }
 
 

@@ -77,6 +77,7 @@ from typing import Any
 
 from harness import header, write_result  # (bench/ is on sys.path when run as a script)
 
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL
 from expansion_dag.core import DEFAULT_TOKENIZER, SamplingSettings
 from expansion_dag.generation import (
     AnswerLengths,
@@ -86,10 +87,9 @@ from expansion_dag.generation import (
     ShardRun,
     Turn,
     WorkItem,
-    run_ticked,
     spearman,
 )
-from expansion_dag.servers import DEFAULT_STREAM_INTERVAL, find_loop
+from expansion_dag.servers import find_loop, run_ticked
 from expansion_dag.sim import DEFAULT_REASONING_SHARE, FleetProcess, OutputModel, SimServerConfig
 from expansion_dag.store import CompletionStore
 

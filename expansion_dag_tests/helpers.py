@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import gzip
 import json
 import ssl
 import time
@@ -13,6 +14,7 @@ import dagster as dg
 import httpx
 import polars as pl
 
+from expansion_dag.config import GenerationConfig
 from expansion_dag.core import (
     DEFAULT_MODE,
     Identity,
@@ -22,7 +24,8 @@ from expansion_dag.core import (
     base_prompt_id,
 )
 from expansion_dag.defs.resources import FleetResource, GenerationSettings, ParquetIOManager, StorageResource
-from expansion_dag.servers import HttpClient, make_client
+from expansion_dag.servers import HttpClient, LoopThresholds, make_client
+from expansion_dag_tests.data.make_repetitive_corpus import CORPUS_PATH
 
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 
@@ -112,6 +115,25 @@ def mock_client(handler) -> HttpClient:
     """A generation client whose requests ``handler`` answers in-process (httpx's MockTransport)."""
     return make_client(timeout_s=10.0, connect_timeout_s=2.0, tls=ssl.create_default_context(),
                        transport=httpx.MockTransport(handler))
+
+
+def loop_thresholds(**changes: Any) -> LoopThresholds:
+    """The loop detector's thresholds as the run configuration sets them by default (its
+    ``generation.loop_*``), with ``changes``."""
+    generation = GenerationConfig()
+    configured = {
+        "min_span_chars": generation.loop_min_span_chars,
+        "min_repeats": generation.loop_min_repeats,
+        "min_loop_chars": generation.loop_min_chars,
+        "window_chars": generation.loop_window_chars,
+    }
+    return LoopThresholds(**{**configured, **changes})
+
+
+def repetitive_answers() -> list[dict[str, str]]:
+    """The corpus of legitimate answers that repeat a shape (``data/make_repetitive_corpus.py``)."""
+    with gzip.open(CORPUS_PATH, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
 def one_mode(identity: Identity, chat_template_kwargs: dict | None = None) -> ModeIdentities:

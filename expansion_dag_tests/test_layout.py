@@ -21,7 +21,9 @@ ROOT = PACKAGE.parent
 #: The layers, bottom first: a folder imports its own modules and the folders before it, never after.
 LAYERS = ("core", "store", "prompts", "servers", "training", "generation", "config", "defs", "cli")
 #: Beside the layers: the simulator stands on the core alone (the product starts it as a process,
-#: never imports it), and the bundled sample datasets' maker imports nothing of the package.
+#: never imports it), and the bundled sample datasets' maker imports nothing of the package. So the
+#: simulator reads the servers' contracts its own way, never with the client's wire types: a
+#: misreading shared by both would pass every test that pits one against the other.
 SIDE = {"sim": {"core"}, "samples": set()}
 #: Modules at the top, outside any folder: Dagster's one root of definitions, which wires them all
 #: and, for the direction between folders, counts as the shell's (the CLI runs it).
@@ -133,6 +135,46 @@ def test_the_folders_import_each_other_through_their_front_doors():
         if n.startswith("_") and folder(module) != folder(name)
     )
     assert private == [], "another folder's private names are its own"
+
+
+#: The layer whose folders are its jobs (docs/development.md, "Layout"): each job a folder with a
+#: front door, through which alone the others reach it.
+SERVERS = "expansion_dag.servers"
+
+
+def servers_job(name: str) -> str:
+    """The job folder of a module of servers/ (``expansion_dag.servers.wire``)."""
+    return ".".join(name.split(".")[:3])
+
+
+def test_each_job_of_servers_reaches_another_only_through_that_jobs_front_door():
+    found = modules()
+    inside = [name for name in found if name.startswith(SERVERS + ".")]
+    loose = sorted(name for name in inside if servers_job(name) not in packages())
+    assert inside and loose == [], "each module of servers/ sits in the folder of its job"
+    reaching = []
+    for name in inside:
+        own = servers_job(name)
+        for module, names in imported(found[name]):
+            if module.split(".")[:3] == own.split(".") or not module.startswith(SERVERS):
+                continue
+            through_door = module == servers_job(module) != SERVERS and not any(
+                n.startswith("_") or f"{module}.{n}" in found for n in names
+            )
+            if not through_door:
+                reaching.append(f"{name}: {module} {', '.join(names)}".strip())
+    # The layer's own front door re-exports the jobs: a job that imports it goes round in a circle.
+    assert reaching == []
+
+
+def test_the_other_layers_reach_servers_through_its_front_door():
+    found = modules()
+    past = sorted(
+        f"{name}: {module}"
+        for name, tree in found.items() if not name.startswith(SERVERS)
+        for module, _ in imported(tree) if module.startswith(SERVERS + ".")
+    )
+    assert past == []
 
 
 @pytest.mark.parametrize("where", ["expansion_dag_tests", "bench"])

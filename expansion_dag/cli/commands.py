@@ -380,7 +380,10 @@ def mirrored_fleet(config: RunConfig, urls: list[str], *, backend: str | None, a
     configuration gives (vLLM reports none)."""
     from expansion_dag.servers import probe_fleet
 
-    return probe_fleet(urls, backend=backend or config.fleet.backend, api_key=api_key, slots_override=config.fleet.slots)
+    return probe_fleet(
+        urls, backend=backend or config.fleet.backend, api_key=api_key, slots_override=config.fleet.slots,
+        stream_interval=config.fleet.stream_interval,
+    )
 
 
 def dry_run(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@
 from expansion_dag.config.loading import current_config, load_config, parse_config
 from expansion_dag.config.schema import (
     CONFIG_ENV,
+    DEFAULT_STREAM_INTERVAL,
     SGLANG_LAUNCH_COMMAND,
     SIMULATOR_LAUNCH_COMMAND,
     ConfigError,
@@ -16,7 +17,8 @@ from expansion_dag.config.schema import (
 )
 
 __all__ = [
-    "CONFIG_ENV", "ConfigError", "FleetSettings", "GenerationConfig", "LeaseSettings", "RunConfig",
+    "CONFIG_ENV", "ConfigError", "DEFAULT_STREAM_INTERVAL", "FleetSettings", "GenerationConfig", "LeaseSettings",
+    "RunConfig",
     "SGLANG_LAUNCH_COMMAND", "SIMULATOR_LAUNCH_COMMAND", "bundled_config_path", "current_config",
     "load_config", "mask_url", "parse_config"
 ]

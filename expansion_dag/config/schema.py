@@ -24,13 +24,17 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from expansion_dag.core import DEFAULT_TOKENIZER, RETRYABLE_CONTENT, ModeError, ModeMix, SamplingSettings
-from expansion_dag.servers import DEFAULT_STREAM_INTERVAL
 from expansion_dag.store import DEFAULT_LEASE_TIMEOUT_S
 from expansion_dag.training import DEFAULT_FORMATS, DEFAULT_VERSIONS_KEPT, FORMATS
 
 CONFIG_ENV = "EXPANSION_CONFIG"
 DEFAULT_CONFIG = "default"
 MASK = "***"
+#: A streamed event every 256 tokens instead of every token (both servers' default): a network read
+#: costs the client far more than the parsing, so its CPU per answer falls with the events
+#: (BENCHMARKS.md, waste and tail), while a loop, seen after ~250 tokens, runs at most 256 more
+#: tokens of the up to 8,000 it would cost.
+DEFAULT_STREAM_INTERVAL = 256
 
 
 class ConfigError(ValueError):

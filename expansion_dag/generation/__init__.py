@@ -17,7 +17,6 @@ from expansion_dag.generation.conversations import TurnPlanner, turn_id
 from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, claim_share
 from expansion_dag.generation.engine import WRITE_QUEUE, ShardRun, generate_shard
 from expansion_dag.generation.engine_config import EngineConfig, Server
-from expansion_dag.generation.event_loop import CoalescingSelector, OffLoop, run_ticked
 from expansion_dag.generation.plan import (
     MIN_OBSERVED,
     Observed,
@@ -43,12 +42,12 @@ from expansion_dag.generation.shard_work import ShardWork, prompt_keys
 from expansion_dag.generation.speed import MIN_ANSWERS, ShardPlan, Speed, SpeedMeter, outlook
 
 __all__ = [
-    "AnswerLengths", "AnswerYield", "CoalescingSelector", "EngineConfig", "Estimate", "MIN_ANSWERS",
-    "MIN_OBSERVED", "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "OffLoop", "Plan", "Progress",
+    "AnswerLengths", "AnswerYield", "EngineConfig", "Estimate", "MIN_ANSWERS",
+    "MIN_OBSERVED", "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress",
     "ProgressDisplay", "PromptQueue", "Server", "ServerStats", "ShardFigures", "ShardPlan", "ShardProgress",
     "ShardReport", "ShardRun", "ShardWork", "Speed", "SpeedMeter", "Throughput", "Turn", "TurnPlanner",
     "WRITE_QUEUE", "WorkItem", "YieldGate", "bucket_label", "cell_estimates", "claim_share", "ended_record",
     "expected_per_prompt", "generate_shard", "learn", "make_plan", "outlook", "prompt_bucket",
-    "prompt_features", "prompt_keys", "quiet_third_party", "render_table", "retry_summary", "run_ticked",
+    "prompt_features", "prompt_keys", "quiet_third_party", "render_table", "retry_summary",
     "shard_figures", "silence_retry_logging", "spearman", "speed_line", "turn_id"
 ]

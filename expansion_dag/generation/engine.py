@@ -11,7 +11,7 @@ before the worker takes the next prompt. Idle servers of the fleet take a share 
 (``expansion_dag.generation.borrowing``).
 
 The loop only streams. The store's writer (its appends, fsyncs and segment creation) runs in a
-thread of the run's own (``event_loop.OffLoop``), fed by a queue of at most ``write_queue``
+thread of the run's own (``servers.OffLoop``), fed by a queue of at most ``write_queue``
 answers, and the progress callback in another, so a slow disk or a slow event log never delays a
 stream or a timer. An answer is durable (``expansion_dag.store``'s promise) once that thread wrote
 its line, not when it was queued: a run killed outright (SIGKILL, a lost machine) loses at most the
@@ -57,10 +57,9 @@ from expansion_dag.generation.borrowing import Borrowing
 from expansion_dag.generation.conversations import Ended, TurnPlanner
 from expansion_dag.generation.dispatch import PromptQueue, WorkItem
 from expansion_dag.generation.engine_config import EngineConfig, Server
-from expansion_dag.generation.event_loop import OffLoop, run_ticked
 from expansion_dag.generation.recorder import Judge, Recorder
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
-from expansion_dag.servers import Answer, HttpClient, chat_request, generate, make_client
+from expansion_dag.servers import Answer, HttpClient, OffLoop, chat_request, generate, make_client, run_ticked
 from expansion_dag.store import SegmentWriter
 
 __all__ = ["ShardRun", "WorkItem", "WRITE_QUEUE", "generate_shard"]

@@ -48,13 +48,14 @@ class EngineConfig:
     stop_degenerate: bool = True
     #: A loop is a span of at least ``loop_min_span_chars`` repeated back to back at least
     #: ``loop_min_repeats`` times over at least ``loop_min_chars``, within the last
-    #: ``loop_window_chars`` (see ``expansion_dag.servers.degeneration``).
+    #: ``loop_window_chars`` (see ``expansion_dag.servers.loops.degeneration``).
     loop_min_span_chars: int = 1
     loop_min_repeats: int = 4
     loop_min_chars: int = 400
     loop_window_chars: int = 8192
     #: While streamed events come often, read every stream once a tick instead of waking up for
-    #: each event (``expansion_dag.generation.event_loop``); an event is read at most this late. 0: never.
+    #: each event (``expansion_dag.servers.transport.event_loop``); an event is read at most this
+    #: late. 0: never.
     client_tick_s: float = 0.1
     #: Stops a shard whose first answers the training set would mostly leave out (a content
     #: verdict, only with a ``judge``: ``expansion_dag.generation.answer_yield``).

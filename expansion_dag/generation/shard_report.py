@@ -74,7 +74,7 @@ class ShardReport:
     #: Output tokens generated, by outcome: the finish reason of an answer (``stop``, ``length``),
     #: ``degenerate`` for a stopped loop (the tokens it streamed, estimated from its chunks).
     output_tokens_by_outcome: collections.Counter = field(default_factory=collections.Counter)
-    #: Answers stopped as loops, by the detector's rule that saw each (``servers.degeneration.LOOP_RULES``).
+    #: Answers stopped as loops, by the detector's rule that saw each (``servers.LOOP_RULES``).
     degenerate_by_rule: collections.Counter = field(default_factory=collections.Counter)
     #: Seconds from send to outcome, summed by outcome: a finish reason, or a failure's kind.
     #: Includes the time a request beyond the server's slots waits in its queue (the headroom).

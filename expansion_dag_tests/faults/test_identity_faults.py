@@ -94,7 +94,7 @@ def test_new_weights_at_the_same_path_stop_the_run_before_a_prompt_is_sent_until
 def test_a_fleet_whose_servers_have_other_weights_behind_one_path_stops_the_night_at_its_budget(tmp_path, instance):
     frame = prompt_frame([f"Explain idea number {i} in a few words." for i in range(4)])
     with SimulatedFleet([SimServerConfig(**SIM), SimServerConfig(**RETRAINED)]) as fleet:
-        info = probe_fleet(fleet.urls)
+        info = probe_fleet(fleet.urls, backend="sglang", stream_interval=1)
         assert info.servers[0].model_path == info.servers[1].model_path  # nothing else tells them apart
         prepared = materialize(frame, resources(fleet.urls, tmp_path), instance, ["prompts", "budgeted_prompts"])
         sent = [(s["completed"], s["greedy_requests"]) for s in map(fleet.stats, range(2))]
@@ -108,11 +108,11 @@ def test_a_fleet_whose_servers_have_other_weights_behind_one_path_stops_the_nigh
 
 def test_the_weight_version_sglang_reports_is_part_of_the_identity_and_must_agree():
     with SimulatedFleet([SimServerConfig(**SIM, weight_version="v3")] * 2) as fleet:
-        info = probe_fleet(fleet.urls)
+        info = probe_fleet(fleet.urls, backend="sglang", stream_interval=1)
     assert [s.weight_version for s in info.servers] == ["v3", "v3"]
     with SimulatedFleet([SimServerConfig(**SIM, weight_version="v3"), SimServerConfig(**SIM)]) as fleet:
         with pytest.raises(FleetMismatchError, match="servers disagree on weight_version: 'v3' on .*; None on"):
-            probe_fleet(fleet.urls)
+            probe_fleet(fleet.urls, backend="sglang", stream_interval=1)
 
 
 def probe(text: str, engine: str = "sglang 0.5.23", ids=(1, 2, 3)) -> WeightsProbe:

@@ -6,12 +6,12 @@ import json
 import httpx
 import pytest
 
-from expansion_dag import servers
 from expansion_dag.core import FAILED, IDS_LEFT_OUT, OK, OUTPUT_IDS, PROMPT_IDS, SamplingSettings, unpack
 from expansion_dag.generation import MIN_ANSWERS, EngineConfig, Server, WorkItem, generate_shard
 from expansion_dag.servers import SGLANG, dialect_for
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import repetitive_answers
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -141,7 +141,7 @@ def test_a_server_that_returns_no_ids_gives_records_without_them(tmp_path, versi
 
 
 def test_a_legitimate_repetitive_answer_is_kept(tmp_path):
-    table = next(a["text"] for a in servers.read_corpus() if a["kind"] == "table" and len(a["text"]) > 3000)
+    table = next(a["text"] for a in repetitive_answers() if a["kind"] == "table" and len(a["text"]) > 3000)
     pieces = [table[i : i + 5] for i in range(0, len(table), 5)]
 
     def handler(request):

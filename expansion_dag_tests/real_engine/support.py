@@ -18,7 +18,7 @@ import ssl
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +31,7 @@ from expansion_dag.config import SGLANG_LAUNCH_COMMAND
 from expansion_dag.core import SamplingSettings
 from expansion_dag.servers import (
     Answer,
+    ChatRequest,
     DegenerateError,
     Dialect,
     HttpClient,
@@ -41,6 +42,7 @@ from expansion_dag.servers import (
     send_chat,
 )
 from expansion_dag_tests.deployment.support import isolated_env, make_dagster_home
+from expansion_dag_tests.helpers import loop_thresholds
 from expansion_dag_tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -507,7 +509,7 @@ LOOP_TEXT = " loop"
 LOOP_MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 #: A loop is seen after ~32 tokens of ``LOOP_TEXT`` (160 characters), checked every 8 characters:
 #: long enough for the server's running requests, polled meanwhile, to show all of them running.
-LOOP_THRESHOLDS = LoopThresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
+LOOP_THRESHOLDS = loop_thresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
 #: Bound on the wait for stopped streams' slots to empty; they are expected to in well under a second.
 FREE_TIMEOUT_S = 15.0
 #: Bound on the wait to see the looping streams all running before they are read: a hang only.
@@ -517,23 +519,33 @@ GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1)
 REQUEST_TIMEOUT_S = 60.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class ForcedLoop(ChatRequest):
+    """A request whose answer is one token again and again: two fields the product never sends, a
+    ``logit_bias`` that puts the token on top every step and ``ignore_eos``."""
+
+    token_id: int
+
+    def body(self) -> dict[str, Any]:
+        return {**super().body(), "logit_bias": {str(self.token_id): 100}, "ignore_eos": True}
+
+
 def looping_request(
     server: EngineServer, messages: list[dict[str, str]], max_tokens: int, dialect: Dialect,
     stream_interval: int | None = None,
-) -> dict[str, Any]:
+) -> ForcedLoop:
     """A streamed request, as the engine sends it, whose answer is ``LOOP_TEXT`` until max_tokens.
 
     A random model does not loop by itself at sampling temperature, so the answer is made to:
-    greedy decoding with a ``logit_bias`` that puts one token on top every step, and
-    ``ignore_eos`` so nothing but the client ends it early (both engines read both fields).
+    greedy decoding with a :class:`ForcedLoop` (both engines read both of its fields), so that
+    nothing but the client ends it early.
     """
     request = chat_request(
         str(server.model_dir), messages, max_tokens, GREEDY, stream=True, stream_interval=stream_interval,
         continuous_usage=dialect.continuous_usage,
     )
-    request["logit_bias"] = {str(server.token_id(LOOP_TEXT)): 100}
-    request["ignore_eos"] = True
-    return request
+    asked = {f.name: getattr(request, f.name) for f in fields(request)}
+    return ForcedLoop(**asked, token_id=server.token_id(LOOP_TEXT))
 
 
 def stream_client(server: EngineServer, transport: httpx.AsyncBaseTransport | None = None) -> HttpClient:
@@ -576,7 +588,7 @@ class _HeldBodies(httpx.AsyncBaseTransport):
 
 
 def stop_looping_streams(
-    server: EngineServer, request: dict[str, Any], dialect: Dialect, thresholds: LoopThresholds, *,
+    server: EngineServer, request: ChatRequest, dialect: Dialect, thresholds: LoopThresholds, *,
     count: int, stream_interval: int,
 ) -> tuple[list[DegenerateError], float, int]:
     """``count`` looping streams at once through the client's own path (``send_chat``), each
@@ -635,7 +647,8 @@ def answer_at_once(
 
     async def one() -> Answer:
         async with stream_client(server) as c:
-            return await asyncio.wait_for(send_chat(c, server.url, request, dialect), REQUEST_TIMEOUT_S)
+            answer = send_chat(c, server.url, request, dialect, stream_interval=1)  # plain: no event to count
+            return await asyncio.wait_for(answer, REQUEST_TIMEOUT_S)
 
     async def all_at_once() -> list[Answer]:
         return await asyncio.gather(*(one() for _ in range(count)))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import pytest
 
-from expansion_dag.servers import VLLM, DegenerateError, LoopThresholds, chat_request, send_chat
+from expansion_dag.servers import VLLM, DegenerateError, chat_request, send_chat
+from expansion_dag_tests.helpers import loop_thresholds
 from expansion_dag_tests.real_engine.support import GREEDY, REQUEST_TIMEOUT_S, VllmServer, stream_client
 
 MAX_TOKENS = 3072
@@ -43,7 +44,7 @@ def test_the_real_model_loops_are_stopped_early_with_the_rule_named(real_vllm_se
         async with stream_client(server) as client:
             try:
                 # The timeout is for a hang only: a loop run to the cap ends well within it.
-                await asyncio.wait_for(send_chat(client, server.url, request, VLLM, LoopThresholds(),
+                await asyncio.wait_for(send_chat(client, server.url, request, VLLM, loop_thresholds(),
                                                  stream_interval=STREAM_INTERVAL), 10 * REQUEST_TIMEOUT_S)  # fmt: skip
             except DegenerateError as error:
                 return error
@@ -59,5 +60,5 @@ def test_the_real_model_loops_are_stopped_early_with_the_rule_named(real_vllm_se
         assert error.tokens < MAX_TOKENS / 3
         assert error.loop.span in error.content
         if rule == "counter":
-            assert error.loop.repeats >= LoopThresholds().counter_repeats and "a(" in error.loop.span
+            assert error.loop.repeats >= loop_thresholds().counter_repeats and "a(" in error.loop.span
     server.wait_idle()  # the stops freed both slots

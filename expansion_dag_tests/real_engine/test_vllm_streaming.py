@@ -44,12 +44,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
 
-from expansion_dag.servers import VLLM, ChatStream
+from expansion_dag.servers import VLLM, ChatRequest, ChatStream
 from expansion_dag_tests.real_engine.conftest import SLOTS
 from expansion_dag_tests.real_engine.support import (
     FREE_TIMEOUT_S,
@@ -88,7 +87,7 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(roomy_vll
     # Streamed as the engine streams to vLLM: in events of several tokens, asked for per request.
     # (With the tokens so far in each chunk, as the engine asks vLLM: continuous usage.)
     request = looping_request(server, LOOP_MESSAGES, max_tokens, VLLM, stream_interval=STREAM_INTERVAL)
-    assert request["stream_interval"] == STREAM_INTERVAL
+    assert request.body()["stream_interval"] == STREAM_INTERVAL
     before = server.metrics()
 
     started = time.monotonic()
@@ -141,10 +140,10 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(roomy_vll
     assert [a.completion_tokens for a in answers] == [8] * SLOTS
 
 
-def read_stream(server: VllmServer, request: dict[str, Any]) -> tuple[ChatStream, int]:
+def read_stream(server: VllmServer, request: ChatRequest) -> tuple[ChatStream, int]:
     """The whole stream through the client's parser, and the events that carried content."""
-    stream = ChatStream(VLLM)
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=request, headers=server.headers(),
+    stream = ChatStream(VLLM, stream_interval=1)  # nothing is stopped: no stopped answer's tokens to count
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=request.body(), headers=server.headers(),
                       timeout=REQUEST_TIMEOUT_S) as response:
         assert response.status_code == 200, response.read()
         for data in response.iter_bytes():

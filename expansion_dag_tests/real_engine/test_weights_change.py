@@ -55,7 +55,7 @@ def swap_layers(weights: Path, first: int, second: int) -> int:
 
 
 def probed(server: VllmServer):
-    fleet = probe_fleet([server.url], backend="vllm", api_key=API_KEY, slots_override=SLOTS)
+    fleet = probe_fleet([server.url], backend="vllm", api_key=API_KEY, slots_override=SLOTS, stream_interval=1)
     return fleet, probe_fleet_weights(fleet, api_key=API_KEY).probe
 
 

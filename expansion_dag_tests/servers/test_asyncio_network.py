@@ -11,19 +11,22 @@ import httpx
 import pytest
 import trustme
 
-from expansion_dag.core import ConnectError, TimeoutError_
+from expansion_dag.core import ConnectError, SamplingSettings, TimeoutError_
 from expansion_dag.servers import (
     SGLANG,
     VLLM,
     AsyncioStream,
-    asyncio_network,
+    AsyncioTransport,
     asyncio_transport,
+    chat_request,
     make_client,
     send_chat,
 )
 from expansion_dag_tests.helpers import until
 from expansion_dag_tests.ports import free_ports
 
+STREAMED = chat_request("m", [], 9, SamplingSettings(), stream=True)
+PLAIN = chat_request("m", [], 9, SamplingSettings())
 BIG = bytes(range(256)) * (5 * 4096)  # 5 MiB, past the read buffer's high-water mark
 EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(3)]
 CHAT = [
@@ -156,8 +159,7 @@ def test_requests_share_one_kept_alive_connection_and_stream_events_arrive_one_b
 def test_the_workers_client_streams_answers_on_one_kept_alive_connection():
     async def main():
         async with serving() as (server, url), chat_client() as c:
-            request = {"model": "m", "messages": [], "stream": True}
-            answers = [await send_chat(c, f"{url}/chat", request, SGLANG) for _ in range(3)]
+            answers = [await send_chat(c, f"{url}/chat", STREAMED, SGLANG, stream_interval=1) for _ in range(3)]
             return server.connections, answers
 
     connections, answers = asyncio.run(main())
@@ -168,12 +170,14 @@ def test_the_workers_client_streams_answers_on_one_kept_alive_connection():
 def test_the_workers_client_sends_the_headers_servers_route_and_frame_by_and_reads_plain_answers_whole():
     """Host with the port (proxies route by it), the JSON type, the body's exact length (a server
     frames the request by it) and the key; a plain answer longer than one read arrives whole."""
-    request = {"model": "m", "messages": [{"role": "user", "content": "héllo ✓"}], "max_tokens": 9}
+    request = chat_request("m", [{"role": "user", "content": "héllo ✓"}], 9, SamplingSettings())
 
     async def main():
         async with serving() as (server, url):
             async with make_client(timeout_s=10.0, connect_timeout_s=2.0, api_key="sk-1") as c:
-                answers = [await send_chat(c, f"{url}/completion", request, SGLANG) for _ in range(2)]
+                answers = [
+                    await send_chat(c, f"{url}/completion", request, SGLANG, stream_interval=1) for _ in range(2)
+                ]
             return server, url, answers
 
     server, url, answers = asyncio.run(main())
@@ -184,7 +188,7 @@ def test_the_workers_client_sends_the_headers_servers_route_and_frame_by_and_rea
         b"content-length": b"%d" % len(server.body),
         b"authorization": b"Bearer sk-1",
     }
-    assert json.loads(server.body) == request
+    assert json.loads(server.body) == request.body()
     assert server.connections == 1
     assert [(a.content, a.finish_reason, a.completion_tokens) for a in answers] == [("Grüße, " + "x" * 70_000, "stop", 2)] * 2
 
@@ -193,15 +197,14 @@ def test_a_body_left_unread_closes_its_connection_and_another_server_gets_its_ow
     """A stopped loop leaves its stream unread: that connection must not carry the next request.
     The spill loop polls several servers on one client: each poll reaches the server it names."""
     async def main():
-        request = {"model": "m", "messages": [], "stream": True}
         async with serving() as (server, url), serving() as (other, other_url), chat_client() as c:
-            response = await c.post(f"{url}/events/v1/chat/completions", request)
+            response = await c.post(f"{url}/events/v1/chat/completions", STREAMED.body())
             async for _ in response.stream:
                 break  # one event read, the rest left on the wire
             await response.aclose()
-            after_stop = await send_chat(c, f"{url}/chat", request, SGLANG)
-            elsewhere = await send_chat(c, f"{other_url}/chat", request, SGLANG)
-            back = await send_chat(c, f"{url}/chat", request, SGLANG)
+            after_stop = await send_chat(c, f"{url}/chat", STREAMED, SGLANG, stream_interval=1)
+            elsewhere = await send_chat(c, f"{other_url}/chat", STREAMED, SGLANG, stream_interval=1)
+            back = await send_chat(c, f"{url}/chat", STREAMED, SGLANG, stream_interval=1)
             return server.connections, other.connections, [after_stop, elsewhere, back]
 
     connections, other_connections, answers = asyncio.run(main())
@@ -252,9 +255,8 @@ def test_a_server_silent_past_the_read_timeout_is_a_timeout_and_a_cut_stream_a_c
         async with serving() as (_, url), chat_client(timeout_s=0.3) as c:
             errors = []
             for path in ("silent", "cut"):
-                request = {"model": "m", "messages": [], "stream": True}
                 with pytest.raises((TimeoutError_, ConnectError)) as caught:
-                    await send_chat(c, f"{url}/{path}", request, SGLANG)
+                    await send_chat(c, f"{url}/{path}", STREAMED, SGLANG, stream_interval=1)
                 errors.append(caught.value.kind)
             return errors
 
@@ -317,7 +319,7 @@ class OddTimeout(httpcore.ReadTimeout):
 ])
 def test_each_httpcore_error_becomes_httpx_s_of_the_same_name_with_its_message(error, in_body):
     async def main():
-        transport = asyncio_network.AsyncioTransport(Failing(error("the reason"), in_body=in_body))
+        transport = AsyncioTransport(Failing(error("the reason"), in_body=in_body))
         response = None
         with pytest.raises(httpx.TransportError) as caught:
             response = await transport.handle_async_request(httpx.Request("GET", "http://127.0.0.1:9/"))
@@ -334,9 +336,8 @@ def test_each_httpcore_error_becomes_httpx_s_of_the_same_name_with_its_message(e
 def test_a_refused_connection_is_a_connect_error():
     async def main():
         async with chat_client() as c:
-            request = {"model": "m", "messages": []}
             with pytest.raises(ConnectError, match="ConnectError"):
-                await send_chat(c, f"http://127.0.0.1:{free_ports(1)[0]}", request, VLLM)
+                await send_chat(c, f"http://127.0.0.1:{free_ports(1)[0]}", PLAIN, VLLM, stream_interval=1)
 
     asyncio.run(main())
 
@@ -354,7 +355,7 @@ def test_tls_is_verified_against_the_shared_context():
                 body = await read_slowly(c, server, url)
             async with chat_client() as c:  # the system's CAs only: this server's certificate is unknown
                 with pytest.raises(ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-                    await send_chat(c, url, {"model": "m", "messages": []}, VLLM)
+                    await send_chat(c, url, PLAIN, VLLM, stream_interval=1)
             return body
 
     assert asyncio.run(main()) == BIG

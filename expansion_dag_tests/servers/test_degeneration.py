@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from expansion_dag import servers
 from expansion_dag.core import RequestError
 from expansion_dag.servers import (
     LOOP_RULES,
     VLLM,
     DegenerateError,
     LoopDetector,
-    LoopThresholds,
     find_loop,
     parse_chat_stream,
 )
+from expansion_dag_tests.data.make_repetitive_corpus import CORPUS_PATH, corpus_bytes, looping_answers
+from expansion_dag_tests.helpers import loop_thresholds, repetitive_answers
 
-DEFAULT = LoopThresholds()
+DEFAULT = loop_thresholds()
 #: SmolLM2-135M-Instruct's answers, labelled by a person: ``loop`` (with the rule that describes
 #: it) or ``legitimate``; how they were made and judged: ``real_model_answers.md`` beside it.
 REAL_ANSWERS = Path(__file__).resolve().parents[1] / "data" / "real_model_answers.jsonl.gz"
@@ -84,8 +84,8 @@ def test_no_legitimate_real_model_answer_is_stopped():
 
 
 def test_the_shipped_corpus_is_what_the_generator_makes_and_holds_every_kind():
-    assert servers.CORPUS_PATH.read_bytes() == servers.corpus_bytes()
-    corpus = servers.read_corpus()
+    assert CORPUS_PATH.read_bytes() == corpus_bytes()
+    corpus = repetitive_answers()
     assert len(corpus) >= 2000
     kinds = collections.Counter(a["kind"] for a in corpus)
     assert set(kinds) == {"table", "list", "code", "arithmetic", "reasoning", "lyrics"}
@@ -93,12 +93,12 @@ def test_the_shipped_corpus_is_what_the_generator_makes_and_holds_every_kind():
 
 
 def test_no_legitimate_repetitive_answer_is_stopped():
-    stopped = [a["id"] for a in servers.read_corpus() if first_stop(a["text"])[0] is not None]
+    stopped = [a["id"] for a in repetitive_answers() if first_stop(a["text"])[0] is not None]
     assert stopped == []
 
 
 def test_every_looping_answer_is_stopped_soon_after_its_loop_starts():
-    for answer in servers.looping_answers():
+    for answer in looping_answers():
         stop, loop = first_stop(answer["text"])
         assert stop is not None, answer["id"]
         lag = stop - answer["loop_starts_at"]
@@ -125,10 +125,10 @@ def test_a_short_run_is_formatting_and_the_thresholds_decide_what_is_long():
     assert find_loop(separators, DEFAULT) is None
     chorus = "Oh the river, carry me home\n" * 5
     assert find_loop(chorus, DEFAULT) is None
-    assert find_loop(chorus, LoopThresholds(min_loop_chars=100, min_repeats=4)) is not None
+    assert find_loop(chorus, loop_thresholds(min_loop_chars=100, min_repeats=4)) is not None
     # A span shorter than min_span_chars is not counted, however long its run.
-    assert find_loop("ab" * 1000, LoopThresholds(min_span_chars=3)) is None
-    assert find_loop("ab" * 1000, LoopThresholds(min_span_chars=2)) is not None
+    assert find_loop("ab" * 1000, loop_thresholds(min_span_chars=3)) is None
+    assert find_loop("ab" * 1000, loop_thresholds(min_span_chars=2)) is not None
 
 
 #: The counting loops the issue saw run to the cap, each from its start: (first copy, next copy).
@@ -165,7 +165,7 @@ def test_counting_that_a_legitimate_answer_does_is_left_alone():
     table = "\n".join(f"7 x {i} = {7 * i}" for i in range(1, 41))
     tests = "\n".join(f"    assert add({i}, {i}) == {2 * i}" for i in range(50))
     for text in (counting, table, tests):
-        assert first_stop(text) == (None, None)
+        assert first_stop(text, piece=1500) == (None, None)  # events of 256 tokens, as streamed
 
 
 def test_a_span_whose_numbers_change_without_counting_is_stopped_by_the_numbers_rule():
@@ -207,8 +207,17 @@ def test_sentences_said_again_in_other_words_are_resaid():
     assert loop.rule == "resaid" and loop.repeats == DEFAULT.resaid_sentences
 
 
+def test_text_that_never_ends_a_sentence_is_not_resaid():
+    # Stretches of 2,000 characters drawn from the same 200 words share most of them; a
+    # run-on "sentence" cut for its length is no sentence said again (the simulator writes such text).
+    rng = random.Random(11)
+    words = sorted({"".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 6))) for _ in range(200)})
+    text = " ".join(rng.choices(words, k=12_000))
+    assert first_stop(text, piece=1500) == (None, None)  # events of 256 tokens, as streamed
+
+
 def test_the_detector_keeps_only_its_window_and_stays_stopped():
-    detector = LoopDetector(LoopThresholds(window_chars=2048))
+    detector = LoopDetector(loop_thresholds(window_chars=2048))
     rng = random.Random(5)
     words = "apple river stone cloud garden window market engine paper signal forest bridge".split()
     for _ in range(2000):
@@ -243,4 +252,4 @@ def test_a_stopped_stream_says_which_rule_stopped_it():
 )
 def test_thresholds_that_cannot_work_are_refused(bad):
     with pytest.raises(ValueError):
-        LoopThresholds(**bad)
+        loop_thresholds(**bad)

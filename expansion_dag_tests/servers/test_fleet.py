@@ -20,8 +20,8 @@ from expansion_dag.servers import (
     probe_server,
     wait_ready,
 )
-from expansion_dag.servers.fleet import _slots
-from expansion_dag.servers.launcher import _slots_flag_value
+from expansion_dag.servers.probing.fleet import _slots
+from expansion_dag.servers.launching.launcher import _slots_flag_value
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag_tests.contract.shapes import load_fixture
 from expansion_dag_tests.ports import free_ports
@@ -30,7 +30,7 @@ from expansion_dag_tests.ports import free_ports
 def test_probe_reads_context_slots_model_and_version_from_the_server():
     config = SimServerConfig(port=0, context_length=4096, max_running_requests=24, model_path="org/model-x")
     with SimulatedFleet([config]) as fleet:
-        info = probe_server(fleet.urls[0])
+        info = probe_server(fleet.urls[0], backend="sglang", stream_interval=1)
     assert info.context_length == 4096
     assert info.slots == 24
     assert info.model_path == "org/model-x"
@@ -41,7 +41,7 @@ def test_probe_reads_context_slots_model_and_version_from_the_server():
 
 def test_probe_exposes_the_longest_prompt_the_scheduler_admits():
     with SimulatedFleet([SimServerConfig(port=0, context_length=4096)]) as fleet:
-        info = probe_fleet(fleet.urls)
+        info = probe_fleet(fleet.urls, backend="sglang", stream_interval=1)
     # SGLang's max_req_input_len = min(context - 1, kv capacity - 1) - 5; a prompt that long is refused.
     assert info.servers[0].max_req_input_len == 4090
     assert info.max_prompt_tokens == 4089
@@ -55,7 +55,7 @@ def test_a_fleet_whose_servers_disagree_on_context_length_is_refused_naming_them
     configs = [SimServerConfig(port=0, context_length=8192), SimServerConfig(port=0, context_length=32768)]
     with SimulatedFleet(configs) as fleet:
         with pytest.raises(FleetMismatchError) as info:
-            probe_fleet(fleet.urls)
+            probe_fleet(fleet.urls, backend="sglang", stream_interval=1)
     message = str(info.value)
     assert "context_length" in message
     assert fleet.urls[0] in message and fleet.urls[1] in message
@@ -65,25 +65,25 @@ def test_a_fleet_whose_servers_serve_different_models_is_refused():
     configs = [SimServerConfig(port=0, model_path="org/a"), SimServerConfig(port=0, model_path="org/b")]
     with SimulatedFleet(configs) as fleet:
         with pytest.raises(FleetMismatchError, match="disagree on model: 'org/a' on .*; 'org/b' on"):
-            probe_fleet(fleet.urls)
+            probe_fleet(fleet.urls, backend="sglang", stream_interval=1)
 
 
 def test_probing_a_keyed_server_without_the_key_says_so_and_with_it_works():
     with SimulatedFleet([SimServerConfig(port=0, api_key="k-123")]) as fleet:
         with pytest.raises(FleetError, match="401 Unauthorized"):
-            probe_server(fleet.urls[0])
-        assert probe_server(fleet.urls[0], api_key="k-123").context_length == 8192
+            probe_server(fleet.urls[0], backend="sglang", stream_interval=1)
+        assert probe_server(fleet.urls[0], api_key="k-123", backend="sglang", stream_interval=1).context_length == 8192
 
 
 def test_a_keyed_fleet_whose_server_answers_without_the_key_is_an_error():
     with SimulatedFleet([SimServerConfig(port=0)]) as fleet:
         with pytest.raises(FleetError, match="answers /v1/models without the API key .* runs unauthenticated"):
-            probe_server(fleet.urls[0], api_key="k-123")
+            probe_server(fleet.urls[0], api_key="k-123", backend="sglang", stream_interval=1)
 
 
 def test_vllm_backend_probe_uses_models_and_the_slot_override_and_says_so():
     with SimulatedFleet([SimServerConfig(port=0, backend="vllm", context_length=2048)]) as fleet:
-        info = probe_server(fleet.urls[0], backend="vllm", slots_override=64)
+        info = probe_server(fleet.urls[0], backend="vllm", slots_override=64, stream_interval=1)
     assert (info.context_length, info.slots, info.backend) == (2048, 64, "vllm")
     assert info.slots_source == SLOTS_CONFIGURED == "configured: fleet.slots"  # the key a user edits
     assert info.dialect.reasoning_fields[0] == "reasoning"
@@ -94,7 +94,7 @@ def test_an_sglang_server_streams_at_its_own_interval_whatever_the_fleet_is_conf
     """SGLang's chat API takes no interval per request: the probe reads the one it was launched with."""
     configs = [SimServerConfig(port=0, version=version, stream_interval=8), SimServerConfig(port=0, version=version)]
     with SimulatedFleet(configs) as fleet:
-        infos = probe_fleet(fleet.urls, stream_interval=32).servers
+        infos = probe_fleet(fleet.urls, stream_interval=32, backend="sglang").servers
     assert [i.stream_interval for i in infos] == [8, 1]
 
 
@@ -107,7 +107,7 @@ def test_a_vllm_server_streams_at_the_interval_its_requests_ask_for():
 def test_vllm_slots_are_never_guessed_and_the_error_names_what_the_user_sets():
     with SimulatedFleet([SimServerConfig(port=0, backend="vllm")]) as fleet:
         with pytest.raises(FleetError) as info:
-            probe_server(fleet.urls[0], backend="vllm")
+            probe_server(fleet.urls[0], backend="vllm", stream_interval=1)
     message = str(info.value)
     assert message.startswith(f"{fleet.urls[0]}: vLLM does not report its running-request slots")
     # The file's key and its variable (config/test_config.py), and the flag a launched server takes.
@@ -133,12 +133,12 @@ def test_slots_a_server_does_not_report_are_those_its_launch_command_passed():
     configs = [SimServerConfig(port=0, backend="vllm"), SimServerConfig(port=0, max_running_requests=24)]
     with SimulatedFleet(configs) as fleet:
         vllm, sglang = fleet.urls
-        launched = probe_server(vllm, backend="vllm", launched_slots=6)
+        launched = probe_server(vllm, backend="vllm", launched_slots=6, stream_interval=1)
         assert (launched.slots, launched.slots_source) == (6, SLOTS_LAUNCHED)
         # The configuration's slots come first; a server that reports its own is believed over its command.
-        assert probe_server(vllm, backend="vllm", slots_override=9, launched_slots=6).slots == 9
-        assert probe_server(sglang, launched_slots=6).slots == 24
-        by_url = probe_fleet([vllm], backend="vllm", launched_slots={vllm: 6})
+        assert probe_server(vllm, backend="vllm", slots_override=9, launched_slots=6, stream_interval=1).slots == 9
+        assert probe_server(sglang, launched_slots=6, backend="sglang", stream_interval=1).slots == 24
+        by_url = probe_fleet([vllm], backend="vllm", launched_slots={vllm: 6}, stream_interval=1)
         assert by_url.servers[0].slots == 6
 
 
@@ -209,7 +209,7 @@ def test_launch_mode_starts_each_server_once_and_stops_them(tmp_path):
         assert started == launcher.urls
         # A second step setting the resource up finds them running and starts nothing.
         assert launcher.ensure_running(timeout_s=60) == []
-        info = probe_fleet(launcher.urls, api_key="launch-secret")
+        info = probe_fleet(launcher.urls, api_key="launch-secret", backend="sglang", stream_interval=1)
         assert [s.context_length for s in info.servers] == [8192, 8192]
         log = (tmp_path / "fleet" / f"server-{ports[0]}.log").read_text()
         assert "The server is fired up and ready to roll!" in log
@@ -275,10 +275,12 @@ def test_the_probe_reads_sglangs_tool_call_parser_and_believes_the_configured_on
     ]
     with SimulatedFleet(configs) as fleet:
         # An SGLang server says its own parser, whatever the configuration says.
-        reported = probe_server(fleet.urls[0], tool_call_parser="other")
-        unparsed = probe_server(fleet.urls[1], tool_call_parser="qwen25")
-        vllm = probe_server(fleet.urls[2], backend="vllm", slots_override=8)
-        vllm_parsed = probe_server(fleet.urls[2], backend="vllm", slots_override=8, tool_call_parser="hermes")
+        reported = probe_server(fleet.urls[0], tool_call_parser="other", backend="sglang", stream_interval=1)
+        unparsed = probe_server(fleet.urls[1], tool_call_parser="qwen25", backend="sglang", stream_interval=1)
+        vllm = probe_server(fleet.urls[2], backend="vllm", slots_override=8, stream_interval=1)
+        vllm_parsed = probe_server(
+            fleet.urls[2], backend="vllm", slots_override=8, tool_call_parser="hermes", stream_interval=1
+        )
     assert (reported.tool_call_parser, reported.tool_choice) == ("qwen25", "auto")
     # SGLang renders the tools only with "auto"; nothing comes back parsed without a parser.
     assert (unparsed.tool_call_parser, unparsed.tool_choice) == (None, "auto")

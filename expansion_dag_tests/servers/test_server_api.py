@@ -4,10 +4,12 @@ Bodies and texts are the servers' own, as their source writes them (see docs/CON
 """
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
 import pytest
+import stamina.instrumentation
 
 from expansion_dag import core, servers
 from expansion_dag.core import SamplingSettings
@@ -66,6 +68,31 @@ def test_each_sglang_version_is_read_at_the_paths_it_serves(version, server_info
 def test_an_sglang_below_the_floor_is_refused_naming_its_version_and_the_floor():
     with pytest.raises(core.FleetError, match=rf"sglang 0\.5\.3 is older than {SGLANG_MIN_VERSION}"):
         dialect_for("sglang", "0.5.3")
+
+
+@pytest.mark.parametrize(
+    ("version", "row"),
+    [
+        ("0.5.20", "sglang"),
+        ("0.5.20rc1", "sglang-0.5.8"),
+        ("0.5.10rc1", "sglang-0.5.8"),
+        ("0.5.8rc0", "sglang-0.5.6"),
+        ("0.5.8.post1", "sglang-0.5.8"),
+        ("v0.5.23", "sglang"),
+        ("0.5.23+cu124", "sglang"),
+        ("0.0.0.dev0", "sglang"),  # a source build without version metadata says nothing
+        ("main", "sglang"),
+    ],
+)
+def test_a_version_is_read_as_pep_440_orders_it_a_release_candidate_before_its_release(version, row):
+    """A row's features are not assumed in the release candidates before it: an 0.5.20rc1 is not
+    asked for token ids, which arrived in 0.5.20."""
+    assert dialect_for("sglang", version).name == row
+
+
+def test_a_release_candidate_of_the_floor_is_below_it():
+    with pytest.raises(core.FleetError, match=rf"sglang 0\.5\.4rc1 is older than {SGLANG_MIN_VERSION}"):
+        dialect_for("sglang", "0.5.4rc1")
 
 
 def test_vllm_has_no_loads_and_an_unknown_backend_is_named():
@@ -273,7 +300,10 @@ def test_a_context_length_that_disagrees_between_the_two_answers_is_refused():
 
 # --- generation -----------------------------------------------------------------------------------
 
-FAST = servers.RetryPolicy(attempts=4, wait_initial_s=0.001, wait_max_s=0.002, wait_jitter_s=0.0)
+FAST = servers.RetryPolicy(
+    attempts=4, wait_initial_s=0.001, wait_max_s=0.002, wait_jitter_s=0.0, context_retry=True, context_margin=16,
+    min_output_tokens=16, backpressure_wait_s=600.0,
+)
 
 
 def exchange(handler, policy=FAST):
@@ -282,8 +312,10 @@ def exchange(handler, policy=FAST):
 
     async def main():
         async with mock_client(handler) as client:
-            request = {"model": "m", "messages": [], "max_tokens": 100}
-            return await servers.generate(client, "http://gpu-0:30000", request, SGLANG, policy, on_retry=retries.append)
+            request = servers.chat_request("m", [], 100, SamplingSettings())
+            return await servers.generate(
+                client, "http://gpu-0:30000", request, SGLANG, policy, on_retry=retries.append, stream_interval=1
+            )
 
     return asyncio.run(main()), retries
 
@@ -319,10 +351,34 @@ def test_the_scheduler_input_limit_is_not_retried():
     assert (result.error.kind, result.attempts, retries) == ("context_length", 1, [])
 
 
+def queue_full(request):
+    return httpx.Response(503, text=sglang_error("The request queue is full.", 503))
+
+
+def test_a_full_queue_is_waited_out_slower_each_time_without_using_an_attempt():
+    answers = iter([queue_full] * 4 + [lambda r: httpx.Response(200, json=chat_body({"content": "at last"}))])
+    policy = dataclasses.replace(FAST, attempts=1, wait_initial_s=0.001, wait_max_s=0.004)
+    waits = []
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    stamina.instrumentation.set_on_retry_hooks([lambda details: waits.append(details.wait_for)])
+    try:
+        result, retries = exchange(lambda r: next(answers)(r), policy)
+    finally:
+        stamina.instrumentation.set_on_retry_hooks(hooks)
+    assert result.answer.content == "at last" and result.attempts == 5  # one attempt allowed, five sent
+    assert retries == ["queue_full"] * 4
+    assert waits == pytest.approx([0.001, 0.002, 0.004, 0.004])  # doubling, up to wait_max_s
+
+
+def test_a_borrowed_servers_full_queue_is_the_prompts_error_at_once():
+    result, retries = exchange(queue_full, dataclasses.replace(FAST, backpressure_wait_s=0.0))
+    assert (result.error.kind, result.attempts, retries) == ("queue_full", 1, [])
+
+
 def test_the_request_carries_the_sampling_settings_sglang_and_vllm_both_read():
     sampling = SamplingSettings(temperature=0.3, seed=7, stop=("###",), chat_template_kwargs_json='{"enable_thinking": false}')
     request = servers.chat_request("m", [{"role": "user", "content": "hi"}], 64, sampling)
-    assert request == {
+    assert request.body() == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0.3,
         "top_p": 0.8, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.0, "seed": 7, "stop": ["###"],
         "chat_template_kwargs": {"enable_thinking": False},

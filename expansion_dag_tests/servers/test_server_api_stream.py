@@ -13,14 +13,13 @@ from expansion_dag.servers import (
     VLLM,
     ChatStream,
     DegenerateError,
-    LoopThresholds,
     parse_chat_completion,
     parse_chat_stream,
 )
-from expansion_dag_tests.helpers import mock_client
+from expansion_dag_tests.helpers import loop_thresholds, mock_client
 
 URL = "http://gpu-0:30000"
-THRESHOLDS = LoopThresholds()
+THRESHOLDS = loop_thresholds()
 
 
 def sse(chunks):
@@ -90,7 +89,7 @@ def test_a_looping_stream_raises_degenerate_with_its_text():
 def send(handler, request, dialect=SGLANG, thresholds=None):
     async def main():
         async with mock_client(handler) as client:
-            return await servers.send_chat(client, URL, request, dialect, thresholds)
+            return await servers.send_chat(client, URL, request, dialect, thresholds, stream_interval=1)
 
     return asyncio.run(main())
 
@@ -106,7 +105,7 @@ def test_streamed_and_plain_requests_over_http_give_the_same_answer():
     messages = [{"role": "user", "content": "hi"}]
     plain = servers.chat_request("m", messages, 50, SamplingSettings())
     streamed = servers.chat_request("m", messages, 50, SamplingSettings(), stream=True)
-    assert "stream" not in plain
+    assert "stream" not in plain.body()
     assert send(handler, streamed, thresholds=THRESHOLDS) == send(handler, plain)
 
 
@@ -119,7 +118,7 @@ def test_a_loop_stops_reading_the_stream_and_an_error_status_is_classified():
             pulled.append(i)
             yield b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "Same again. "}}]}).encode() + b"\n\n"
 
-    request = {"model": "m", "messages": [], "max_tokens": 8000, "stream": True}
+    request = servers.chat_request("m", [], 8000, SamplingSettings(), stream=True)
     with pytest.raises(DegenerateError):
         send(lambda r: httpx.Response(200, content=endless()), request, thresholds=THRESHOLDS)
     assert len(pulled) < 200
@@ -135,10 +134,10 @@ def test_a_stream_cut_anywhere_reads_as_the_same_answer():
     ] + [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
          {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 50}}]
     data = ("".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]").encode()
-    whole = ChatStream(SGLANG)
+    whole = ChatStream(SGLANG, stream_interval=1)
     assert whole.feed(data) is None and whole.end() is None
     for cut in (1, 7, 64):
-        stream = ChatStream(SGLANG)
+        stream = ChatStream(SGLANG, stream_interval=1)
         for start in range(0, len(data), cut):
             assert stream.feed(data[start:start + cut]) is None
         stream.end()
@@ -152,10 +151,10 @@ def test_a_stopped_answers_tokens_are_the_servers_count_when_its_chunks_carry_on
     continuous usage keeps the count of a stopped loop right instead of 256 tokens an event."""
     request = servers.chat_request("m", [{"role": "user", "content": "q"}], 500, SamplingSettings(),
                                       stream=True, stream_interval=256, continuous_usage=True)
-    assert request["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert request.body()["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     events = [{"choices": [{"index": 0, "delta": {"content": " loop"}, "finish_reason": None}],
                "usage": {"prompt_tokens": 3, "completion_tokens": i + 1}} for i in range(400)]
-    stream = ChatStream(VLLM, LoopThresholds(min_loop_chars=200), stream_interval=256)
+    stream = ChatStream(VLLM, loop_thresholds(min_loop_chars=200), stream_interval=256)
     loop = None
     for event in events:
         loop = loop or stream.feed_line(f"data: {json.dumps(event)}".encode())

@@ -96,7 +96,7 @@ def test_packed_ids_unpack_to_the_same_ids_across_the_whole_uint32_range():
 def test_each_server_is_asked_for_ids_in_its_own_fields_and_an_older_sglang_is_not_asked():
     def asked(dialect, **kw):
         request = chat_request("m", [], 8, SamplingSettings(), token_ids=dialect.token_ids, **kw)
-        return {k for k in request if "ids" in k}
+        return {k for k in request.body() if "ids" in k}
 
     both = {"return_input_ids_in_sglext", "return_output_ids_in_sglext"}
     assert asked(SGLANG) == both and asked(SGLANG, stream=True) == both

@@ -1,5 +1,5 @@
 """Tools in requests and tool calls in answers: the bodies sent, and the calls read back from plain
-and streamed answers in each server's shape (see expansion_dag/servers/tools.py for the facts)."""
+and streamed answers in each server's shape (see expansion_dag/servers/wire/tools.py for the facts)."""
 
 import json
 
@@ -30,7 +30,8 @@ SENT = {
 
 
 def request(**kwargs):
-    return servers.chat_request("m", MESSAGES, 100, SamplingSettings(), **kwargs)
+    """The body sent for ``MESSAGES`` with ``kwargs``."""
+    return servers.chat_request("m", MESSAGES, 100, SamplingSettings(), **kwargs).body()
 
 
 def test_a_request_with_tools_sends_them_in_one_form_with_its_tool_choice():

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 from expansion_dag.config import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND
 from expansion_dag.defs.resources import FleetResource
 from expansion_dag.servers import folder_weights, hub_commit, probe_fleet
-from expansion_dag.servers import weights as weights_module
+from expansion_dag.servers.probing import weights as weights_module
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -73,7 +73,7 @@ def test_a_hub_snapshot_is_named_by_its_commit_from_its_folder_or_the_hub_cache(
 def test_a_launched_fleets_identity_names_its_folders_weights_and_the_revision(tmp_path):
     folder = model_folder(tmp_path / "target")
     with SimulatedFleet([SimServerConfig(port=0)]) as fleet:
-        info = probe_fleet(fleet.urls)
+        info = probe_fleet(fleet.urls, backend="sglang", stream_interval=1)
     launched = FleetResource(mode="launch", launch_command=SGLANG_LAUNCH_COMMAND, model_path=str(folder),
                              model_revision="sft-3")
     assert launched.weights(info) == f"{folder_weights(str(folder))}, revision sft-3"

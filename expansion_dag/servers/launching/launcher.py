@@ -39,8 +39,8 @@ from typing import Any, BinaryIO
 import httpx
 
 from expansion_dag.core import FleetError, ServerStartError, pid_alive
-from expansion_dag.servers import log_filter
-from expansion_dag.servers.http_client import tls_context
+from expansion_dag.servers.launching import log_filter
+from expansion_dag.servers.transport import tls_context
 
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
 SIMULATOR_MODULE = "expansion_dag.sim"

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pydantic_core
 
-from expansion_dag.servers.asyncio_network import asyncio_transport
+from expansion_dag.servers.transport.asyncio_network import asyncio_transport
 
 _JSON = (b"Content-Type", b"application/json")
 

@@ -1,7 +1,7 @@
 """A seeded corpus of legitimate answers with heavy repetition, and of looping answers.
 
-The degeneration detector (``expansion_dag.servers.degeneration``) must never stop the first and must stop
-every one of the second early. The legitimate answers repeat a shape the way real answers do:
+The loop detector (``expansion_dag.servers.loops.degeneration``) must never stop the first and
+must stop every one of the second early. The legitimate answers repeat a shape the way real answers do:
 
 - ``table``: markdown tables (multiplication tables, timetables full of "Off" and "-", feature
   matrices of check marks, sparse tables with empty cells);
@@ -16,9 +16,9 @@ every one of the second early. The legitimate answers repeat a shape the way rea
 The looping answers start like a legitimate answer and then repeat one span (a sentence, a
 paragraph of thinking, a line of code, a table row, a phrase, a newline) until a cap.
 
-Run ``python -m expansion_dag.servers.repetitive_corpus`` to rebuild the shipped file
-(``expansion_dag_tests/data/repetitive_answers.jsonl.gz``); a test checks that the file is what
-this module generates.
+Run ``python -m expansion_dag_tests.data.make_repetitive_corpus`` to rebuild the file beside it
+(``repetitive_answers.jsonl.gz``, which the tests read through ``expansion_dag_tests.helpers``); a
+test checks that the file is what this module generates.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 SEED = 14
 #: Answers per kind of legitimate repetition.
 PER_KIND = 400
-CORPUS_PATH = Path(__file__).resolve().parents[2] / "expansion_dag_tests" / "data" / "repetitive_answers.jsonl.gz"
+CORPUS_PATH = Path(__file__).with_name("repetitive_answers.jsonl.gz")
 
 _WORDS = (
     "apple river stone cloud garden window market engine paper signal forest bridge harbor lamp "
@@ -267,11 +267,6 @@ def corpus_bytes(seed: int = SEED, per_kind: int = PER_KIND) -> bytes:
     with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, compresslevel=9) as f:
         f.write(raw.encode())
     return buffer.getvalue()
-
-
-def read_corpus(path: Path = CORPUS_PATH) -> list[dict[str, str]]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def main() -> None:

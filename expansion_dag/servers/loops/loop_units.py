@@ -19,8 +19,10 @@ _WORDS = re.compile(r"\w+")
 #: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
 _LINE_END = re.compile(r"\n")
-#: A line or sentence that runs longer is judged as it is: the unfinished one is never re-read whole
-#: for every delta.
+#: A line or sentence that runs longer is cut there: the unfinished one is never re-read whole for
+#: every delta. A cut line is judged as it is; a cut "sentence" is no sentence: any two stretches of
+#: 2,000 characters of one language share most of their words, so ``resaid`` would see them all as
+#: one said again (text without a full stop: lists of words, code, the simulator's random words).
 _MAX_UNIT_CHARS = 2000
 
 
@@ -53,7 +55,7 @@ class Units:
         return self._feed_sentences(delta) or found
 
     def _feed_lines(self, delta: str) -> tuple[str, str, int, int] | None:
-        complete, self._line = _completed(self._line + delta, _LINE_END)
+        complete, self._line, _ = _completed(self._line + delta, _LINE_END)
         found = None
         for line in complete:
             line = line.strip()
@@ -68,7 +70,10 @@ class Units:
         return found
 
     def _feed_sentences(self, delta: str) -> tuple[str, str, int, int] | None:
-        complete, self._sentence = _completed(self._sentence + delta, _SENTENCE_END)
+        complete, self._sentence, cut = _completed(self._sentence + delta, _SENTENCE_END)
+        if cut:
+            complete.pop()
+            self._streak = self._streak_chars = 0
         found = None
         for sentence in complete:
             words = _WORDS.findall(sentence.lower())
@@ -86,12 +91,13 @@ class Units:
         return found
 
 
-def _completed(text: str, end: re.Pattern[str]) -> tuple[list[str], str]:
-    """The units ``text`` completes, and the unfinished rest (judged as it is once too long)."""
+def _completed(text: str, end: re.Pattern[str]) -> tuple[list[str], str, bool]:
+    """The units ``text`` completes, the unfinished rest, and whether the last unit is that rest,
+    cut for its length."""
     *complete, rest = end.split(text)
     if len(rest) > _MAX_UNIT_CHARS:
-        return [*complete, rest], ""
-    return complete, rest
+        return [*complete, rest], "", True
+    return complete, rest, False
 
 
 def _said_before(said: frozenset[str], earlier: Iterable[frozenset[str]], similarity: float) -> bool:

@@ -5,10 +5,11 @@ dozens of events a second from different streams, each after the process slept. 
 kernel's and, on a VM, the hypervisor's part) costs about as much as reading the event itself
 (BENCHMARKS.md, "Client CPU of a streamed event, layer by layer"). While events come often, this
 loop's selector sleeps through a tick and then takes every socket that has data, so one wake-up
-serves all the events of the tick. An event is read at most a tick late: 0.1 s by default, against
-the ~135 s of an answer at the reference rate, while the requests each server holds queued (the
-engine's headroom) keep its slots busy. While events are rare it waits on the sockets as asyncio
-does, so a lone answer is read the moment it arrives and an idle run costs nothing.
+serves all the events of the tick. An event is read at most a tick late (the run configuration's
+``generation.client_tick_s``: a tenth of a second against the ~135 s of an answer at the reference
+rate), while the requests each server holds queued (the engine's headroom) keep its slots busy.
+While events are rare it waits on the sockets as asyncio does, so a lone answer is read the moment
+it arrives and an idle run costs nothing.
 
 The loop only streams: what blocks (the store's appends, fsyncs and segment creation, the progress
 events a Dagster run writes to its event log) runs in an ``OffLoop`` thread, fed by a bounded queue.

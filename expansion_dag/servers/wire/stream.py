@@ -1,35 +1,31 @@
-"""Streamed answers: :class:`ChatStream` reads a streamed chat completion, as its bytes arrive, into
-the same :class:`Answer` as a plain one, and cuts off one whose text loops (:class:`DegenerateError`,
-see ``expansion_dag.servers.degeneration``)."""
+"""Streamed answers: :class:`ChatStream` reads a streamed chat completion, as its bytes arrive, event
+by event (:func:`parse_chunk`: a :class:`.protocol.ChatChunk` each), into the same
+:class:`.protocol.Answer` as a plain one, and cuts off one whose text loops
+(:class:`DegenerateError`, see ``expansion_dag.servers.loops.degeneration``)."""
 
 from __future__ import annotations
 
 import array
 from collections.abc import Iterable
-from typing import Any
 
 import pydantic_core
 
 from expansion_dag.core import BadResponseError, RequestError
-from expansion_dag.servers.answers import (
+from expansion_dag.servers.dialects import Dialect
+from expansion_dag.servers.loops import Loop, LoopDetector, LoopThresholds
+from expansion_dag.servers.wire.answers import error_from_status
+from expansion_dag.servers.wire.protocol import (
     Answer,
+    ChatChunk,
+    Usage,
     as_text,
     checked_answer,
-    error_from_status,
     id_array,
     quote,
     sglext_ids,
     text_field,
 )
-from expansion_dag.servers.degeneration import Loop, LoopDetector, LoopThresholds
-from expansion_dag.servers.dialects import Dialect
-from expansion_dag.servers.tools import ToolCallDeltas
-
-#: A streamed event every 256 tokens instead of every token (both servers' default): a network read
-#: costs the client far more than the parsing, so its CPU per answer falls with the events
-#: (BENCHMARKS.md, waste and tail), while a loop, seen after ~250 tokens, runs at most 256 more
-#: tokens of the up to 8,000 it would cost.
-DEFAULT_STREAM_INTERVAL = 256
+from expansion_dag.servers.wire.tools import ToolCallDeltas, tool_call_deltas
 
 
 class DegenerateError(RequestError):
@@ -87,7 +83,8 @@ class ChatStream:
     ``token_ids`` (``chat_completion_stream_generator``), put together here.
     """
 
-    def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None, *, stream_interval: int = 1):
+    def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None, *, stream_interval: int):
+        """``stream_interval``: the server's tokens per event, to count a stopped answer's tokens."""
         self._dialect = dialect
         self._stream_interval = stream_interval
         self._content: list[str] = []
@@ -96,7 +93,7 @@ class ChatStream:
         self._prompt_ids: array.array | None = None
         self._output_ids: array.array | None = None
         self._finish: str | None = None
-        self._usage: Any = None
+        self._usage: Usage | None = None
         #: The tokens so far, from a choice chunk's own usage (``continuous_usage``); None: unsaid.
         self._tokens_so_far: int | None = None
         self._done = False
@@ -133,78 +130,37 @@ class ChatStream:
         if data == b"[DONE]":
             self._done = True
             return None
-        try:
-            # A streamed answer is one chunk per token: pydantic's Rust parser costs a third of
-            # json.loads per chunk, and parsing is most of the client's CPU per streamed request.
-            chunk = pydantic_core.from_json(data)
-        except ValueError as exc:
-            raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200) from exc
-        if not isinstance(chunk, dict):
-            raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200)
-        if chunk.get("error") or chunk.get("object") == "error":
-            error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
-            code = error.get("code")
-            raise error_from_status(code if isinstance(code, int) and code >= 400 else 500, as_text(data))
-        usage = chunk.get("usage")
-        choices = chunk.get("choices")
-        if not choices:
-            if isinstance(usage, dict):
-                self._usage = usage
-            if self._dialect.token_ids == "sglext" and chunk.get("sglext") is not None:
-                try:
-                    self._prompt_ids, self._output_ids = sglext_ids(chunk["sglext"])
-                except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
-                    raise BadResponseError(f"not token ids: {as_text(data[:200])}", status=200) from exc
-            return None
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self._tokens_so_far = usage["completion_tokens"]
-        try:
-            if self._dialect.token_ids == "vllm":
-                self._feed_vllm_ids(chunk, choices[0])
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            content = delta.get("content")
-            reasoning = next((delta[f] for f in self._dialect.reasoning_fields if delta.get(f)), None)
-            finish = choice.get("finish_reason")
-            if delta.get("tool_calls"):
-                self._tool_calls.feed(delta["tool_calls"])
-                self.chunks += 1
-        except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
-            raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200) from exc
-        # Each piece is text before it is kept: a list or a number here would end the worker when
-        # the pieces are joined, or the answer counted by its finish. Tested inline, once a chunk.
-        if (
-            (content is not None and content.__class__ is not str)
-            or (reasoning is not None and reasoning.__class__ is not str)
-            or (finish is not None and finish.__class__ is not str)
-        ):
-            text_field(content, "delta.content")
-            text_field(reasoning, "the delta's reasoning")
-            text_field(finish, "finish_reason")
-        if finish:
-            self._finish = finish
+        chunk = parse_chunk(data, self._dialect)
+        if chunk.error_status is not None:
+            raise error_from_status(chunk.error_status, as_text(data))
+        if chunk.usage is not None:
+            self._usage = chunk.usage
+        if chunk.tokens_so_far is not None:
+            self._tokens_so_far = chunk.tokens_so_far
+        if chunk.prompt_ids is not None:
+            self._prompt_ids = chunk.prompt_ids
+        if chunk.output_ids is not None:
+            if self._output_ids is None or self._dialect.token_ids == "sglext":  # SGLang's come whole
+                self._output_ids = chunk.output_ids
+            else:
+                self._output_ids.extend(chunk.output_ids)
+        if chunk.tool_calls:
+            self._tool_calls.feed(chunk.tool_calls)
+            self.chunks += 1
+        if chunk.finish_reason:
+            self._finish = chunk.finish_reason
         loop = None
-        if content:
-            self._content.append(content)
+        if chunk.content:
+            self._content.append(chunk.content)
             self.chunks += 1
             if self._detectors:
-                loop = self._detectors[0].feed(content)
-        if reasoning:
-            self._reasoning.append(reasoning)
+                loop = self._detectors[0].feed(chunk.content)
+        if chunk.reasoning:
+            self._reasoning.append(chunk.reasoning)
             self.chunks += 1
             if self._detectors:
-                loop = self._detectors[1].feed(reasoning) or loop
+                loop = self._detectors[1].feed(chunk.reasoning) or loop
         return loop
-
-    def _feed_vllm_ids(self, chunk: dict[str, Any], choice: Any) -> None:
-        prompt_ids = chunk.get("prompt_token_ids")
-        if prompt_ids is not None:
-            self._prompt_ids = id_array(prompt_ids)
-        delta_ids = id_array(choice.get("token_ids"))
-        if self._output_ids is None:
-            self._output_ids = delta_ids
-        elif delta_ids is not None:
-            self._output_ids.extend(delta_ids)
 
     @property
     def content(self) -> str:
@@ -215,10 +171,9 @@ class ChatStream:
         return "".join(self._reasoning) if self._reasoning else None
 
     def answer(self) -> Answer:
-        """The whole answer; BadResponseError when the stream ended without its usage, with counts
-        that are not counts (:func:`checked_answer`), or with a tool call that never got its name."""
-        usage = self._usage
-        if usage is None or "completion_tokens" not in usage:
+        """The whole answer; BadResponseError when the stream ended without its usage, or with a
+        tool call that never got its name."""
+        if self._usage is None:
             ended = "after [DONE]" if self._done else "without [DONE]"
             raise BadResponseError(
                 f"the stream ended {ended} and without a usage chunk: the server ignored "
@@ -233,8 +188,7 @@ class ChatStream:
             content=self.content,
             reasoning=self.reasoning,
             finish_reason=self._finish,
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage["completion_tokens"],
+            usage=self._usage,
             tool_calls=tool_calls,
             prompt_ids=self._prompt_ids,
             output_ids=self._output_ids,
@@ -263,9 +217,75 @@ class ChatStream:
         )
 
 
+def parse_chunk(data: bytes, dialect: Dialect) -> ChatChunk:
+    """One event's JSON (the bytes after ``data:``) as a :class:`.protocol.ChatChunk`;
+    BadResponseError when it is not a chat completion chunk, or a piece of text is not text.
+
+    Chunks carry ``choices[0].delta``; the usage comes in a chunk with no choices, and so do
+    SGLang's token ids (``sglext``), while vLLM's come with each choice (``token_ids``) and the
+    prompt's in the first chunk (``prompt_token_ids``).
+    """
+    try:
+        # A streamed answer is one chunk per event: pydantic's Rust parser costs a third of
+        # json.loads per chunk, and parsing is most of the client's CPU per streamed request.
+        chunk = pydantic_core.from_json(data)
+    except ValueError as exc:
+        raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200) from exc
+    if not isinstance(chunk, dict):
+        raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200)
+    if chunk.get("error") or chunk.get("object") == "error":
+        error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
+        code = error.get("code")
+        return ChatChunk(error_status=code if isinstance(code, int) and code >= 400 else 500)
+    usage = chunk.get("usage")
+    choices = chunk.get("choices")
+    if not choices:
+        prompt_ids = output_ids = None
+        if dialect.token_ids == "sglext" and chunk.get("sglext") is not None:
+            try:
+                prompt_ids, output_ids = sglext_ids(chunk["sglext"])
+            except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
+                raise BadResponseError(f"not token ids: {as_text(data[:200])}", status=200) from exc
+        whole = Usage.read(usage) if isinstance(usage, dict) and "completion_tokens" in usage else None
+        return ChatChunk(usage=whole, prompt_ids=prompt_ids, output_ids=output_ids)
+    try:
+        choice = choices[0]
+        prompt_ids = output_ids = None
+        if dialect.token_ids == "vllm":
+            prompt_ids, output_ids = id_array(chunk.get("prompt_token_ids")), id_array(choice.get("token_ids"))
+        delta = choice.get("delta") or {}
+        content = delta.get("content")
+        reasoning = next((delta[f] for f in dialect.reasoning_fields if delta.get(f)), None)
+        finish = choice.get("finish_reason")
+        tool_calls = tool_call_deltas(delta["tool_calls"]) if delta.get("tool_calls") else ()
+    except (AttributeError, IndexError, KeyError, TypeError, OverflowError) as exc:
+        raise BadResponseError(f"not a chat completion chunk: {as_text(data[:200])}", status=200) from exc
+    # Each piece is text before it is kept: a list or a number here would end the worker when
+    # the pieces are joined, or the answer counted by its finish. Tested inline, once a chunk.
+    if (
+        (content is not None and content.__class__ is not str)
+        or (reasoning is not None and reasoning.__class__ is not str)
+        or (finish is not None and finish.__class__ is not str)
+    ):
+        text_field(content, "delta.content")
+        text_field(reasoning, "the delta's reasoning")
+        text_field(finish, "finish_reason")
+    so_far = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return ChatChunk(
+        content=content,
+        reasoning=reasoning,
+        finish_reason=finish,
+        tool_calls=tool_calls,
+        tokens_so_far=so_far if so_far.__class__ is int else None,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+    )
+
+
 def parse_chat_stream(lines: Iterable[bytes], dialect: Dialect, thresholds: LoopThresholds | None = None) -> Answer:
-    """:class:`ChatStream` over a whole stream's lines: the answer, or the DegenerateError of its loop."""
-    stream = ChatStream(dialect, thresholds)
+    """:class:`ChatStream` over a whole stream's lines: the answer, or the DegenerateError of its loop
+    (its tokens counted an event each, as a server streams by default, unless its chunks count them)."""
+    stream = ChatStream(dialect, thresholds, stream_interval=1)
     for line in lines:
         loop = stream.feed_line(line)
         if loop is not None:

@@ -16,8 +16,7 @@ Legitimate repetition (a markdown table, a list, unit tests, step-by-step arithm
 repeats a *shape* with cells, items, names and numbers that change, and it ends: exact repeats
 break within a few lines, and the shape rules ask for more copies than legitimate answers hold
 (counting to 400, Fibonacci for 60 lines and 50 unit tests of one function are all legitimate
-in the shipped corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``, built by
-``expansion_dag/servers/repetitive_corpus.py``). A list of numbers alone (digits and punctuation)
+in the tests' corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``). A list of numbers alone (digits and punctuation)
 needs more copies (``counter_repeats_numeric``, ``numbers_repeats_numeric``): counting to 400 and
 the first 100 primes are answers.
 
@@ -36,24 +35,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expansion_dag.servers.loop_periodic import Shape, exact_loop, shape_loop
-from expansion_dag.servers.loop_units import Units
+from expansion_dag.servers.loops.loop_periodic import Shape, exact_loop, shape_loop
+from expansion_dag.servers.loops.loop_units import Units
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoopThresholds:
-    """When each rule calls the text a loop; see the module docstring."""
+    """When each rule calls the text a loop; see the module docstring. The span rule's fields are
+    the run configuration's (``generation.loop_*``): given, never assumed here."""
 
     #: The shortest span counted (1: a run of one character, e.g. endless newlines, counts too); a
     #: run of a shorter span is not counted as a run of its multiples either.
-    min_span_chars: int = 1
+    min_span_chars: int
     #: Back-to-back copies of the span, the first included.
-    min_repeats: int = 4
+    min_repeats: int
     #: The repeated region must cover at least this many characters: short runs ("| --- | --- |",
     #: "ha ha ha", a row of "=") are formatting, not a loop.
-    min_loop_chars: int = 400
+    min_loop_chars: int
     #: How far back a check looks; the longest span found is ``window_chars // min_repeats``.
-    window_chars: int = 8192
+    window_chars: int
     #: New characters between checks.
     check_every_chars: int = 64
     #: ``counter``: copies of a span whose numbers all count by constant steps; a span of numbers

@@ -1,7 +1,7 @@
-"""Probing a fleet of SGLang (or vLLM) servers, with no Dagster in sight (launching: ``launcher.py``).
+"""Probing a fleet of SGLang (or vLLM) servers, with no Dagster in sight (launching: ``servers/launching/``).
 
 - ``probe_fleet`` reads what requests depend on from the servers themselves (through
-  ``api``, which reads each in its dialect): the context length, the longest prompt the
+  ``facts``, which reads each in its dialect): the context length, the longest prompt the
   scheduler admits, the running-request slots, the model and the version. Servers that disagree
   are an error naming them.
 - Slots are never guessed: a server that does not report them (vLLM has no API for
@@ -35,16 +35,10 @@ from expansion_dag.core import (
     url_credentials,
     without_credentials,
 )
-from expansion_dag.servers.api import (
-    PROTECTED_PATH,
-    ServerFacts,
-    parse_gen_throughput,
-    read_server_facts,
-    serves_without_key,
-)
 from expansion_dag.servers.dialects import Dialect
-from expansion_dag.servers.http_client import tls_context
-from expansion_dag.servers.tools import tool_choice_for
+from expansion_dag.servers.probing.facts import PROTECTED_PATH, ServerFacts, read_server_facts, serves_without_key
+from expansion_dag.servers.transport import tls_context
+from expansion_dag.servers.wire import tool_choice_for
 
 Backend = Literal["sglang", "vllm"]
 
@@ -150,11 +144,11 @@ class FleetInfo:
 def probe_server(
     url: str,
     *,
-    backend: Backend = "sglang",
+    backend: Backend,
     api_key: str | None = None,
     slots_override: int | None = None,
     launched_slots: int | None = None,
-    stream_interval: int = 1,
+    stream_interval: int,
     tool_call_parser: str | None = None,
     timeout_s: float = 30.0,
 ) -> ServerInfo:
@@ -222,31 +216,14 @@ def _slots(url: str, facts: ServerFacts, configured: int | None, launched: int |
     )
 
 
-def read_throughputs(servers: Sequence[ServerInfo], *, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, float | None]:
-    """Each server's output tokens a second now (``parse_gen_throughput``); None where it
-    does not say or does not answer."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    found: dict[str, float | None] = {}
-    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context()) as client:
-        for server in servers:
-            path = server.dialect.loads_path
-            try:
-                response = client.get(server.url + path) if path else None
-                ok = response is not None and response.status_code == 200
-                found[server.url] = parse_gen_throughput(response.json(), server.dialect) if ok else None
-            except (httpx.HTTPError, ValueError):
-                found[server.url] = None
-    return found
-
-
 def probe_fleet(
     urls: Sequence[str],
     *,
-    backend: Backend = "sglang",
+    backend: Backend,
     api_key: str | None = None,
     slots_override: int | None = None,
     launched_slots: Mapping[str, int] | None = None,
-    stream_interval: int = 1,
+    stream_interval: int,
     tool_call_parser: str | None = None,
     timeout_s: float = 30.0,
     allow_unreachable: bool = False,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from expansion_dag.generation import CoalescingSelector
+from expansion_dag.servers import CoalescingSelector
 from expansion_dag_tests.helpers import until
 
 STREAMS = 24

@@ -29,9 +29,10 @@ from pathlib import Path
 from huggingface_hub.constants import HF_HUB_CACHE
 
 from expansion_dag.core import FleetMismatchError, RequestError, SamplingSettings, WeightsProbe, describe
-from expansion_dag.servers.api import RetryPolicy, chat_request, generate
-from expansion_dag.servers.fleet import FleetInfo, ServerInfo
-from expansion_dag.servers.http_client import make_client
+from expansion_dag.servers.probing.fleet import FleetInfo, ServerInfo
+from expansion_dag.servers.sending import RetryPolicy, generate
+from expansion_dag.servers.transport import make_client
+from expansion_dag.servers.wire import chat_request
 
 #: Files whose bytes are the weights; of the others only the model's config is read (whole).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -48,7 +49,10 @@ PROBE_MESSAGES = ({"role": "user", "content": "Write four short lines about a li
 PROBE_TOKENS = 32
 PROBE_SAMPLING = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1, seed=0, max_output_tokens=PROBE_TOKENS)
 #: A server that fails the probe now and then is asked again, briefly; the canary judges it after.
-PROBE_POLICY = RetryPolicy(attempts=3, wait_initial_s=0.5, wait_max_s=5.0, wait_jitter_s=0.5, backpressure_wait_s=60.0)
+PROBE_POLICY = RetryPolicy(
+    attempts=3, wait_initial_s=0.5, wait_max_s=5.0, wait_jitter_s=0.5, context_retry=True, context_margin=16,
+    min_output_tokens=16, backpressure_wait_s=60.0,
+)
 
 
 def folder_weights(model_path: str, revision: str | None = None) -> str | None:
@@ -177,7 +181,9 @@ async def _probe(server: ServerInfo, api_key: str | None) -> WeightsProbe | Requ
         server.model, PROBE_MESSAGES, max_tokens, PROBE_SAMPLING, token_ids=server.dialect.token_ids
     )
     async with make_client(timeout_s=300.0, connect_timeout_s=10.0, api_key=api_key) as client:
-        exchange = await generate(client, server.url, request, server.dialect, PROBE_POLICY)
+        exchange = await generate(
+            client, server.url, request, server.dialect, PROBE_POLICY, stream_interval=server.stream_interval
+        )
     if exchange.error is not None:
         return exchange.error
     answer = exchange.answer

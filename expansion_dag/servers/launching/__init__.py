@@ -1,0 +1,17 @@
+"""Launching: one server process per GPU, started, waited for and stopped, its API key kept off
+its command line and out of its log."""
+
+from expansion_dag.servers.launching.launcher import (
+    KEY_DELIVERY,
+    KeyDelivery,
+    Launcher,
+    LaunchSpec,
+    is_healthy,
+    key_delivery,
+    tool_call_flags,
+    wait_ready,
+)
+
+__all__ = [
+    "KEY_DELIVERY", "KeyDelivery", "LaunchSpec", "Launcher", "is_healthy", "key_delivery", "tool_call_flags", "wait_ready",
+]
