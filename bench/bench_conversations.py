@@ -26,8 +26,9 @@ from typing import Any
 import polars as pl
 from harness import cpu_s, header, stats, write_result  # (bench/ is on sys.path)
 
+from expansion_dag.config import GenerationConfig, engine_config
 from expansion_dag.core import ModeIdentities, ModeMix, SamplingSettings, count_prompt_tokens, load_tokenizer
-from expansion_dag.generation import EngineConfig, Server, ShardWork, TurnPlanner, WorkItem, generate_shard
+from expansion_dag.generation import Server, ShardWork, TurnPlanner, WorkItem, generate_shard
 from expansion_dag.prompts import extract_prompts, package_dir
 from expansion_dag.servers import SGLANG, template_tools
 from expansion_dag.sim import FleetProcess, SimServerConfig
@@ -63,7 +64,7 @@ def conversations(copies: int) -> pl.DataFrame:
 
 def run(items: list[WorkItem], url: str, slots: int, store_dir: Path, planner: TurnPlanner | None) -> dict[str, Any]:
     store = CompletionStore(store_dir)
-    config = EngineConfig(progress_interval_s=3600, stop_degenerate=True, canary=False)
+    config = engine_config(GenerationConfig(), progress_interval_s=3600, stop_degenerate=True, canary=False)
     before, started = cpu_s(), time.monotonic()
     with store.writer("shard-00") as writer:
         report = generate_shard(items, [Server(url, slots, SGLANG, stream_interval=256)], writer=writer,
@@ -89,7 +90,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             planner = TurnPlanner(tokenizer, CONTEXT, CAP, MIN_OUT, MARGIN, IDENTITIES.by_mode,
                                   ("stop", "tool_calls", "length"))
-            work = ShardWork(frame, IDENTITIES, planner=planner)
+            work = ShardWork(frame, IDENTITIES, retry_outcomes=(), planner=planner)
             conv_dir = Path(tmp) / f"conv-{round_}"
             todo, _ = work.items(lambda keys: {})
             phases["conversations"].append(run(todo, fleet.urls[0], args.slots, conv_dir, planner))

@@ -64,6 +64,7 @@ import httpx
 import polars as pl
 from harness import RESULTS_DIR, header, machine_cpu_s, process_cpu_s, write_result  # (bench/ is on sys.path)
 
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, engine_config
 from expansion_dag.core import (
     DEFAULT_TOKENIZER,
     SamplingSettings,
@@ -72,9 +73,8 @@ from expansion_dag.core import (
     load_tokenizer,
     render_prompts,
 )
-from expansion_dag.generation import EngineConfig, PromptQueue, Server, ShardRun, WorkItem
+from expansion_dag.generation import PromptQueue, Server, ShardRun, WorkItem
 from expansion_dag.prompts import assign_shards, shard_keys
-from expansion_dag.config import DEFAULT_STREAM_INTERVAL
 from expansion_dag.sim import DEFAULT_REASONING_SHARE, FleetProcess, OutputModel, SimServerConfig
 from expansion_dag.store import CompletionStore
 
@@ -490,7 +490,7 @@ async def run_engine(
 ) -> dict[str, Any]:
     """One ShardRun per server, each with its own writer, all on this event loop; with ``spill``,
     each may use the other servers' idle slots, as the asset does by default."""
-    config = EngineConfig()
+    config = engine_config(GenerationConfig())
     store = CompletionStore(store_root)
     start = time.perf_counter()
 

@@ -80,7 +80,8 @@ def slow_fsync(folder: Path, delay_s: float, spans: list[tuple[float, float]]) -
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import expansion_dag
     from expansion_dag.core import SamplingSettings
-    from expansion_dag.generation import EngineConfig, Server, ShardRun, WorkItem
+    from expansion_dag.config import GenerationConfig, engine_config
+    from expansion_dag.generation import Server, ShardRun, WorkItem
     try:
         from expansion_dag.servers import run_ticked
     except ImportError:  # a baseline tree from before the event loop joined servers/transport/
@@ -96,7 +97,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                  prompt_tokens=16, max_tokens=2000, expected_output_tokens=200)
         for i in range(args.requests)
     ]  # fmt: skip
-    config = EngineConfig(canary=False, progress_interval_s=1.0)
+    config = engine_config(GenerationConfig(), canary=False, progress_interval_s=1.0)
     interval = args.probe_ms / 1000
     lags: list[tuple[float, float]] = []  # (when the probe slept, how late it woke)
     reports: list[Any] = []

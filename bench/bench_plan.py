@@ -24,9 +24,9 @@ from pathlib import Path
 import harness
 import polars as pl
 
+from expansion_dag.config import GenerationConfig, engine_config
 from expansion_dag.core import FAILED, Identity, SamplingSettings
 from expansion_dag.generation import (
-    EngineConfig,
     Observed,
     Plan,
     Server,
@@ -61,7 +61,7 @@ def items(identity: Identity, start: int, n: int, cap: int) -> list[WorkItem]:
 
 
 def run(url: str, store: CompletionStore, work: list[WorkItem], model: str) -> ShardReport:
-    config = EngineConfig(stop_degenerate=False, progress_interval_s=3600, canary=False)
+    config = engine_config(GenerationConfig(), stop_degenerate=False, progress_interval_s=3600, canary=False)
     with store.writer(SHARD) as writer:
         return generate_shard(work, [Server(url, SLOTS)], writer=writer, model=model,
                               sampling=SamplingSettings(), config=config)
@@ -74,7 +74,7 @@ def disk_bytes(root: Path) -> int:
 def plan_for(work: list[WorkItem], observed: Observed, tokens_per_s: float) -> Plan:
     frame = pl.DataFrame({"source": [w.source for w in work], "prompt_tokens": [w.prompt_tokens for w in work],
                           "max_tokens": [w.max_tokens for w in work]})
-    return make_plan(frame, observed, lambda source: PRIOR, servers=1, simulated=True,
+    return make_plan(frame, observed, lambda source: PRIOR, servers=1, simulated=True, drop_truncated=True,
                      throughput=Throughput(tokens_per_s, "the earlier run's output tokens/s (simulator)"))
 
 

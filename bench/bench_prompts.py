@@ -359,16 +359,18 @@ def phase_extract_asset(args: argparse.Namespace) -> dict[str, Any]:
 def phase_profile(args: argparse.Namespace) -> dict[str, Any]:
     """Where extraction, selection and budgeting spend their time, from outside (cProfile): the
     functions of each by own time, budgeting on the first of the ``tokens`` phase's slices."""
-    from expansion_dag.prompts import BudgetConfig, budget_prompts
+    from expansion_dag.config import GenerationConfig, budget_config
+    from expansion_dag.prompts import budget_prompts
 
     catalog = catalog_for(args)
     raw = read_columns(data_path(args))
     _, extract_select = harness.profiled(lambda: extract_and_select(raw, catalog))
     del raw
     prompts, tokenizer = _load_prompts(args)
-    first = prompts.head(max(BudgetConfig().batch_size, prompts.height // args.slices))
+    config = budget_config(GenerationConfig())
+    first = prompts.head(max(config.batch_size, prompts.height // args.slices))
     _, budget = harness.profiled(
-        lambda: budget_prompts(first, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS)
+        lambda: budget_prompts(first, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS, config=config)
     )
     return {"extract_select": extract_select, "budget_prompts": budget, "budget_prompts_on": first.height}
 
@@ -417,11 +419,12 @@ def phase_tokens(args: argparse.Namespace) -> dict[str, Any]:
     the first round one ``budget_prompts`` call on all the prompts follows, for its own wall time and
     peak memory. Each section gets a fresh peak-RSS window.
     """
+    from expansion_dag.config import GenerationConfig, budget_config
     from expansion_dag.core import render_prompts
-    from expansion_dag.prompts import BudgetConfig, budget_prompts
+    from expansion_dag.prompts import budget_prompts
 
     prompts, tokenizer = _load_prompts(args)
-    config = BudgetConfig()
+    config = budget_config(GenerationConfig())
     backend = tokenizer.backend_tokenizer
     clock = Clock()
     peaks: dict[str, float] = {"raw": 0.0, "budget_slices": 0.0}
@@ -459,7 +462,7 @@ def phase_tokens(args: argparse.Namespace) -> dict[str, Any]:
         reset_peak()
         started = time.perf_counter()
         with clock.span("budget"):
-            result = budget_prompts(frame, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS)
+            result = budget_prompts(frame, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS, config=config)
         wall = time.perf_counter() - started
         peaks["budget_slices"] = max(peaks["budget_slices"], window_peak_mib())
         return int(result.prompts["prompt_tokens"].sum() or 0) + int(result.set_aside["prompt_tokens"].sum() or 0), wall
@@ -484,7 +487,7 @@ def phase_tokens(args: argparse.Namespace) -> dict[str, Any]:
         full = Clock()
         reset_peak()
         with full.span("budget_full"):
-            result = budget_prompts(prompts, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS)
+            result = budget_prompts(prompts, tokenizer, context_length=CONTEXT_LENGTH, num_shards=NUM_SHARDS, config=config)
         peaks["budget_full"] = window_peak_mib()
         out["budget_full"] = {
             **full.report(),

@@ -55,8 +55,9 @@ from typing import Any
 import httpx
 from harness import ROOT, RESULTS_DIR, cpu_s, free_ports, header, process_cpu_s, stats, write_result
 
+from expansion_dag.config import GenerationConfig, engine_config, training_set_config
 from expansion_dag.core import OK, ModeIdentities, ModeMix, SamplingSettings, count_prompt_tokens, load_tokenizer
-from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.samples.chat_sources import (
     CODE_PROMPTS_II,
     CODE_TASKS,
@@ -69,7 +70,7 @@ from expansion_dag.samples.chat_sources import (
 )
 from expansion_dag.servers import VLLM, LoopDetector, chat_request, parse_chat_completion
 from expansion_dag.store import CompletionStore
-from expansion_dag.training import ROW, AnswerJudge, TrainingSetConfig
+from expansion_dag.training import DEFAULT_MAX_LENGTH, ROW, AnswerJudge
 
 MODEL_DIR = ROOT / ".models" / "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"
@@ -244,7 +245,7 @@ class Run:
         self.sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=-1, seed=args.seed,
                                          max_output_tokens=args.max_tokens)  # fmt: skip
         self.identities = ModeIdentities(ModeMix.single(self.sampling), SERVED_NAME, simulated=False)
-        self.judge = AnswerJudge(self.tokenizer, TrainingSetConfig(), self.identities)
+        self.judge = AnswerJudge(self.tokenizer, training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH), self.identities)
         messages = [[{"role": "user", "content": p["prompt"]}] for p in self.prompts]
         counts = count_prompt_tokens(self.tokenizer, messages)
         self.items = [
@@ -272,7 +273,7 @@ class Run:
 
 def project_phase(run: Run, url: str, store_root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     store = CompletionStore(store_root)
-    config = EngineConfig(canary=False, progress_interval_s=60)
+    config = engine_config(GenerationConfig(), canary=False, progress_interval_s=60)
     server = Server(url, run.args.slots, dialect=VLLM, stream_interval=run.args.stream_interval)
     started, cpu = time.perf_counter(), cpu_s()
     with store.writer("real") as writer:

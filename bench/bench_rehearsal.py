@@ -217,12 +217,12 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     os.environ["DAGSTER_HOME"] = str(home)
     import polars as pl
 
-    from expansion_dag.config import load_config
+    from expansion_dag.config import load_config, training_set_config
     from expansion_dag.core import OK, ModeIdentities, load_tokenizer
     from expansion_dag.generation import ShardWork, learn, shard_figures
     from expansion_dag.prompts import shard_keys
     from expansion_dag.store import CompletionStore
-    from expansion_dag.training import Manifest, TrainingSetConfig, current_version, data_files
+    from expansion_dag.training import DEFAULT_MAX_LENGTH, Manifest, current_version, data_files
 
     run_config = load_config(str(config_path))
     storage = Path(run_config.storage_root())
@@ -232,7 +232,7 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     # The run's modes (one, "default", without modes) for the model the set was taken from.
     identities = ModeIdentities(run_config.generation.mix(), manifest.identity["model"], bool(manifest.identity["simulated"]))
     files = [Path(path) for path in data_files(version)]
-    raw = raw_tokenizer(files, load_tokenizer(), TrainingSetConfig().chunk_rows)
+    raw = raw_tokenizer(files, load_tokenizer(), training_set_config(run_config.generation, DEFAULT_MAX_LENGTH).chunk_rows)
 
     segments = sorted((storage / "completions").rglob("seg-*.jsonl"))
     io = sequential_io(segments, storage / "io-probe.bin")
@@ -251,7 +251,7 @@ def limits_and_accounting(config_path: Path, home: Path) -> dict[str, Any]:
     def standing_keys(prompts: pl.DataFrame) -> set[str]:
         # Where each prompt stands, as a shard run reports it: its key under its mode, or for a
         # conversation that of its furthest turn (its last when complete).
-        return ShardWork(prompts, identities).frontier_keys(store.latest_records(digest=True))
+        return ShardWork(prompts, identities, retry_outcomes=run_config.generation.retry_outcomes).frontier_keys(store.latest_records(digest=True))
 
     keys = standing_keys(budgeted)
     standing = [r for r in store.latest_records(digest=True) if r["key"] in keys]

@@ -96,10 +96,10 @@ from bench_waste import (  # (bench/ is on sys.path when run as a script)
 )
 from harness import RESULTS_DIR, header, process_cpu_s, write_result
 
-from expansion_dag.config import DEFAULT_STREAM_INTERVAL
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, budget_config, engine_config, turn_planner
 from expansion_dag.core import ModeIdentities, ModeMix, SamplingSettings, load_tokenizer
-from expansion_dag.generation import EngineConfig, Server, ShardWork, TurnPlanner, WorkItem, generate_shard
-from expansion_dag.prompts import BudgetConfig, budget_prompts, extract_prompts, package_dir, shard_keys
+from expansion_dag.generation import Server, ShardWork, TurnPlanner, WorkItem, generate_shard
+from expansion_dag.prompts import budget_prompts, extract_prompts, package_dir, shard_keys
 from expansion_dag.servers import (
     SGLANG,
     chat_request,
@@ -109,7 +109,7 @@ from expansion_dag.servers import (
 from expansion_dag.sim import FleetProcess, SimServerConfig
 from expansion_dag.store import CompletionStore
 
-BUDGET = BudgetConfig()
+BUDGET = budget_config(GenerationConfig())
 SAMPLING = SamplingSettings(max_output_tokens=BUDGET.max_output_tokens)
 IDENTITIES = ModeIdentities(ModeMix.single(SAMPLING), f"{MODEL} (simulator)", True)
 #: Tokens of one vocabulary word (" w" and its digits) on the bundled tokenizer: sizes a prompt's filler.
@@ -196,11 +196,10 @@ def mixed_night(n: int, conversation_share: float, servers: int, seed: int) -> N
     tokenizer = load_tokenizer()
     budget = budget_prompts(pl.DataFrame(rows, schema=_FRAME_SCHEMA), tokenizer, context_length=CONTEXT,
                             num_shards=servers, config=BUDGET)  # fmt: skip
-    planner = TurnPlanner(tokenizer, CONTEXT, BUDGET.max_output_tokens, BUDGET.min_output_tokens, BUDGET.margin,
-                          IDENTITIES.by_mode)  # fmt: skip
+    planner = turn_planner(GenerationConfig(), tokenizer, CONTEXT, IDENTITIES)
     shards = []
     for key in shard_keys(servers):
-        work = ShardWork(budget.prompts.filter(pl.col("shard") == key), IDENTITIES, planner=planner)
+        work = ShardWork(budget.prompts.filter(pl.col("shard") == key), IDENTITIES, retry_outcomes=(), planner=planner)
         items, _ = work.items(lambda keys: {})  # an empty store: everything to send
         shards.append(items)
     kept = budget.prompts
@@ -345,7 +344,7 @@ def _engine_shard(index: int, urls: list[str], first_start: float, stagger_s: fl
     with CompletionStore(store_root).writer(f"shard-{index:02d}") as writer:
         report = generate_shard(
             _FORKED["shards"][index], [servers[index]], writer=writer, model=MODEL, sampling=SAMPLING,
-            config=EngineConfig(), helpers=[s for s in servers if s.url != urls[index]], fleet_urls=urls,
+            config=engine_config(GenerationConfig()), helpers=[s for s in servers if s.url != urls[index]], fleet_urls=urls,
             planner=_FORKED["planner"],
         )  # fmt: skip
     rank = report.length_rank_correlation()

@@ -127,7 +127,8 @@ def simulate_records(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's run against the simulated fleet, its store written out as ``build_inputs``;
     what the run did."""
     from expansion_dag.core import OUTPUT_IDS, PROMPT_IDS, SamplingSettings, count_prompt_tokens, load_tokenizer
-    from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+    from expansion_dag.config import GenerationConfig, engine_config
+    from expansion_dag.generation import Server, WorkItem, generate_shard
     from expansion_dag.store import CompletionStore
 
     prompts = list(stream_records(ensure_records(args, args.records)))
@@ -138,7 +139,7 @@ def simulate_records(args: argparse.Namespace) -> dict[str, Any]:
                       expected_output_tokens=ANSWER_MEDIAN)
              for p, n in zip(prompts, counts)]  # fmt: skip
     store = CompletionStore(args.scratch / "store")
-    config = EngineConfig(progress_interval_s=3600, canary=False)
+    config = engine_config(GenerationConfig(), progress_interval_s=3600, canary=False)
     server = dataclasses.replace(SIM_SERVER, seed=args.seed)
     with FleetProcess([server] * SIM_SERVERS) as fleet:
         with store.writer(SHARD) as writer:
@@ -166,10 +167,11 @@ def simulate_records(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    from expansion_dag.config import GenerationConfig, training_set_config
     from expansion_dag.core import load_tokenizer
-    from expansion_dag.training import TrainingSetConfig
+    from expansion_dag.training import DEFAULT_MAX_LENGTH
 
-    tokenizer, config = load_tokenizer(), TrainingSetConfig()
+    tokenizer, config = load_tokenizer(), training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH)
     records = {name: list(stream_records(path)) for name, path in build_inputs(args).items()}
     n = len(records["ids"])
     slices = []
@@ -186,8 +188,9 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
 def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
     import shutil
 
+    from expansion_dag.config import GenerationConfig, training_set_config
     from expansion_dag.core import load_tokenizer
-    from expansion_dag.training import TrainingSetConfig, build_training_set
+    from expansion_dag.training import DEFAULT_MAX_LENGTH, build_training_set
 
     tokenizer = load_tokenizer()
     path = build_inputs(args)[args.build]
@@ -196,7 +199,7 @@ def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
     reset_peak()
     try:
         with clock.span("build_streamed"):
-            manifest = build_training_set(stream_records(path), tokenizer, TrainingSetConfig(), out_dir,
+            manifest = build_training_set(stream_records(path), tokenizer, training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH), out_dir,
                                           identities=bench_identities())  # fmt: skip
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)

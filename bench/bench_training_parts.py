@@ -50,11 +50,12 @@ def write_night(store: Any, records: list[dict[str, Any]], shards: int) -> None:
 
 
 def phase_build(args: argparse.Namespace) -> dict[str, Any]:
+    from expansion_dag.config import GenerationConfig, training_set_config
     from expansion_dag.core import load_tokenizer
     from expansion_dag.store import CompletionStore
-    from expansion_dag.training import TrainingSetConfig, build_training_set, build_training_set_in_parts
+    from expansion_dag.training import DEFAULT_MAX_LENGTH, build_training_set, build_training_set_in_parts
 
-    tokenizer, config = load_tokenizer(), TrainingSetConfig()
+    tokenizer, config = load_tokenizer(), training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH)
     store = CompletionStore(args.work_dir / "store")
     out_dir = args.work_dir / f"set-{args.build}"
     parts_dir = args.work_dir / ("parts-full" if args.build == "full" else "parts")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=2))
     document.update({
         "settings": {"records": args.records, "night": args.night, "shards": args.shards, "workers": args.workers,
-                     "seed": args.seed, "config": "TrainingSetConfig() defaults"},
+                     "seed": args.seed, "config": "the run configuration's defaults"},
         "summary": summary,
         "builds": results,
     })  # fmt: skip

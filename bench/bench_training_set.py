@@ -14,7 +14,7 @@ consecutive slices of 2,000 records (4 build chunks); on each slice the three co
 to back, so that they see the same machine (it is shared, with 2 cores), in an order that rotates
 from slice to slice (whoever runs first finds the tokenizer's word cache cold):
 
-* ``build``: ``build_training_set(records, tokenizer, TrainingSetConfig(), out_dir)`` on the
+* ``build``: ``build_training_set(records, tokenizer, config, out_dir)`` (the run configuration's defaults) on the
   slice's records, held in a list: tokens of the manifest per wall second. Everything the build
   does is inside: rendering both templates, tokenizing, masks, Parquet (zstd) writing, fsync,
   hashing the shards, the manifest.
@@ -254,11 +254,12 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """The three contenders slice by slice, back to back on each slice, in an order that rotates."""
     import datasets
 
+    from expansion_dag.config import GenerationConfig, training_set_config
     from expansion_dag.core import load_tokenizer
-    from expansion_dag.training import TrainingSetConfig
+    from expansion_dag.training import DEFAULT_MAX_LENGTH
 
     datasets.disable_progress_bars()
-    tokenizer, config = load_tokenizer(), TrainingSetConfig()
+    tokenizer, config = load_tokenizer(), training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH)
     records = list(stream_records(records_path(args, args.records)))
     slices = []
     for index in range(args.slices):
@@ -282,10 +283,11 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
+    from expansion_dag.config import GenerationConfig, training_set_config
     from expansion_dag.core import load_tokenizer
-    from expansion_dag.training import TrainingSetConfig, build_training_set
+    from expansion_dag.training import DEFAULT_MAX_LENGTH, build_training_set
 
-    tokenizer, config = load_tokenizer(), TrainingSetConfig()
+    tokenizer, config = load_tokenizer(), training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH)
     out_dir = args.work_dir / f"memory-{os.getpid()}"
     clock = Clock()
     process_peak_before = reset_peak()
@@ -305,10 +307,11 @@ def phase_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 def phase_profile(args: argparse.Namespace) -> dict[str, Any]:
     """Where the build's time goes: one build of the first slice under cProfile."""
+    from expansion_dag.config import GenerationConfig, training_set_config
     from expansion_dag.core import load_tokenizer
-    from expansion_dag.training import TrainingSetConfig, build_training_set
+    from expansion_dag.training import DEFAULT_MAX_LENGTH, build_training_set
 
-    tokenizer, config = load_tokenizer(), TrainingSetConfig()
+    tokenizer, config = load_tokenizer(), training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH)
     records = list(stream_records(records_path(args, args.records)))
     part = records[: len(records) // args.slices]
     out_dir = args.work_dir / f"profile-{os.getpid()}"
@@ -515,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(pairs, memory, profile)
     document.update({
         "settings": {"records": args.records, "slices": args.slices, "memory_sizes": [small, args.records],
-                     "repeat": args.repeat, "seed": args.seed, "config": "TrainingSetConfig() defaults"},
+                     "repeat": args.repeat, "seed": args.seed, "config": "the run configuration's defaults"},
         "summary": summary,
         "pairs": pairs,
         "memory_runs": memory,

@@ -77,11 +77,10 @@ from typing import Any
 
 from harness import header, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.config import DEFAULT_STREAM_INTERVAL
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, engine_config
 from expansion_dag.core import DEFAULT_TOKENIZER, SamplingSettings
 from expansion_dag.generation import (
     AnswerLengths,
-    EngineConfig,
     PromptQueue,
     Server,
     ShardRun,
@@ -149,7 +148,7 @@ def part_a_items(n: int, servers: int) -> list[list[WorkItem]]:
 async def run_phase(
     shards: list[list[WorkItem]], urls: list[str], store_root: Path, stop: bool, stream_interval: int, tick_s: float
 ) -> dict[str, Any]:
-    config = EngineConfig(stop_degenerate=stop, canary=False, client_tick_s=tick_s)
+    config = engine_config(GenerationConfig(), stop_degenerate=stop, canary=False, client_tick_s=tick_s)
     store = CompletionStore(store_root)
     sampling = SamplingSettings(max_output_tokens=CONTEXT)
 
@@ -172,7 +171,7 @@ async def run_phase(
     all_slot_s = sum(sum(r.slot_seconds_by_outcome.values()) for r in reports)
     # Which truncated answers were loops (plain phase: they ran to the cap): the detector's verdict
     # on the whole text; the others were long answers cut at the cap, which stopping cannot save.
-    thresholds = EngineConfig().loop_thresholds()
+    thresholds = engine_config(GenerationConfig()).loop_thresholds()
     assert thresholds is not None
     truncated = collections.Counter()
     for shard in store.shards():
@@ -212,7 +211,7 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
     """The phases on the same prompts, each against simulators launched with its stream interval,
     each on the event loop ``generate_shard`` runs it on (``EngineConfig.client_tick_s``)."""
     shards = part_a_items(args.requests, args.servers)
-    tick = EngineConfig().client_tick_s if args.client_tick_s is None else args.client_tick_s
+    tick = GenerationConfig().client_tick_s if args.client_tick_s is None else args.client_tick_s
     phases = [
         ("stream+stop", True, args.stream_interval, tick),
         ("stream+stop, a wake-up an event", True, args.stream_interval, 0.0),

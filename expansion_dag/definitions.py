@@ -10,13 +10,11 @@ each resource's run configuration (the launchpad) overrides only the fields it n
 from __future__ import annotations
 
 import json
-import os
 
 import dagster as dg
 import yaml
 
-from expansion_dag.config import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND, RunConfig, current_config
-from expansion_dag.core import as_upath, default_local_dir, is_local
+from expansion_dag.config import RunConfig, current_config, fleet_settings, storage_settings
 from expansion_dag.defs import SHARD_KEYS, build_nightly_schedule, build_nightly_sensors
 from expansion_dag.defs.assets import (
     budgeted_prompts,
@@ -40,57 +38,20 @@ from expansion_dag.prompts import load_catalog
 CONFIG_FILE_TAG = "expansion/config_file"
 CONFIG_DIGEST_TAG = "expansion/config_digest"
 CONFIG_TAG = "expansion/config"
-SIMULATOR_STARTUP_TIMEOUT_S = 120.0
-SERVER_STARTUP_TIMEOUT_S = 900.0
 
 
 def fleet_for(config: RunConfig) -> FleetResource:
-    fleet, launch = config.fleet, config.fleet.launch
-    local_dir = config.storage.local_dir or default_local_dir()
-    root = config.storage_root()
-    # Pid files, locks and server logs belong to this machine, not to a (possibly remote) root.
-    state_dir = os.path.join(root if is_local(as_upath(root)) else local_dir, "fleet")
-    simulate = fleet.mode == "simulate"
-    return FleetResource(
-        mode="attach" if fleet.mode == "attach" else "launch",
-        urls=list(fleet.urls) if fleet.mode == "attach" else [],
-        backend=fleet.backend,
-        launch_command=launch.command or (SIMULATOR_LAUNCH_COMMAND if simulate else SGLANG_LAUNCH_COMMAND),
-        model_path=config.model.path,
-        model_revision=config.model.revision,
-        context_length=launch.context_length,
-        max_running_requests=launch.max_running_requests,
-        host=launch.host,
-        base_port=launch.base_port,
-        gpus=list(launch.gpus),
-        launch_scope=launch.scope,
-        num_servers=fleet.shards,
-        api_key_env=fleet.api_key_env,
-        startup_timeout_s=launch.startup_timeout_s
-        or (SIMULATOR_STARTUP_TIMEOUT_S if simulate else SERVER_STARTUP_TIMEOUT_S),
-        slots_override=fleet.slots,
-        stream_interval=fleet.stream_interval,
-        tool_call_parser=fleet.tool_call_parser,
-        fallback_to_healthy=fleet.fallback_to_healthy,
-        state_dir=state_dir,
-    )
+    return FleetResource(**fleet_settings(config).model_dump())
 
 
 def resources_for(config: RunConfig) -> dict[str, object]:
     """The resources of a configuration; launchpad run config for one overrides only the fields it names."""
-    root = config.storage_root()
-    storage = {
-        "root": root,
-        **({"local_dir": config.storage.local_dir} if config.storage.local_dir else {}),
-        "lease_timeout_s": config.storage.lease_timeout_s,
-        "when_shard_busy": config.storage.when_shard_busy,
-        "training_set_versions": config.storage.training_set_versions,
-    }
+    storage = storage_settings(config)
     resources = {
         "fleet": fleet_for(config),
         "settings": GenerationSettings(tokenizer=config.model.tokenizer, **config.generation.model_dump()),
         "storage": StorageResource(**storage),
-        "parquet_io": ParquetIOManager(root=root),
+        "parquet_io": ParquetIOManager(root=storage["root"]),
     }
     return {key: with_field_defaults(resource) for key, resource in resources.items()}
 

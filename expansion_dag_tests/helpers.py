@@ -14,7 +14,7 @@ import dagster as dg
 import httpx
 import polars as pl
 
-from expansion_dag.config import GenerationConfig
+from expansion_dag.config import GenerationConfig, LeaseSettings, budget_config, engine_config, training_set_config
 from expansion_dag.core import (
     DEFAULT_MODE,
     Identity,
@@ -24,10 +24,30 @@ from expansion_dag.core import (
     base_prompt_id,
 )
 from expansion_dag.defs.resources import FleetResource, GenerationSettings, ParquetIOManager, StorageResource
+from expansion_dag.generation import EngineConfig
+from expansion_dag.prompts import BudgetConfig
 from expansion_dag.servers import HttpClient, LoopThresholds, make_client
+from expansion_dag.training import DEFAULT_MAX_LENGTH, TrainingSetConfig
 from expansion_dag_tests.data.make_repetitive_corpus import CORPUS_PATH
 
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
+#: The shard lease's timeout a run gets by default (storage.lease_timeout_s).
+LEASE_TIMEOUT_S = LeaseSettings().lease_timeout_s
+
+
+# The layers below the configuration state no defaults of their own: a test takes a run's (the
+# schema's, as expansion_dag.config derives them) and changes what it is about.
+def default_engine(**changes: Any) -> EngineConfig:
+    return engine_config(GenerationConfig(), **changes)
+
+
+def default_budget(**changes: Any) -> BudgetConfig:
+    return budget_config(GenerationConfig(), **changes)
+
+
+def default_training(**changes: Any) -> TrainingSetConfig:
+    """For a context of ``DEFAULT_MAX_LENGTH`` unless ``max_length`` says otherwise."""
+    return training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH, **changes)
 
 
 def prompt_frame(texts: list[str], sources: list[str] | None = None) -> pl.DataFrame:

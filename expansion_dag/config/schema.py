@@ -24,8 +24,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from expansion_dag.core import DEFAULT_TOKENIZER, RETRYABLE_CONTENT, ModeError, ModeMix, SamplingSettings
-from expansion_dag.store import DEFAULT_LEASE_TIMEOUT_S
-from expansion_dag.training import DEFAULT_FORMATS, DEFAULT_VERSIONS_KEPT, FORMATS
+from expansion_dag.training import FORMATS
 
 CONFIG_ENV = "EXPANSION_CONFIG"
 DEFAULT_CONFIG = "default"
@@ -43,6 +42,12 @@ class ConfigError(ValueError):
 
 def bundled_config_path(name: str = DEFAULT_CONFIG) -> Path:
     return Path(str(importlib.resources.files("expansion_dag") / "configs" / f"{name}.yaml"))
+
+
+def schema_default(model: type[BaseModel], name: str) -> Any:
+    """The default the schema states for ``model``'s field ``name``: for a model that takes a
+    schema field under its own name (a resource, a resolved setting), so the value is said once."""
+    return model.model_fields[name].get_default(call_default_factory=True)
 
 
 class _Section(BaseModel):
@@ -85,7 +90,12 @@ class GenerationConfig(BaseModel):
     mode_seed: int = Field(default=0, description="Seed of each prompt's draw among the modes.")
     request_timeout_s: float = Field(default=1800.0, gt=0)
     max_attempts: int = Field(default=5, ge=1)
-    backoff_initial_s: float = Field(default=1.0, ge=0)
+    backoff_initial_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="The first wait before a request is sent again; each next wait doubles, up to 30 s (or this, "
+        "if longer), with up to this much jitter (expansion_dag/config/derived.py).",
+    )
     # list[str], not of a Literal: Dagster's resource config takes no Literal inside a list.
     retry_outcomes: list[str] = Field(
         default=[],
@@ -125,7 +135,7 @@ class GenerationConfig(BaseModel):
     )
     min_sample_tokens: int = Field(default=16, ge=0, description="Shorter training samples are left out.")
     training_formats: list[str] = Field(
-        default=list(DEFAULT_FORMATS),
+        default=["parquet", "specforge-conversations"],
         description="Outputs of the training set, written in one pass: parquet (always), specforge-pretokenized, "
         "specforge-conversations, speculators-pretokenized.",
     )
@@ -227,6 +237,47 @@ def _canonical_json(value: Any, kind: Any, expected: str, empty: str) -> str:
     return json.dumps(dict(value) if isinstance(value, Mapping) else list(value), sort_keys=True)
 
 
+class ModelConfig(_Section):
+    path: str = Field(default="Qwen/Qwen3-8B", min_length=1)
+    revision: Optional[str] = Field(default=None, min_length=1)
+    tokenizer: str = Field(default=DEFAULT_TOKENIZER, min_length=1)
+
+
+class LeaseSettings(BaseModel):
+    """How a run holds a shard's lease (``expansion_dag/store/lease.py``): the ``storage`` section's and
+    the storage resource's, validated here once."""
+
+    lease_timeout_s: float = Field(
+        default=120.0,
+        ge=1.0,
+        le=86400.0,
+        description="A shard's lease whose holder has not renewed it for this long is taken over.",
+    )
+    when_shard_busy: Literal["wait", "fail"] = Field(
+        default="wait",
+        description="When another run holds the shard's lease: wait for it, then send what is still missing, or fail.",
+    )
+
+
+class StorageSettings(LeaseSettings):
+    """The ``storage`` section's fields that the storage resource has too (its root it is always given)."""
+
+    local_dir: Optional[str] = Field(
+        default=None,
+        description="This machine's spool, cache and staging for a remote root; it must outlive runs. "
+        "None: ~/.cache/expansion_dag (expansion_dag.core.default_local_dir).",
+    )
+    training_set_versions: int = Field(
+        default=3,
+        ge=1,
+        description="Versions of the training set kept, the current one included; older ones are removed.",
+    )
+
+
+class StorageConfig(_Section, StorageSettings):
+    root: str = Field(default="./storage", min_length=1)
+
+
 class LaunchConfig(_Section):
     command: Optional[str] = None
     host: str = "127.0.0.1"
@@ -235,6 +286,7 @@ class LaunchConfig(_Section):
     scope: Literal["fleet", "run"] = "fleet"
     context_length: int = Field(default=8192, ge=2)
     max_running_requests: int = Field(default=16, ge=1)
+    #: None: SIMULATOR_STARTUP_TIMEOUT_S for the simulator, else SERVER_STARTUP_TIMEOUT_S.
     startup_timeout_s: Optional[float] = Field(default=None, gt=0)
     run_tags_file: Optional[str] = None
 
@@ -285,98 +337,88 @@ SIMULATOR_LAUNCH_COMMAND = (
 )
 
 
+#: How long a launched server may take to answer /health (``fleet.launch.startup_timeout_s: null``).
+SIMULATOR_STARTUP_TIMEOUT_S = 120.0
+SERVER_STARTUP_TIMEOUT_S = 900.0
+
+
+def _fleet(name: str) -> Any:
+    return schema_default(FleetConfig, name)
+
+
+def _launch(name: str) -> Any:
+    return schema_default(LaunchConfig, name)
+
+
 class FleetSettings(BaseModel):
     """The fleet as a run uses it, resolved from the ``fleet`` section (``simulate`` is ``launch``
-    with the simulator's command): the fields of the Dagster fleet resource, validated here."""
+    with the simulator's command: ``expansion_dag/config/derived.py``): the fields of the Dagster
+    fleet resource, validated here; each default is the section's own."""
 
     mode: Literal["launch", "attach"] = Field(default="launch", description="'launch' starts one server per GPU; 'attach' uses `urls`.")
-    urls: list[str] = Field(default=[], description="Attach mode: base URLs, one per shard, in shard order.")
-    backend: Literal["sglang", "vllm"] = Field(default="sglang", description="'sglang' or 'vllm' (OpenAI-compatible server).")
+    urls: list[str] = Field(default=_fleet("urls"), description="Attach mode: base URLs, one per shard, in shard order.")
+    backend: Literal["sglang", "vllm"] = Field(
+        default=_fleet("backend"), description="'sglang' or 'vllm' (OpenAI-compatible server)."
+    )
     launch_command: str = Field(
         default=SGLANG_LAUNCH_COMMAND,
         description="Launch mode: command per server; placeholders {model_path} {host} {port} {gpu} "
         "{context_length} {max_running_requests} {stream_interval} {tool_call_parser} {python} {api_key}. With an API "
         "key set and no {api_key} in it, '--api-key {api_key}' is appended.",
     )
-    model_path: str = "Qwen/Qwen3-8B"
+    model_path: str = schema_default(ModelConfig, "path")
     model_revision: Optional[str] = Field(
-        default=None,
+        default=schema_default(ModelConfig, "revision"),
         description="Names the weights (a commit, a tag, a fine-tune's name) in each answer's identity: change it "
         "when other weights are served at the same path. None: only what the folder and servers tell.",
     )
     context_length: int = Field(
-        default=8192, description="Launch parameter only; budgets always use the probed context length."
+        default=_launch("context_length"),
+        description="Launch parameter only; budgets always use the probed context length.",
     )
     max_running_requests: int = Field(
-        default=16, description="Launch parameter {max_running_requests}; requests in flight follow the probed slots."
+        default=_launch("max_running_requests"),
+        description="Launch parameter {max_running_requests}; requests in flight follow the probed slots.",
     )
     stream_interval: int = Field(
-        default=DEFAULT_STREAM_INTERVAL,
+        default=_fleet("stream_interval"),
         ge=1,
         description="Tokens per streamed event: vLLM requests ask for it, launched SGLang servers get "
         "it as --stream-interval {stream_interval}; an attached SGLang server streams at its own.",
     )
     tool_call_parser: Optional[str] = Field(
-        default=None,
+        default=_fleet("tool_call_parser"),
         description="The servers' tool-call parser (e.g. SGLang 'qwen25', vLLM 'hermes' for Qwen3), so that "
         "tool calls come back parsed in message.tool_calls; None: raw <tool_call> text in the content. "
         "Launch mode adds the backend's flags to the command (SGLang --tool-call-parser, vLLM "
         "--enable-auto-tool-choice --tool-call-parser) unless it names {tool_call_parser}; attach mode "
         "states what the vLLM servers were started with (SGLang reports its own).",
     )
-    host: str = "127.0.0.1"
-    base_port: int = 30000
-    gpus: list[int] = Field(default=[], description="Launch mode: one server per GPU; default 0..shards-1.")
+    host: str = _launch("host")
+    base_port: int = _launch("base_port")
+    gpus: list[int] = Field(default=_launch("gpus"), description="Launch mode: one server per GPU; default 0..shards-1.")
     launch_scope: Literal["fleet", "run"] = Field(
-        default="fleet",
+        default=_launch("scope"),
         description="Launch mode: 'fleet' starts every server on this machine; 'run' starts one "
         "server on this run's own GPU (a GPU pod per shard run on Kubernetes).",
     )
-    num_servers: int = Field(default=2, description="Launch mode, when `gpus` is empty.")
+    num_servers: int = Field(default=_fleet("shards"), description="Launch mode, when `gpus` is empty.")
     api_key_env: str = Field(
-        default="SGLANG_API_KEY", description="Name of the environment variable holding the API key, if any."
+        default=_fleet("api_key_env"), description="Name of the environment variable holding the API key, if any."
     )
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: float = SERVER_STARTUP_TIMEOUT_S
     slots_override: Optional[int] = Field(
-        default=None,
+        default=_fleet("slots"),
         description="The file's fleet.slots: running-request slots per server; None: as the server reports "
         "them, or as the launch command passes them (vLLM reports none).",
     )
     fallback_to_healthy: bool = Field(
-        default=True, description="Run a shard on a healthy server when its own server is down."
+        default=_fleet("fallback_to_healthy"), description="Run a shard on a healthy server when its own server is down."
     )
-    state_dir: str = Field(default="", description="Logs and pid files of launched servers.")
-
-
-class ModelConfig(_Section):
-    path: str = Field(default="Qwen/Qwen3-8B", min_length=1)
-    revision: Optional[str] = Field(default=None, min_length=1)
-    tokenizer: str = Field(default=DEFAULT_TOKENIZER, min_length=1)
-
-
-class LeaseSettings(BaseModel):
-    """How a run holds a shard's lease (``expansion_dag/store/lease.py``): the ``storage`` section's and
-    the storage resource's, validated here once."""
-
-    lease_timeout_s: float = Field(
-        default=DEFAULT_LEASE_TIMEOUT_S,
-        ge=1.0,
-        le=86400.0,
-        description="A shard's lease whose holder has not renewed it for this long is taken over.",
-    )
-    when_shard_busy: Literal["wait", "fail"] = Field(
-        default="wait",
-        description="When another run holds the shard's lease: wait for it, then send what is still missing, or fail.",
-    )
-
-
-class StorageConfig(_Section, LeaseSettings):
-    root: str = Field(default="./storage", min_length=1)
-    local_dir: Optional[str] = None
-    training_set_versions: int = Field(
-        default=DEFAULT_VERSIONS_KEPT,
-        ge=1,
-        description="Versions of the training set kept, the current one included; older ones are removed.",
+    state_dir: str = Field(
+        default=os.path.join(schema_default(StorageConfig, "root"), "fleet"),
+        description="Logs and pid files of launched servers: this machine's, under a local storage root "
+        "(else under local_dir).",
     )
 
 

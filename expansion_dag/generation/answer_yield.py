@@ -40,9 +40,9 @@ class YieldGate:
     """After the first ``answers`` answers of a shard, a share of rows under ``min_yield`` stops it
     (0 turns the gate off). ``max_output_tokens``: the cap, named in the advice."""
 
-    min_yield: float = 0.5
-    answers: int = 64
-    max_output_tokens: int | None = None
+    min_yield: float
+    answers: int
+    max_output_tokens: int | None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_yield <= 1.0:

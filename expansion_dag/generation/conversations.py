@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -120,7 +120,7 @@ class TurnPlanner:
     #: Each mode's identity, for the next turn's key.
     identities: Mapping[str, Identity]
     #: Finish reasons a turn may end with and its conversation go on.
-    continue_on: Collection[str] = field(default_factory=lambda: ("stop", "tool_calls"))
+    continue_on: Collection[str]
 
     def next_item(self, item: WorkItem, content: str, finish_reason: str,
                   tool_calls: Sequence[Mapping[str, Any]] | None = None) -> WorkItem | Ended | None:

@@ -447,7 +447,7 @@ def generate_shard(
     writer: SegmentWriter,
     model: str,
     sampling: SamplingSettings,
-    config: EngineConfig = EngineConfig(),
+    config: EngineConfig,
     helpers: Sequence[Server] = (),
     fleet_urls: Sequence[str] = (),
     api_key: str | None = None,

@@ -12,7 +12,11 @@ from expansion_dag.servers import SGLANG, Dialect, LoopThresholds, RetryPolicy
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """How hard the engine pushes and when it gives up; the defaults suit a GPU fleet."""
+    """How hard the engine pushes and when it gives up.
+
+    What the run configuration sets has no default here: a run passes the configured value
+    (``expansion_dag.config.engine_config``). The rest are the engine's own, tuned for a GPU fleet.
+    """
 
     #: Extra requests queued at the server beyond its slots, so a freed slot never waits on a
     #: round trip: ``max(min_headroom, slots * headroom_fraction)``.
@@ -20,18 +24,19 @@ class EngineConfig:
     min_headroom: int = 2
     connect_timeout_s: float = 10.0
     #: A long generation on a loaded server takes minutes; this bounds a hung request.
-    request_timeout_s: float = 1800.0
-    max_attempts: int = 5
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 30.0
-    backoff_jitter_s: float = 1.0
-    #: Tokens kept free when ``max_tokens`` is recomputed after a context-length 400.
-    context_margin: int = 16
-    min_output_tokens: int = 16
+    request_timeout_s: float
+    max_attempts: int
+    backoff_initial_s: float
+    backoff_max_s: float
+    backoff_jitter_s: float
+    #: Tokens kept free when ``max_tokens`` is recomputed after a context-length 400, and the
+    #: fewest output tokens such a retry may ask for.
+    context_margin: int
+    min_output_tokens: int
     canary: bool = True
     breaker_window: int = 24
     breaker_failure_fraction: float = 0.8
-    progress_interval_s: float = 30.0
+    progress_interval_s: float
     #: How often the other servers' loads are read while this shard has queued prompts.
     spill_poll_s: float = 1.0
     #: How long another server's own shard has to show itself (from this shard's start, then from
@@ -39,27 +44,27 @@ class EngineConfig:
     #: them: a shard done before this one started, absent, or with fewer prompts than slots. Shards
     #: of one run start seconds apart; a server borrowed before its shard starts refuses that
     #: shard's first requests once its queue is bounded (``Borrowing``).
-    owner_wait_s: float = 60.0
+    owner_wait_s: float
     #: How long a prompt may wait in all on its server's full queue (backpressure) before the
     #: queue-full answer is its failure; such waits use none of its attempts.
     backpressure_wait_s: float = 600.0
     #: Stream each answer and stop it as soon as it loops (recorded as a ``degenerate`` outcome,
     #: text kept, final for the prompt); False sends plain requests and lets every answer run to its end.
-    stop_degenerate: bool = True
+    stop_degenerate: bool
     #: A loop is a span of at least ``loop_min_span_chars`` repeated back to back at least
     #: ``loop_min_repeats`` times over at least ``loop_min_chars``, within the last
     #: ``loop_window_chars`` (see ``expansion_dag.servers.loops.degeneration``).
-    loop_min_span_chars: int = 1
-    loop_min_repeats: int = 4
-    loop_min_chars: int = 400
-    loop_window_chars: int = 8192
+    loop_min_span_chars: int
+    loop_min_repeats: int
+    loop_min_chars: int
+    loop_window_chars: int
     #: While streamed events come often, read every stream once a tick instead of waking up for
     #: each event (``expansion_dag.servers.transport.event_loop``); an event is read at most this
     #: late. 0: never.
-    client_tick_s: float = 0.1
+    client_tick_s: float
     #: Stops a shard whose first answers the training set would mostly leave out (a content
     #: verdict, only with a ``judge``: ``expansion_dag.generation.answer_yield``).
-    yield_gate: YieldGate = YieldGate()
+    yield_gate: YieldGate
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:

@@ -22,7 +22,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -153,9 +153,9 @@ class Plan:
     throughput: Throughput
     simulated: bool
     #: Prompts of the budget already answered under this identity: not sent again.
-    done: int = 0
-    drop_truncated: bool = True
-    problems: list[str] = field(default_factory=list)
+    done: int
+    drop_truncated: bool
+    problems: list[str]
 
     @property
     def prompts(self) -> int:
@@ -272,7 +272,7 @@ def make_plan(
     throughput: Throughput,
     simulated: bool,
     done: int = 0,
-    drop_truncated: bool = True,
+    drop_truncated: bool,
     problems: Iterable[str] = (),
 ) -> Plan:
     """The plan for ``prompts`` (budgeted, still to send: ``source``, ``prompt_tokens``, ``max_tokens``)."""

@@ -55,7 +55,7 @@ class ShardWork:
         prompts: pl.DataFrame,
         identities: ModeIdentities,
         *,
-        retry_outcomes: Collection[str] = (),
+        retry_outcomes: Collection[str],
         planner: TurnPlanner | None = None,
     ):
         self.identities = identities

@@ -31,15 +31,17 @@ PROMPT_OVER_INPUT_LIMIT = "prompt_over_input_limit"
 
 @dataclass(frozen=True, kw_only=True)
 class BudgetConfig:
+    """How prompts are budgeted: a run passes the configured values (``expansion_dag.config.budget_config``)."""
+
     #: Cap on generated tokens. It may exceed the context: each prompt's budget is computed.
-    max_output_tokens: int = 8192
+    max_output_tokens: int
     #: A prompt that leaves less room than this for the answer is set aside, never sent.
-    min_output_tokens: int = 256
-    margin: int = 16
+    min_output_tokens: int
+    margin: int
     #: Expected answer length used to balance shards and to start long requests first.
-    expected_output_tokens: int = 1024
-    expected_output_by_source: Mapping[str, int] = field(default_factory=dict)
-    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    expected_output_tokens: int
+    expected_output_by_source: Mapping[str, int]
+    chat_template_kwargs: Mapping[str, Any]
     #: Each generation mode's template arguments, for prompts that carry a ``mode`` column.
     chat_template_kwargs_by_mode: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: Prompts rendered and tokenized per batch: bounds memory at 650K-prompt scale.
@@ -134,7 +136,7 @@ def budget_prompts(
     *,
     context_length: int,
     num_shards: int,
-    config: BudgetConfig = BudgetConfig(),
+    config: BudgetConfig,
     select: Callable[[pl.DataFrame], pl.DataFrame] | None = None,
     max_prompt_tokens: int | None = None,
 ) -> BudgetResult:

@@ -2,7 +2,10 @@
 
 A catalog is a YAML file (``catalogs/production.yaml`` documents every field) or one of the
 bundled names: ``samples`` (small files in the real schemas, shipped in ``expansion_dag/samples``)
-and ``production`` (the six public datasets on the Hugging Face hub).
+and ``production`` (the six public datasets on the Hugging Face hub). The file is one pydantic
+model (``Catalog``, its ``sources`` each a ``SourceSpec``): unknown keys, missing fields and every
+field's rule are reported together, each naming its source and field; a catalog built in code is
+held to the same rules.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ import re
 import string
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar, Optional, Union
 
 import datasets
 import pyarrow as pa
+import pydantic
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 from expansion_dag.prompts.extractors import (
     DEFAULT_MAX_CHARS,
@@ -48,7 +52,9 @@ _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _SPLIT = re.compile(r"\w+(\.\w+)*")  # the split names datasets accepts
 _PLACEHOLDERS = frozenset({"config", "split"})
-FilterValue = str | int | float | bool
+FilterValue = Union[str, bool, int, float]
+#: ``local_root``'s value that reads relative local_paths from the samples shipped with the package.
+BUNDLED_ROOT = "bundled"
 
 
 class CatalogError(ValueError):
@@ -64,8 +70,61 @@ def package_dir(name: str) -> Path:
     return Path(str(importlib.resources.files("expansion_dag") / name))
 
 
-@dataclass(frozen=True)
-class SourceSpec:
+def _valid(problem: str | None, value: Any) -> Any:
+    """``value``, or the ValueError that pydantic reports as the field's problem."""
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+class _Validated(BaseModel):
+    """Frozen, no unknown key; a bad value is a ``CatalogError`` naming the field, in code as in a file.
+
+    (pydantic calls an ``__init__`` of the model's own for a nested one too: a catalog's report
+    takes its sources' reports as they are.)"""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as exc:
+            raise CatalogError(_report(exc, data, known=self._keys)) from None
+
+    _keys: ClassVar[frozenset[str]] = frozenset()
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+#: What a source field may be, in the user's words (None: it may): each field's own rule; the rules
+#: across fields are ``SourceSpec._fields_agree``'s.
+_SOURCE_RULES = {
+    "name": lambda v: _check_name(v),
+    "extractor": lambda v: None if v in EXTRACTORS else f"unknown {v!r}; known: {', '.join(EXTRACTORS)}",
+    "hub_id": lambda v: _check_hub_id(v),
+    "config": lambda v: _check_names(v, allow_none=True, pattern=None),
+    "split": lambda v: _check_names(v, allow_none=False, pattern=_SPLIT),
+    "revision": lambda v: None if v is None or _is_text(v) else f"must be text, got {v!r}",
+    "local_path": lambda v: None if v is None or _is_text(v) else f"must be a path, got {v!r}",
+    "quota": lambda v: _check_count(v, minimum=0),
+    "weight": lambda v: None if v is None or _is_positive(v) else f"must be a positive number, got {v!r}",
+    "filters": lambda v: _check_filters(v),
+    "turn": turn_problem,
+    "max_chars": lambda v: _check_count(v, minimum=1, allow_none=False),
+    "conversation": lambda v: None if isinstance(v, bool) else f"must be true or false, got {v!r}",
+}
+#: How a file writes what a source keeps otherwise: lists as tuples, filters as a mapping.
+_AS_GIVEN = {
+    "config": lambda v: tuple(v) if isinstance(v, list) else v,
+    "split": lambda v: tuple(v) if isinstance(v, list) else v,
+    "filters": lambda v: tuple((k, tuple(f) if isinstance(f, list | tuple) else (f,)) for k, f in v.items())
+    if isinstance(v, Mapping) else v,
+}
+
+
+class SourceSpec(_Validated):
     """One source dataset and how to take prompts from it (``catalogs/production.yaml`` explains each field).
 
     ``config`` and ``split`` may list several values: each combination is loaded and the parts are
@@ -75,76 +134,45 @@ class SourceSpec:
 
     name: str
     extractor: str
-    hub_id: str | None = None
-    config: str | tuple[str, ...] | None = None
-    split: str | tuple[str, ...] = DEFAULT_SPLIT
-    revision: str | None = None
-    local_path: str | None = None
-    format: str | None = None
-    quota: int | None = None
-    weight: float | None = None
+    hub_id: Optional[str] = None
+    config: Union[str, tuple[str, ...], None] = None
+    split: Union[str, tuple[str, ...]] = DEFAULT_SPLIT
+    revision: Optional[str] = None
+    local_path: Optional[str] = None
+    format: Optional[str] = None
+    quota: Optional[int] = None
+    weight: Optional[float] = None
     filters: tuple[tuple[str, tuple[FilterValue, ...]], ...] = ()
     turn: Turn = DEFAULT_TURN
     max_chars: int = DEFAULT_MAX_CHARS
     conversation: bool = False
 
-    def __post_init__(self) -> None:
-        for name, value in (("config", self.config), ("split", self.split)):
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
-        if isinstance(self.filters, Mapping):
-            object.__setattr__(
-                self,
-                "filters",
-                tuple(
-                    (k, tuple(v) if isinstance(v, list | tuple) else (v,)) for k, v in self.filters.items()
-                ),
-            )
-        if self.local_path is not None and self.format is None:
-            object.__setattr__(self, "format", _format_from_extension(self.local_path))
-        problems = [f"{name}: {problem}" for name, problem in self._problems() if problem]
-        if problems:
-            label = self.name if isinstance(self.name, str) else repr(self.name)
-            raise CatalogError(f"source {label!r}: " + "; ".join(problems))
+    @pydantic.field_validator(*_SOURCE_RULES, mode="before")
+    @classmethod
+    def _rule(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        """Each field's rule, in the user's words; the field's type then holds what passed."""
+        value = _AS_GIVEN.get(info.field_name, _same)(value)
+        return _valid(_SOURCE_RULES[info.field_name](value), value)
 
-    def _problems(self) -> list[tuple[str, str | None]]:
-        names_ok = [
-            ("config", _check_names(self.config, allow_none=True, pattern=None)),
-            ("split", _check_names(self.split, allow_none=False, pattern=_SPLIT)),
-        ]
-        known = isinstance(self.extractor, str) and self.extractor in EXTRACTORS
-        return [
-            ("name", _check_name(self.name)),
-            ("extractor", None if known else f"unknown {self.extractor!r}; known: {', '.join(EXTRACTORS)}"),
-            ("hub_id", _check_hub_id(self.hub_id, self.local_path)),
-            *names_ok,
-            (
-                "revision",
-                None
-                if self.revision is None or _is_text(self.revision)
-                else f"must be text, got {self.revision!r}",
-            ),
-            # Which placeholders local_path needs depends on config and split being valid lists.
-            (
-                "local_path",
-                None
-                if any(p for _, p in names_ok)
-                else _check_local_path(self.local_path, self.configs, self.splits),
-            ),
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _format_from_extension(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("format") is None and _is_text(data.get("local_path")):
+            suffix = Path(data["local_path"]).suffix.lstrip(".").lower()
+            data = {**data, "format": suffix if suffix in FORMATS else None}
+        return data
+
+    @pydantic.model_validator(mode="after")
+    def _fields_agree(self) -> SourceSpec:
+        """The rules across fields, once each field is valid."""
+        problems = [
+            ("hub_id", "set hub_id or local_path" if self.hub_id is None and self.local_path is None else None),
+            ("local_path", _check_local_path(self.local_path, self.configs, self.splits)),
             ("format", _check_format(self.format, self.local_path)),
-            ("quota", _check_count(self.quota, minimum=0)),
-            ("weight", _check_weight(self.weight, self.quota)),
-            ("filters", _check_filters(self.filters)),
-            ("turn", turn_problem(self.turn)),
-            ("max_chars", _check_count(self.max_chars, minimum=1, allow_none=False)),
-            # Which turns a conversation may be combined with depends on turn being valid.
-            (
-                "conversation",
-                conversation_problem(self.conversation, extractor=self.extractor, turn=self.turn)
-                if turn_problem(self.turn) is None
-                else None,
-            ),
+            ("weight", "set a quota or a weight, not both" if self.weight is not None and self.quota is not None else None),
+            ("conversation", conversation_problem(self.conversation, extractor=self.extractor, turn=self.turn)),
         ]
+        return _valid("; ".join(f"{name}: {problem}" for name, problem in problems if problem), self)
 
     @property
     def configs(self) -> tuple[str | None, ...]:
@@ -168,42 +196,59 @@ class SourceSpec:
         return {column: list(values) for column, values in self.filters}
 
 
-@dataclass(frozen=True)
-class Catalog:
+_SOURCE_KEYS = SourceSpec._keys = frozenset(SourceSpec.model_fields)
+_DEFAULTABLE = _SOURCE_KEYS - {"name"}
+
+
+class Catalog(_Validated):
     """The sources in priority order (earlier wins a duplicate), the sampling seed, and the
     source-field ``defaults`` the file applied to every source.
 
-    ``total_prompts`` is shared among the sources that have a ``weight``.
+    ``total_prompts`` is shared among the sources that have a ``weight``. Read from a file
+    (``load_catalog``), the file's ``local_root`` says where its relative local_paths are.
     """
 
     sources: tuple[SourceSpec, ...]
     seed: int = DEFAULT_SEED
-    total_prompts: int | None = None
-    defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    total_prompts: Optional[int] = None
+    defaults: Mapping[str, Any] = pydantic.Field(default_factory=lambda: MappingProxyType({}))
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sources", tuple(self.sources))
-        if not self.sources or not all(isinstance(s, SourceSpec) for s in self.sources):
-            raise CatalogError(
-                f"catalog: sources: must be a non-empty list of SourceSpec, got {self.sources!r}"
-            )
+    @pydantic.field_validator("sources", mode="before")
+    @classmethod
+    def _listed(cls, value: Any) -> Any:
+        return _valid(None if isinstance(value, list | tuple) and value else "sources must be a non-empty list", value)
+
+    @pydantic.field_validator("seed", mode="before")
+    @classmethod
+    def _integer(cls, value: Any) -> Any:
+        return _valid(None if _is_int(value) else f"must be an integer, got {value!r}", value)
+
+    @pydantic.field_validator("total_prompts", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        return _valid(_check_count(value, minimum=1), value)
+
+    @pydantic.field_validator("defaults", mode="before")
+    @classmethod
+    def _defaultable(cls, value: Any) -> Any:
+        value = {} if value is None else value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"must be a mapping of source fields, got {value!r}")
+        unknown = [key for key in value if key not in _DEFAULTABLE]
+        return _valid(_unknown_key(unknown[0], _DEFAULTABLE) if unknown else None, MappingProxyType(dict(value)))
+
+    @pydantic.model_validator(mode="after")
+    def _sources_agree(self) -> Catalog:
         problems = []
         names = [s.name for s in self.sources]
         if duplicated := sorted({n for n in names if names.count(n) > 1}):
             problems.append(f"sources: duplicate names {', '.join(duplicated)}")
-        if not _is_int(self.seed):
-            problems.append(f"seed: must be an integer, got {self.seed!r}")
         weighted = [s.name for s in self.sources if s.weight is not None]
         if weighted and self.total_prompts is None:
             problems.append(f"total_prompts: required because {', '.join(weighted)} set a weight")
         elif not weighted and self.total_prompts is not None:
             problems.append("total_prompts: set, but no source has a weight to share it")
-        elif problem := _check_count(self.total_prompts, minimum=1):
-            problems.append(f"total_prompts: {problem}")
-        if unknown := sorted(set(self.defaults) - _DEFAULTABLE):
-            problems.append(f"defaults: unknown keys {', '.join(unknown)}")
-        if problems:
-            raise CatalogError("catalog: " + "; ".join(problems))
+        return _valid("; ".join(problems), self)
 
     def source(self, name: str) -> SourceSpec:
         for spec in self.sources:
@@ -214,11 +259,8 @@ class Catalog:
         )
 
 
-_SOURCE_KEYS = frozenset(f.name for f in fields(SourceSpec))
-_DEFAULTABLE = _SOURCE_KEYS - {"name"}
-_CATALOG_KEYS = frozenset({"seed", "total_prompts", "defaults", "sources", "local_root"})
-#: ``local_root``'s value that reads relative local_paths from the samples shipped with the package.
-BUNDLED_ROOT = "bundled"
+#: The keys of a catalog file.
+Catalog._keys = frozenset(Catalog.model_fields) | {"local_root"}
 
 
 def load_catalog(name_or_path: str | os.PathLike[str] = DEFAULT_CATALOG) -> Catalog:
@@ -234,6 +276,7 @@ def load_catalog(name_or_path: str | os.PathLike[str] = DEFAULT_CATALOG) -> Cata
         if name_or_path in BUNDLED_CATALOGS
         else Path(name_or_path)
     )
+    where = f"catalog {str(path)!r}"
     if not path.is_file():
         raise CatalogError(
             f"catalog {str(name_or_path)!r}: no such file, and not a bundled catalog ({', '.join(BUNDLED_CATALOGS)})"
@@ -241,45 +284,82 @@ def load_catalog(name_or_path: str | os.PathLike[str] = DEFAULT_CATALOG) -> Cata
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
-        raise CatalogError(f"catalog {str(path)!r}: not UTF-8 text (byte {exc.start}): save the file as UTF-8") from None
+        raise CatalogError(f"{where}: not UTF-8 text (byte {exc.start}): save the file as UTF-8") from None
     except yaml.YAMLError as exc:
-        raise CatalogError(f"catalog {str(path)!r}: not valid YAML: {exc}") from exc
+        raise CatalogError(f"{where}: not valid YAML: {exc}") from exc
     if not isinstance(document, Mapping):
-        raise CatalogError(f"catalog {str(path)!r}: must be a mapping with a 'sources' list")
-    _reject_unknown(document, _CATALOG_KEYS, where=f"catalog {str(path)!r}")
-    defaults = document.get("defaults") or {}
-    if not isinstance(defaults, Mapping):
-        raise CatalogError(f"catalog {str(path)!r}: defaults must be a mapping")
-    _reject_unknown(defaults, _DEFAULTABLE, where=f"catalog {str(path)!r}: defaults")
-    entries = document.get("sources")
-    if not isinstance(entries, list) or not entries:
-        raise CatalogError(f"catalog {str(path)!r}: sources must be a non-empty list")
+        raise CatalogError(f"{where}: must be a mapping with a 'sources' list")
     root = _local_root(document.get("local_root"), path)
-    sources = []
-    for index, entry in enumerate(entries):
-        where = f"catalog {str(path)!r}: sources[{index}]"
-        if not isinstance(entry, Mapping):
-            raise CatalogError(f"{where}: must be a mapping")
-        _reject_unknown(entry, _SOURCE_KEYS, where=where)
-        settings = {**defaults, **entry}
-        relative = _is_text(settings.get("local_path")) and not Path(settings["local_path"]).is_absolute()
-        if relative:
-            # The root is literal text: escape braces so that only the user's placeholders get filled.
-            escaped = str(root).replace("{", "{{").replace("}", "}}")
-            settings["local_path"] = escaped + os.sep + settings["local_path"]
-        try:
-            spec = SourceSpec(**settings)
-        except TypeError as exc:  # a required field is missing
-            raise CatalogError(f"{where}: {exc}") from None
-        if relative:
-            _require_files(spec, entry.get("local_path", defaults.get("local_path")), root, where)
-        sources.append(spec)
-    return Catalog(
-        sources=tuple(sources),
-        seed=document.get("seed", DEFAULT_SEED),
-        total_prompts=document.get("total_prompts"),
-        defaults=MappingProxyType(dict(defaults)),
-    )
+    fields = {str(key): value for key, value in document.items() if key != "local_root"}
+    defaults, entries = fields.get("defaults") or {}, fields.get("sources")
+    if isinstance(defaults, Mapping) and isinstance(entries, list):
+        # Each source with the file's defaults under it (an unknown one is the defaults' problem, said
+        # once), a relative local_path read from the root.
+        under = {key: value for key, value in defaults.items() if key in _DEFAULTABLE}
+        fields["sources"] = [_under_root({**under, **e}, root) if isinstance(e, Mapping) else e for e in entries]
+    try:
+        catalog = Catalog(**fields)
+    except CatalogError as exc:
+        raise CatalogError("\n".join(f"{where}: {line}" for line in str(exc).splitlines())) from None
+    for index, (spec, entry) in enumerate(zip(catalog.sources, entries)):
+        written = {**catalog.defaults, **entry}.get("local_path")
+        if _relative(written):
+            _require_files(spec, written, root, f"{where}: sources[{index}]")
+    return catalog
+
+
+def _relative(local_path: Any) -> bool:
+    return _is_text(local_path) and not Path(local_path).is_absolute()
+
+
+def _under_root(settings: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A source's settings with a relative local_path read from ``root``."""
+    if _relative(settings.get("local_path")):
+        # The root is literal text: escape braces so that only the user's placeholders get filled.
+        escaped = str(root).replace("{", "{{").replace("}", "}}")
+        settings["local_path"] = escaped + os.sep + settings["local_path"]
+    return settings
+
+
+def _report(exc: pydantic.ValidationError, data: Mapping[str, Any], *, known: frozenset[str]) -> str:
+    """Each problem in the user's words, naming its field: a source's together, after its name
+    (``source 'a': quota: ...; weight: ...``); a catalog's sources' as their own reports say them."""
+    name = data.get("name")
+    label = f"source {name!r}: " if known is _SOURCE_KEYS and isinstance(name, str) else ""
+    entries = data.get("sources") if isinstance(data.get("sources"), list | tuple) else ()
+    own, lines = [], []
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        nested = error.get("ctx", {}).get("error")
+        if isinstance(nested, CatalogError):  # a source's own report
+            entry = entries[loc[1]] if len(loc) > 1 and loc[1] < len(entries) else None
+            named = isinstance(entry, Mapping) and isinstance(entry.get("name"), str)
+            lines += [line if named else f"sources[{loc[1]}]: {line}" for line in str(nested).splitlines()]
+        elif loc[:1] == ("sources",) and len(loc) > 1:
+            lines.append(f"sources[{loc[1]}]: {_problem(error, None, known)}")
+        else:
+            own.append(_problem(error, loc[0] if loc else None, known))
+    return "\n".join(([label + "; ".join(own)] if own else []) + lines)
+
+
+def _problem(error: Mapping[str, Any], field: Any, known: frozenset[str]) -> str:
+    """One problem in the user's words: the rules' own, pydantic's for the rest."""
+    if error["type"] == "extra_forbidden":
+        return _unknown_key(field, known)
+    if error["type"] == "missing":
+        message = "is required"
+    elif error["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        message = f"must be a mapping, got {error['input']!r}"
+    else:
+        message = error["msg"].removeprefix("Value error, ")
+    # A message that names its field itself ("sources must be ...") says it once.
+    return message if field is None or message.startswith(str(field)) else f"{field}: {message}"
+
+
+def _unknown_key(key: Any, known: frozenset[str]) -> str:
+    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return f"unknown key {key!r}{hint}"
 
 
 def load_source(spec: SourceSpec, *, cache_dir: str | os.PathLike[str] | None = None) -> datasets.Dataset:
@@ -409,21 +489,6 @@ def _require_files(spec: SourceSpec, written: str, root: Path, where: str) -> No
             )
 
 
-def _reject_unknown(mapping: Mapping[str, Any], known: frozenset[str], *, where: str) -> None:
-    for key in mapping:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
-            raise CatalogError(f"{where}: unknown key {key!r}{hint}")
-
-
-def _format_from_extension(local_path: Any) -> str | None:
-    if not _is_text(local_path):
-        return None
-    suffix = Path(local_path).suffix.lstrip(".").lower()
-    return suffix if suffix in FORMATS else None
-
-
 def _as_tuple(value: str | tuple[str, ...] | None) -> tuple[Any, ...]:
     if value is None:
         return ()
@@ -438,16 +503,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
 def _check_name(name: Any) -> str | None:
     if isinstance(name, str) and _NAME.fullmatch(name):
         return None
     return f"must be 1-32 lowercase letters, digits or underscores starting with a letter, got {name!r}"
 
 
-def _check_hub_id(hub_id: Any, local_path: Any) -> str | None:
-    if hub_id is None:
-        return None if local_path is not None else "set hub_id or local_path"
-    if isinstance(hub_id, str) and _HUB_ID.fullmatch(hub_id):
+def _check_hub_id(hub_id: Any) -> str | None:
+    if hub_id is None or (isinstance(hub_id, str) and _HUB_ID.fullmatch(hub_id)):
         return None
     return f"must look like 'owner/name', got {hub_id!r}"
 
@@ -499,16 +566,6 @@ def _check_count(value: Any, *, minimum: int, allow_none: bool = True) -> str | 
     if _is_int(value) and value >= minimum:
         return None
     return f"must be an integer of at least {minimum}, got {value!r}"
-
-
-def _check_weight(weight: Any, quota: Any) -> str | None:
-    if weight is None:
-        return None
-    if quota is not None:
-        return "set a quota or a weight, not both"
-    if isinstance(weight, int | float) and not isinstance(weight, bool) and 0 < weight < float("inf"):
-        return None
-    return f"must be a positive number, got {weight!r}"
 
 
 def _check_filters(filters: Any) -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from packaging.version import InvalidVersion, Version
+
 from expansion_dag.core import DEFAULT_TOKENIZER
 
 DEFAULT_HOST = "127.0.0.1"
@@ -37,14 +39,6 @@ SGLANG_VERSION = "0.5.23"
 OLDEST_SGLANG_VERSION = "0.5.4"
 VLLM_VERSION = "0.33.0"
 DEFAULT_VERSIONS = {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}
-
-
-def version_tuple(version: str) -> tuple[int, ...] | None:
-    """``"0.5.7"`` -> ``(0, 5, 7)``; None for anything that is not dotted numbers."""
-    parts = version.split(".")
-    if not all(part.isdigit() for part in parts):
-        return None
-    return tuple(int(part) for part in parts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,8 +231,12 @@ def _version_problems(backend: str, version: str):
         if version != VLLM_VERSION:
             yield f"version must be None or {VLLM_VERSION!r} for backend 'vllm', got {version!r}"
         return
-    numbers = version_tuple(version)
-    if numbers is None or not version_tuple(OLDEST_SGLANG_VERSION) <= numbers <= version_tuple(SGLANG_VERSION):
+    try:
+        # As pip orders them: a release candidate comes before its release (0.5.10rc1 < 0.5.10).
+        emulated = Version(OLDEST_SGLANG_VERSION) <= Version(version) <= Version(SGLANG_VERSION)
+    except InvalidVersion:
+        emulated = False
+    if not emulated:
         yield (
             f"version must be None or an SGLang version from {OLDEST_SGLANG_VERSION} to "
             f"{SGLANG_VERSION}, got {version!r}"

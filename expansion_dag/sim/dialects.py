@@ -13,12 +13,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from expansion_dag.sim.config import SimServerConfig, version_tuple
+from packaging.version import Version
+
+from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.job import Job
 
 #: ``ChatCompletionRequest.return_input_ids_in_sglext`` and ``return_output_ids_in_sglext``: in the
 #: 0.5.20 wheel's ``entrypoints/openai/protocol.py``, not in 0.5.19's.
-_SGLEXT_IDS_SINCE = (0, 5, 20)
+_SGLEXT_IDS_SINCE = Version("0.5.20")
 
 
 def dumps(obj: Any) -> bytes:
@@ -51,7 +53,7 @@ class Dialect:
 
     def __init__(self, config: SimServerConfig) -> None:
         self.config = config
-        self._returns_ids = config.token_ids and version_tuple(config.server_version) >= _SGLEXT_IDS_SINCE
+        self._returns_ids = config.token_ids and Version(config.server_version) >= _SGLEXT_IDS_SINCE
 
     def asks_token_ids(self, body: dict[str, Any]) -> tuple[bool, bool]:
         """Whether the request gets the prompt's ids and the answer's (``_should_return_input_ids``,

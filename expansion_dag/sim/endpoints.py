@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from expansion_dag.sim.config import SimServerConfig, version_tuple
+from packaging.version import Version
+
+from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.dialects import Dialect, dumps
 from expansion_dag.sim.http import HttpConnection, HttpRequest
 from expansion_dag.sim.scheduler import Scheduler
@@ -25,9 +27,9 @@ _STARTUP_AVAILABLE_GB = 139.8
 _GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
 #: From this version the scheduler reports its effective slots per DP rank, and (as in 0.5.23) the
 #: memory usage with graph memory per phase; before it, as 0.5.4 and 0.5.7 do.
-_EFFECTIVE_SLOTS_SINCE = (0, 5, 8)
+_EFFECTIVE_SLOTS_SINCE = Version("0.5.8")
 #: /get_load answers carry a timestamp from this version.
-_GET_LOAD_TIC_SINCE = (0, 5, 7)
+_GET_LOAD_TIC_SINCE = Version("0.5.7")
 
 
 class Endpoints:
@@ -40,7 +42,7 @@ class Endpoints:
         self._dialect = dialect
         self._scheduler = scheduler
         self._port = port  # the server's: an ephemeral one is known once it binds
-        self._version = version_tuple(config.server_version)
+        self._version = Version(config.server_version)
         self._max_total_tokens = config.kv_capacity
         self._created = int(time.time())
         #: Load reads answered: how a client's polling treats a server.

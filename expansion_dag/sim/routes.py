@@ -7,7 +7,9 @@ Apart from the server's lifecycle so that the path table, read from the real ser
 
 from __future__ import annotations
 
-from expansion_dag.sim.config import SimServerConfig, version_tuple
+from packaging.version import Version
+
+from expansion_dag.sim.config import SimServerConfig
 from expansion_dag.sim.dialects import Dialect
 from expansion_dag.sim.endpoints import Endpoints
 from expansion_dag.sim.http import Handler, HttpConnection, HttpRequest
@@ -62,9 +64,9 @@ class Router:
             "/v1/loads": {"GET": endpoints.loads},
             "/get_load": {"GET": endpoints.get_load},
         }
-        version = version_tuple(config.server_version)
+        version = Version(config.server_version)
         for path, since, until in _SGLANG_ROUTE_VERSIONS:
-            if (since and version < version_tuple(since)) or (until and version >= version_tuple(until)):
+            if (since and version < Version(since)) or (until and version >= Version(until)):
                 del self._routes[path]
 
     def dispatch(self, request: HttpRequest, conn: HttpConnection) -> None:

@@ -7,7 +7,6 @@ from expansion_dag.store.conditional import ConditionalWritesIgnored, conditiona
 from expansion_dag.store.identities import IdentityRegistry, MixedStoreError, RegistryError, WeightsChangedError
 from expansion_dag.store.lines import BAD_LINE_REASONS, decode_line, encode_line
 from expansion_dag.store.lease import (
-    DEFAULT_LEASE_TIMEOUT_S,
     LEASES,
     BuildClaim,
     Holder,
@@ -20,7 +19,7 @@ from expansion_dag.store.lease import (
 from expansion_dag.store.segments import DEFAULT_SEGMENT_INTERVAL_S, DEFAULT_SEGMENT_RECORDS, SegmentWriter
 
 __all__ = [
-    "BAD_LINE_REASONS", "BuildClaim", "CompletionStore", "ConditionalWritesIgnored", "DEFAULT_LEASE_TIMEOUT_S",
+    "BAD_LINE_REASONS", "BuildClaim", "CompletionStore", "ConditionalWritesIgnored",
     "DEFAULT_SEGMENT_INTERVAL_S", "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "IdentityRegistry", "LEASES",
     "LeaseLost", "Log", "MixedStoreError", "RegistryError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter",
     "ShardBusy", "ShardLease", "WeightsChangedError", "conditional_file", "decode_line", "encode_line", "process_id"

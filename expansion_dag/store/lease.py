@@ -48,7 +48,6 @@ from expansion_dag.store.conditional import Versioned, conditional_file
 LEASES = "leases"  # the leases' folder under the storage root, and the live holders' under a local dir
 BUILDERS = "builders"  # the builders' claims, under the leases' folder
 LEASE_VERSION = 2
-DEFAULT_LEASE_TIMEOUT_S = 120.0
 #: Renewals per timeout: a holder misses three before it can be taken over.
 HEARTBEATS_PER_TIMEOUT = 4
 #: A holder stops sending once its last renewal is this old (a share of the timeout): before any
@@ -224,8 +223,8 @@ class ShardLease:
     ``local_dir``: this machine's folder (``storage.local_dir``), where a live holder keeps its lock.
     """
 
-    def __init__(self, root: UPath, shard: str, *, run_id: str, log: Log, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-                 wait: bool = True, local_dir: str | os.PathLike[str] | None = None):
+    def __init__(self, root: UPath, shard: str, *, run_id: str, log: Log, timeout_s: float,
+                 wait: bool, local_dir: str | os.PathLike[str] | None = None):
         if timeout_s <= 0:
             raise ValueError(f"a lease timeout must be positive, got {timeout_s!r}")
         self.path = root / LEASES / f"{shard}.json"
@@ -370,7 +369,7 @@ class BuildClaim:
     set, a part it is building): a lease of its own, ``leases/builders/<id>.json``, renewed while it
     works. Another builder removes such a folder only once its claim is gone or stale (``alive``)."""
 
-    def __init__(self, root: UPath, *, run_id: str, log: Log, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+    def __init__(self, root: UPath, *, run_id: str, log: Log, timeout_s: float,
                  local_dir: str | os.PathLike[str] | None = None):
         self.id = secrets.token_hex(8)
         self._root = root

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_LENGTH = 32_768  # Qwen3's native context
-DEFAULT_MIN_LENGTH = 16
 DEFAULT_CHUNK_ROWS = 512  # peak memory: about 250 bytes per token of a chunk (3 in flight)
 DEFAULT_ROWS_PER_FILE = 50_000  # about 100M tokens, a few hundred MB, per shard
 REASONING_POLICIES = ("keep", "drop")
@@ -23,7 +22,6 @@ FORMATS = {
     "specforge-conversations": CONVERSATIONS_NAME,
     "speculators-pretokenized": PRETOKENIZED_NAME,
 }
-DEFAULT_FORMATS = ("parquet", "specforge-conversations")
 MASK_CONVENTION = (
     "loss_mask is 1 on exactly the tokens the assistant wrote: its answer, the reasoning kept "
     "with its think tags, and the end-of-turn token, in every assistant turn of a conversation "
@@ -35,14 +33,17 @@ MASK_CONVENTION = (
 _INT32_MAX = 2**31 - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingSetConfig:
-    drop_truncated: bool = True  # leave out answers cut at max_tokens (finish_reason "length")
-    formats: tuple[str, ...] = DEFAULT_FORMATS  # outputs written (FORMATS); "parquet" always
-    train_newline_after_end_of_turn: bool = False  # the mask convention (MASK_CONVENTION)
-    reasoning: str = "keep"  # "keep": reasoning_content in the model's own format; "drop"
+    """How the set is built: what the run configuration sets, a run passes
+    (``expansion_dag.config.training_set_config``); the rest are the build's own."""
+
+    drop_truncated: bool  # leave out answers cut at max_tokens (finish_reason "length")
+    formats: tuple[str, ...]  # outputs written (FORMATS); "parquet" always
+    train_newline_after_end_of_turn: bool  # the mask convention (MASK_CONVENTION)
+    reasoning: str  # "keep": reasoning_content in the model's own format; "drop"
     max_length: int = DEFAULT_MAX_LENGTH  # the training context: longer samples are left out
-    min_length: int = DEFAULT_MIN_LENGTH  # shorter samples are left out
+    min_length: int  # shorter samples are left out
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # records held and tokenized at once
     rows_per_file: int = DEFAULT_ROWS_PER_FILE
 

@@ -44,7 +44,6 @@ from expansion_dag.training.manifest import MANIFEST_NAME, current_version
 VERSIONS = "training_set_versions"
 CURRENT = "training_set"
 POINTER = f"{CURRENT}.json"  # on an object store
-DEFAULT_VERSIONS_KEPT = 3
 #: The owner of a set moved from the layout of earlier releases: no builder's, so never alive.
 LEGACY_OWNER = "0" * 16
 #: A version's name, or a staging folder's made from it: its start, then its builder's claim.

@@ -81,7 +81,7 @@ def rehearsal(tmp_path_factory):
     mix = load_config(str(config)).generation.mix()
     identities = ModeIdentities(mix, manifest.identity["model"], manifest.simulated)
     budgeted = pl.read_parquet(storage / "assets" / "budgeted_prompts.parquet")
-    keys = ShardWork(budgeted, identities).frontier_keys(store.latest_records(digest=True))
+    keys = ShardWork(budgeted, identities, retry_outcomes=()).frontier_keys(store.latest_records(digest=True))
     standing = [r for r in store.latest_records(digest=True) if r["key"] in keys]
     assert len(standing) == len(keys), "a prompt has no record: it was neither answered nor failed"
     return Rehearsal(storage, home, json.loads(ended.read_text()), store, manifest, identities, budgeted, standing)
@@ -139,6 +139,6 @@ def test_a_shard_run_learns_from_every_completion_through_the_digests(rehearsal)
     assert learn(store.latest_records(digest=True), owns).answers == completed
     assert learn(store.latest_records(), owns).answers == completed  # each record's whole JSON: the same
     shard = rehearsal.budgeted.filter(pl.col("shard") == "shard-00")
-    keys = ShardWork(shard, rehearsal.identities).frontier_keys(store.latest_records(digest=True))
+    keys = ShardWork(shard, rehearsal.identities, retry_outcomes=()).frontier_keys(store.latest_records(digest=True))
     figures = shard_figures(store.latest_records(shards=["shard-00"], digest=True), keys, owns, store.scan().done)
     assert 0 < figures.ok == sum(r["status"] == OK for r in rehearsal.standing if r["key"] in keys) < completed

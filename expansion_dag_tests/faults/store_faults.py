@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from expansion_dag.core import SamplingSettings
-from expansion_dag.generation import EngineConfig, Server, ShardRun, WorkItem, generate_shard
+from expansion_dag.generation import Server, ShardRun, WorkItem, generate_shard
 from expansion_dag.servers import run_ticked
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import default_engine
 
 SHARD = "shard-00"
 #: Answers of a few milliseconds on 8 slots: a shard of dozens of prompts in about a second.
@@ -28,7 +29,7 @@ _FACT = re.compile(r"Tell me fact number (\d+)\.")
 def run_shard(store: CompletionStore, items: list[WorkItem], url: str, *, fsync_interval_s: float = 2.0,
               **kwargs: Any) -> Any:
     """One run of the shard, to its end: its report."""
-    config = EngineConfig(**{**FAST, **kwargs.pop("config", {})})
+    config = default_engine(**{**FAST, **kwargs.pop("config", {})})
     with store.writer(SHARD, fsync_interval_s=fsync_interval_s) as writer:
         return generate_shard(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(),
                               config=config, **kwargs)
@@ -69,7 +70,7 @@ class HeldRun(Background):
             self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
             with CompletionStore(root).writer(SHARD, fsync_interval_s=0) as writer:
                 self.shard = ShardRun(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(),
-                                      config=EngineConfig(**FAST), **kwargs)
+                                      config=default_engine(**FAST), **kwargs)
                 return await self.shard.run()
 
         super().__init__(lambda: run_ticked(main(), tick_s=0.1))

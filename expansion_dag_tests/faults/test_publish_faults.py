@@ -14,9 +14,9 @@ import pytest
 from expansion_dag.core import as_upath, load_tokenizer
 from expansion_dag.defs.resources import StorageResource
 from expansion_dag.store import BuildClaim, CompletionStore
-from expansion_dag.training import PART_DONE, VERSIONS, TrainingSetConfig, build_training_set_in_parts, part_names
+from expansion_dag.training import PART_DONE, VERSIONS, build_training_set_in_parts, part_names
 from expansion_dag_tests.faults.s3_proxy import proxy  # noqa: F401 (a fixture)
-from expansion_dag_tests.helpers import one_mode, wait_for
+from expansion_dag_tests.helpers import LEASE_TIMEOUT_S, default_training, one_mode, wait_for
 from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.store.test_object_storage import objects
 from expansion_dag_tests.training.test_publish import ids_of, published, read_set
@@ -35,6 +35,7 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from expansion_dag.core import as_upath, load_tokenizer
 from expansion_dag.store import BuildClaim
+from expansion_dag_tests.helpers import LEASE_TIMEOUT_S
 from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.training.test_publish import published
 
@@ -47,7 +48,7 @@ root, machine, n = as_upath(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 tokenizer = load_tokenizer()
 if root.protocol == "":
     sys.addaudithook(stop_before_the_manifest)
-with BuildClaim(root, run_id="run-killed", log=Said(), local_dir=machine) as claim:
+with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run-killed", log=Said(), local_dir=machine) as claim:
     published(root, tokenizer, range(n), Path(machine), claim=claim)
 """
 
@@ -62,7 +63,7 @@ def test_a_build_killed_mid_publish_leaves_readers_the_whole_previous_version(ki
     proxy = request.getfixturevalue("proxy") if kind == "s3" else None
     root = as_upath(f"s3://{request.getfixturevalue('bucket')}/storage" if proxy else str(tmp_path / "storage"))
     machine = tmp_path / "machine"
-    with BuildClaim(root, run_id="run-1", log=Said(), local_dir=machine) as claim:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run-1", log=Said(), local_dir=machine) as claim:
         first = published(root, qwen3, range(4), tmp_path, claim=claim)
     before = (ids_of(range(4)), 4)
     assert read_set(root / "training_set") == before
@@ -92,7 +93,7 @@ def test_a_build_killed_mid_publish_leaves_readers_the_whole_previous_version(ki
     assert read_set(root / "training_set") == before  # after
 
     # The next build on that machine publishes whole, and removes what the killed one left.
-    with BuildClaim(root, run_id="run-3", log=Said(), local_dir=machine) as claim:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run-3", log=Said(), local_dir=machine) as claim:
         third = published(root, qwen3, range(9), tmp_path, claim=claim)
     assert read_set(root / "training_set") == (ids_of(range(9)), 9)
     names = ({p.name for p in (tmp_path / "storage" / VERSIONS).iterdir()} if kind == "local"
@@ -106,7 +107,7 @@ def test_an_object_store_keeps_the_parts_another_builder_is_uploading(bucket, qw
     night(store, "shard-00", [record(i) for i in range(4)])
     night(store, "shard-01", [record(i) for i in range(4, 8)])
     parts, failures = store.parts()
-    config = TrainingSetConfig(formats=FORMATS)
+    config = default_training(formats=FORMATS)
     [mine, other] = part_names(parts, qwen3, config, one_mode(MODEL))
     remote = as_upath(root) / PARTS_FOLDER
     # Another builder's uploads under way: its part of a segment this build does not see, and half

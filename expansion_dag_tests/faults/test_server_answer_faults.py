@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from expansion_dag.core import BadResponseError, SamplingSettings
-from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.servers import SGLANG, VLLM, parse_chat_completion, parse_chat_stream
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import default_engine
 from expansion_dag_tests.ports import free_ports
 
 class _Missing:
@@ -313,7 +314,7 @@ def test_a_server_answering_wrong_shapes_fails_those_requests_only_and_a_rerun_c
     server, url = shape_server
     store = CompletionStore(tmp_path)
     items = work(faults_every=3)  # a third answered in a wrong shape
-    config = EngineConfig(backoff_initial_s=0.01, progress_interval_s=3600, stop_degenerate=streamed,
+    config = default_engine(backoff_initial_s=0.01, progress_interval_s=3600, stop_degenerate=streamed,
                           breaker_window=1000)
 
     def run(todo: list[WorkItem]):

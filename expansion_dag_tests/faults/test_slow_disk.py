@@ -13,12 +13,11 @@ import threading
 
 import pytest
 
-from expansion_dag.generation import EngineConfig
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.faults.store_faults import SHARD, SIM, Background, HeldRun, in_folder, run_shard
 from expansion_dag_tests.generation.test_engine_faults import work
-from expansion_dag_tests.helpers import wait_for
+from expansion_dag_tests.helpers import default_engine, wait_for
 
 
 class StuckDisk:
@@ -66,7 +65,7 @@ def test_answers_stream_in_while_the_disk_is_stuck(monkeypatch, tmp_path):
 def test_a_stuck_disk_holds_the_run_back_at_its_queue_never_past_it(monkeypatch, tmp_path):
     root, items = tmp_path / "store", work(60)
     disk = StuckDisk(monkeypatch, root)
-    held = 1 + 4 + EngineConfig().workers_for(8)  # being written, queued, one waiting a worker
+    held = 1 + 4 + default_engine().workers_for(8)  # being written, queued, one waiting a worker
 
     def holding(fleet, run):
         server = fleet.stats(0)

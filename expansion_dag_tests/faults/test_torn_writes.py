@@ -19,10 +19,10 @@ import pytest
 from expansion_dag.core import load_tokenizer
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag.training import Manifest, TrainingSetConfig, build_training_set_in_parts
+from expansion_dag.training import Manifest, build_training_set_in_parts
 from expansion_dag_tests.faults.store_faults import SHARD, SIM, asked, in_folder, requests_so_far, run_shard
 from expansion_dag_tests.generation.test_engine_faults import work
-from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.helpers import default_training, one_mode
 from expansion_dag_tests.training.test_training_set import MODEL, record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def built_rows(store, tokenizer, tmp_path):
     parts, failures = store.parts()
     out = tmp_path / "set"
     manifest = build_training_set_in_parts(
-        parts, failures, tokenizer, TrainingSetConfig(formats=("parquet",)), out, parts_dir=tmp_path / "parts",
+        parts, failures, tokenizer, default_training(formats=("parquet",)), out, parts_dir=tmp_path / "parts",
         identities=one_mode(MODEL),
     )
     return manifest, [row for f in Manifest.read(out).files for row in pq.read_table(out / f["name"]).to_pylist()]

@@ -16,8 +16,9 @@ from expansion_dag.core import (
     count_prompt_tokens,
     load_tokenizer,
 )
-from expansion_dag.generation import EngineConfig, ShardWork, TurnPlanner, turn_id
+from expansion_dag.generation import ShardWork, TurnPlanner, turn_id
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import default_engine
 from expansion_dag_tests.generation.test_engine import FAST, completion, run
 
 SAMPLING = SamplingSettings(chat_template_kwargs_json='{"enable_thinking": false}')
@@ -75,7 +76,7 @@ def generate(tmp_path, work: ShardWork, handler):
 
 def test_every_assistant_turn_is_asked_with_the_conversation_so_far_each_budgeted(tmp_path):
     requests: list[dict] = []
-    work = ShardWork(prompts(3), IDENTITIES, planner=planner())
+    work = ShardWork(prompts(3), IDENTITIES, retry_outcomes=(), planner=planner())
     report, store = generate(tmp_path, work, answer_each_turn(requests))
 
     assert len(requests) == 9 and report.ok == 9 and report.total == 9
@@ -107,7 +108,7 @@ def test_every_assistant_turn_is_asked_with_the_conversation_so_far_each_budgete
 
 def test_a_cut_turn_or_a_full_context_ends_its_conversation_for_good_as_the_contents_doing(tmp_path):
     requests: list[dict] = []
-    work = ShardWork(prompts(1), IDENTITIES, planner=planner())
+    work = ShardWork(prompts(1), IDENTITIES, retry_outcomes=(), planner=planner())
     _, store = generate(tmp_path / "cut", work, answer_each_turn(requests, finish=lambda t: "length" if t == 2 else "stop"))
     ended = {r["prompt_id"]: r for r in store.records("shard-00", status=FAILED)}
     assert list(ended) == [turn_id("c0", 3)] and ended[turn_id("c0", 3)]["error"] == TURN_UNFINISHED
@@ -116,20 +117,20 @@ def test_a_cut_turn_or_a_full_context_ends_its_conversation_for_good_as_the_cont
     # A context that holds turn 1 but not the conversation after it.
     first_tokens = prompts(1)["prompt_tokens"][0]
     small = ShardWork(prompts(1).with_columns(max_tokens=pl.lit(MIN_OUT)), IDENTITIES,
-                      planner=planner(context=first_tokens + MIN_OUT + MARGIN + 10))
+                      retry_outcomes=(), planner=planner(context=first_tokens + MIN_OUT + MARGIN + 10))
     requests.clear()
     _, store = generate(tmp_path / "full", small, answer_each_turn(requests))
     (record,) = store.records("shard-00", status=FAILED)
     assert record["error"] == CONTEXT_EXHAUSTED and record["prompt_id"] == turn_id("c0", 2) and len(requests) == 1
     # Final: a re-run sends nothing for it.
-    again = ShardWork(prompts(1), IDENTITIES, planner=planner(context=first_tokens + MIN_OUT + MARGIN + 10))
+    again = ShardWork(prompts(1), IDENTITIES, retry_outcomes=(), planner=planner(context=first_tokens + MIN_OUT + MARGIN + 10))
     list(again.reading(store.latest_records(digest=True)))
     assert again.items(lambda keys: {}) == ([], [])
 
 
 def test_a_resumed_conversation_goes_on_from_its_last_answer_and_asks_nothing_twice(tmp_path):
     requests: list[dict] = []
-    work = ShardWork(prompts(2), IDENTITIES, planner=planner())
+    work = ShardWork(prompts(2), IDENTITIES, retry_outcomes=(), planner=planner())
     # The first run's server dies after turn 1 of each conversation.
     def dies_after_turn_one(request):
         if any(m["role"] == "assistant" for m in json.loads(request.content)["messages"]):
@@ -138,11 +139,11 @@ def test_a_resumed_conversation_goes_on_from_its_last_answer_and_asks_nothing_tw
 
     todo, _ = work.items(lambda keys: {})
     run(tmp_path, todo, dies_after_turn_one, sampling=SAMPLING, planner=work.planner,
-        config=EngineConfig(**FAST, max_attempts=1, breaker_window=1000))
+        config=default_engine(**FAST, max_attempts=1, breaker_window=1000))
     store = CompletionStore(tmp_path)
     assert {r["prompt_id"] for r in store.records("shard-00")} == {"c0.t1", "c1.t1"}
 
-    resumed = ShardWork(prompts(2), IDENTITIES, planner=planner())
+    resumed = ShardWork(prompts(2), IDENTITIES, retry_outcomes=(), planner=planner())
     list(resumed.reading(store.latest_records(digest=True)))
     todo, ended = resumed.items(lambda keys: {r["key"]: r for r in store.latest_records() if r["key"] in keys})
     assert sorted(i.prompt_id for i in todo) == ["c0.t2", "c1.t2"] and not ended

@@ -8,9 +8,10 @@ import httpx
 import pytest
 
 from expansion_dag.core import CANARY_PROMPTS, SamplingSettings, ShardAborted, is_final
-from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.servers import VLLM, dialect_for
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import default_engine
 
 URL = "http://gpu-0:30000"
 # These handlers answer plain JSON bodies; streamed requests are tested in test_engine_streaming.py.
@@ -68,7 +69,7 @@ def run(tmp_path, work, handler, *, slots=4, config=None, dialect=None, **kw):
             writer=writer,
             model="m",
             sampling=kw.pop("sampling", SamplingSettings()),
-            config=config or EngineConfig(**FAST),
+            config=config or default_engine(**FAST),
             transport=httpx.MockTransport(handler),
             **kw,
         )
@@ -109,7 +110,7 @@ def test_in_flight_requests_fill_the_slots_plus_headroom_and_never_more(tmp_path
         in_flight -= 1
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**FAST, min_headroom=2)
+    config = default_engine(**FAST, min_headroom=2)
     run(tmp_path, items(60), handler, slots=8, config=config)
     assert peak == 8 + 2
 
@@ -121,7 +122,7 @@ def test_the_canary_is_the_shortest_expected_answer_then_the_longest_start_first
         started.append(prompt_number(request))
         return httpx.Response(200, json=completion())
 
-    run(tmp_path, items(12), handler, slots=1, config=EngineConfig(**FAST, min_headroom=0, headroom_fraction=0))
+    run(tmp_path, items(12), handler, slots=1, config=default_engine(**FAST, min_headroom=0, headroom_fraction=0))
     assert started == [0, *range(11, 0, -1)]
 
 
@@ -142,7 +143,7 @@ def test_queued_prompts_go_to_a_server_reporting_idle_slots_never_to_one_with_a_
         await asyncio.sleep(0.005)
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**FAST, spill_poll_s=0.02)
+    config = default_engine(**FAST, spill_poll_s=0.02)
     helpers = [Server(idle, 4), Server(busy, 4)]
     report, store = run(tmp_path, items(300), handler, slots=4, config=config, helpers=helpers)
     records = list(store.records("shard-00"))
@@ -172,7 +173,7 @@ def test_a_borrower_leaves_a_reserve_of_a_server_its_owner_is_using(tmp_path):
         ours -= 1
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**FAST, spill_poll_s=0.01)
+    config = default_engine(**FAST, spill_poll_s=0.01)
     report, _ = run(tmp_path, items(400), handler, slots=1, config=config, helpers=[Server(helper, 16)])
     # 16 slots, 8 of them the owner's: 8 read idle, 1 of them left for the owner's next request.
     assert most == 16 - owners - 1
@@ -193,7 +194,7 @@ def test_an_older_sglang_is_borrowed_through_get_load_with_its_probed_slots(tmp_
         return httpx.Response(200, json=completion())
 
     helpers = [Server(old, 4, dialect_for("sglang", "0.5.7"))]
-    report, _ = run(tmp_path, items(300), handler, config=EngineConfig(**FAST, spill_poll_s=0.02), helpers=helpers)
+    report, _ = run(tmp_path, items(300), handler, config=default_engine(**FAST, spill_poll_s=0.02), helpers=helpers)
     assert chats["gpu-1"] > 0
     assert report.helpers[old].requests == chats["gpu-1"] and report.ok == 300
 
@@ -206,7 +207,7 @@ def test_a_server_that_cannot_say_its_load_is_never_borrowed(tmp_path):
         asked[request.url.host] += 1
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**FAST, spill_poll_s=0.001)
+    config = default_engine(**FAST, spill_poll_s=0.001)
     report, _ = run(tmp_path, items(100), handler, config=config, helpers=[Server(vllm, 64, VLLM)])
     assert asked["gpu-1"] == 0 and report.ok == 100
     assert vllm not in report.helpers
@@ -225,7 +226,7 @@ def test_a_helper_that_fails_costs_nothing_its_prompts_go_home(tmp_path):
         await asyncio.sleep(0.005)
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**FAST, spill_poll_s=0.02, breaker_window=4)
+    config = default_engine(**FAST, spill_poll_s=0.02, breaker_window=4)
     report, store = run(tmp_path, items(200), handler, slots=4, config=config, helpers=[Server(helper, 8)])
     assert 0 < chats["gpu-1"] <= 8, "a failing helper is tried once per idle slot, then not again"
     assert report.ok == 200 and report.failed == 0 and report.aborted is None
@@ -258,7 +259,7 @@ def test_retries_are_bounded_and_the_failure_is_a_record(tmp_path):
         calls += 1
         return httpx.Response(502, text="bad gateway")
 
-    config = EngineConfig(**FAST, max_attempts=3, canary=False, breaker_window=100)
+    config = default_engine(**FAST, max_attempts=3, canary=False, breaker_window=100)
     report, store = run(tmp_path, items(2), handler, config=config)
     assert calls == 6
     failures = list(store.records("shard-00", status="failed"))
@@ -281,7 +282,7 @@ def test_an_aborted_answer_is_retried_and_never_kept_as_a_completion(tmp_path):
             return httpx.Response(200, json=completion("cut off mid", finish="abort"))
         return httpx.Response(200, json=completion("the whole answer"))
 
-    config = EngineConfig(**FAST, max_attempts=3, canary=False)
+    config = default_engine(**FAST, max_attempts=3, canary=False)
     report, store = run(tmp_path, items(4), handler, config=config)
     records = {r["prompt_id"]: r for r in store.records("shard-00")}
     assert sorted(records) == ["p000", "p001", "p003"]
@@ -353,7 +354,7 @@ def test_context_length_400_is_retried_once_with_the_servers_own_count(tmp_path)
         return httpx.Response(200, json=completion(prompt_tokens=server_prompt))
 
     work = [items(1, max_tokens=200 - 10 - 16)[0]]
-    report, store = run(tmp_path, work, handler, config=EngineConfig(**FAST, context_margin=16))
+    report, store = run(tmp_path, work, handler, config=default_engine(**FAST, context_margin=16, min_output_tokens=16))
     assert sent == [174, 200 - 50 - 16]
     [record] = store.records("shard-00")
     assert record["max_tokens"] == 134
@@ -387,7 +388,7 @@ def test_the_breaker_stops_a_shard_whose_requests_start_failing_the_same_way(tmp
             return httpx.Response(200, json=completion())
         return httpx.Response(401, json={"error": "Unauthorized"})
 
-    config = EngineConfig(**FAST, breaker_window=10)
+    config = default_engine(**FAST, breaker_window=10)
     with pytest.raises(ShardAborted, match="circuit breaker: .* unauthorized HTTP 401: Unauthorized"):
         run(tmp_path, items(1000), handler, slots=4, config=config)
     assert calls < 30
@@ -399,12 +400,12 @@ def test_a_few_failures_among_many_successes_do_not_trip_the_breaker(tmp_path):
             return httpx.Response(400, json={"object": "error", "message": "invalid", "code": 400})
         return httpx.Response(200, json=completion())
 
-    report, _ = run(tmp_path, items(200), handler, config=EngineConfig(**FAST, breaker_window=10))
+    report, _ = run(tmp_path, items(200), handler, config=default_engine(**FAST, breaker_window=10))
     assert report.failed == 8 and report.ok == 192
 
 
 def test_a_malformed_200_is_a_failure_record_not_a_crash(tmp_path):
-    report, store = run(tmp_path, items(1), lambda r: httpx.Response(200, json={"oops": True}), config=EngineConfig(**FAST, canary=False))
+    report, store = run(tmp_path, items(1), lambda r: httpx.Response(200, json={"oops": True}), config=default_engine(**FAST, canary=False))
     [failure] = store.records("shard-00", status="failed")
     assert failure["error"] == "bad_response"
 
@@ -432,7 +433,7 @@ def test_progress_reports_done_rate_in_flight_and_eta(tmp_path):
         await asyncio.sleep(0.02)
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**{**FAST, "progress_interval_s": 0.01})
+    config = default_engine(**{**FAST, "progress_interval_s": 0.01})
     run(tmp_path, items(30), handler, slots=2, config=config, on_progress=seen.append)
     assert seen, "no progress line"
     line = str(seen[-1])
@@ -446,7 +447,7 @@ def test_a_shard_quicker_than_its_progress_interval_still_reports_its_final_figu
     async def handler(request):
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**{**FAST, "progress_interval_s": 3600.0})
+    config = default_engine(**{**FAST, "progress_interval_s": 3600.0})
     run(tmp_path, items(5), handler, slots=2, config=config, on_progress=seen.append)
     assert [(p.done, p.total, p.failed) for p in seen] == [(5, 5, 0)]
 
@@ -463,7 +464,7 @@ def test_progress_sums_the_retries_by_kind(tmp_path):
             return httpx.Response(502, text="Bad Gateway")
         return httpx.Response(200, json=completion())
 
-    config = EngineConfig(**{**FAST, "progress_interval_s": 0.005})
+    config = default_engine(**{**FAST, "progress_interval_s": 0.005})
     report, _ = run(tmp_path, items(30), handler, slots=2, config=config, on_progress=seen.append)
     assert report.retries_by_kind == {"transient": 10}
     assert any("retries [transient " in str(p) for p in seen)
@@ -483,7 +484,7 @@ def test_a_full_queue_slows_the_sender_and_never_uses_up_a_prompts_attempts(tmp_
         return httpx.Response(200, json=completion())
 
     # One attempt a prompt: a queue-full answer is backpressure, not a failed attempt.
-    report, store = run(tmp_path, items(6), handler, config=EngineConfig(**{**FAST, "max_attempts": 1}))
+    report, store = run(tmp_path, items(6), handler, config=default_engine(**{**FAST, "max_attempts": 1}))
     assert report.ok == 6 and report.failed == 0
     assert report.backpressure == report.retries_by_kind["queue_full"] == 18
     assert report.attempts == 24
@@ -494,7 +495,7 @@ def test_a_queue_that_stays_full_past_the_wait_is_a_failure_a_rerun_asks_again(t
     def handler(request):
         return httpx.Response(503, json=QUEUE_FULL)
 
-    config = EngineConfig(**{**FAST, "backpressure_wait_s": 0.01, "canary": False, "breaker_window": 100})
+    config = default_engine(**{**FAST, "backpressure_wait_s": 0.01, "canary": False, "breaker_window": 100})
     report, store = run(tmp_path, items(3), handler, config=config)
     assert report.failed == 3 and report.failures_by_kind == {"queue_full": 3}
     failures = list(store.records("shard-00", status="failed"))
@@ -534,4 +535,4 @@ def test_invalid_sampling_settings_say_what_is_wrong(kwargs, message):
 )
 def test_invalid_engine_settings_say_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**kwargs)
+        default_engine(**kwargs)

@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from expansion_dag.core import SamplingSettings, ShardAborted
-from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import wait_for
+from expansion_dag_tests.helpers import default_engine, wait_for
 from expansion_dag_tests.ports import free_ports
 
 SHARD = "shard-00"
@@ -62,7 +62,7 @@ def assert_each_prompt_once(store, items):
 def test_a_server_that_dies_mid_shard_stops_the_shard_and_a_rerun_finishes_it(tmp_path):
     store = CompletionStore(tmp_path)
     items = work(120)
-    config = EngineConfig(**FAST, max_attempts=3, breaker_window=8)
+    config = default_engine(**FAST, max_attempts=3, breaker_window=8)
     with SimulatedFleet([SimServerConfig(**SIM, die_after_requests=40)]) as fleet:
         url = fleet.urls[0]
         with store.writer(SHARD) as writer, pytest.raises(ShardAborted, match="circuit breaker: .* connect"):
@@ -79,7 +79,7 @@ def test_a_server_answering_503_to_a_third_of_requests_still_gets_everything_don
     store = CompletionStore(tmp_path)
     items = work(90)
     with SimulatedFleet([SimServerConfig(**SIM, fail_rate=1 / 3)]) as fleet:
-        run_until_settled(store, items, fleet.urls[0], config=EngineConfig(**FAST, max_attempts=6))
+        run_until_settled(store, items, fleet.urls[0], config=default_engine(**FAST, max_attempts=6))
         stats = fleet.stats(0)
     assert_each_prompt_once(store, items)
     assert store.scan(SHARD).done == {i.key for i in items}
@@ -90,7 +90,7 @@ def test_a_server_answering_503_to_a_third_of_requests_still_gets_everything_don
 def test_a_server_that_hangs_past_the_timeout_is_retried_and_nothing_is_lost(tmp_path):
     store = CompletionStore(tmp_path)
     items = work(40)
-    config = EngineConfig(**FAST, request_timeout_s=0.5, max_attempts=4, canary=False, breaker_window=40)
+    config = default_engine(**FAST, request_timeout_s=0.5, max_attempts=4, canary=False, breaker_window=40)
     with SimulatedFleet([SimServerConfig(**SIM, hang_rate=0.2)]) as fleet:
         run_until_settled(store, items, fleet.urls[0], config=config, runs=2)
         stats = fleet.stats(0)
@@ -103,7 +103,7 @@ def test_a_server_that_hangs_past_the_timeout_is_retried_and_nothing_is_lost(tmp
 def test_a_shard_borrows_an_idle_server_skips_a_dead_one_and_sends_every_prompt_once(tmp_path):
     store = CompletionStore(tmp_path)
     items = work(200)
-    config = EngineConfig(**FAST, spill_poll_s=0.05)
+    config = default_engine(**FAST, spill_poll_s=0.05)
     with SimulatedFleet([SimServerConfig(**SIM), SimServerConfig(**SIM)]) as fleet:
         own, idle = fleet.urls
         dead = f"http://127.0.0.1:{free_ports(1)[0]}"
@@ -122,7 +122,7 @@ def test_a_shard_borrows_an_idle_server_skips_a_dead_one_and_sends_every_prompt_
 def test_a_borrowed_server_that_dies_mid_request_costs_the_shard_nothing(tmp_path):
     store = CompletionStore(tmp_path)
     items = work(200)
-    config = EngineConfig(**FAST, spill_poll_s=0.05, breaker_window=4)
+    config = default_engine(**FAST, spill_poll_s=0.05, breaker_window=4)
     with SimulatedFleet([SimServerConfig(**SIM), SimServerConfig(**SIM, die_after_requests=5)]) as fleet:
         own, helper = fleet.urls
         with store.writer(SHARD) as writer:
@@ -138,7 +138,7 @@ def test_a_borrowed_server_that_dies_mid_request_costs_the_shard_nothing(tmp_pat
 def test_polling_busy_servers_for_idle_slots_keeps_one_connection_to_each(tmp_path):
     store = CompletionStore(tmp_path)
     busy = dict(port=0, max_running_requests=1, ttft_s=0.001, token_latency_s=0.01, output_median_tokens=10_000)
-    config = EngineConfig(**FAST, spill_poll_s=0.05)
+    config = default_engine(**FAST, spill_poll_s=0.05)
     with SimulatedFleet([SimServerConfig(**{**SIM, "token_latency_s": 0.004}), SimServerConfig(**busy),
                          SimServerConfig(**busy)]) as fleet:
         own, *helpers = fleet.urls

@@ -3,9 +3,10 @@ and from the run's own answers as they return. Against the simulator over real H
 so the store's order is the dispatch order."""
 
 from expansion_dag.core import SamplingSettings
-from expansion_dag.generation import EngineConfig, Server, Turn, WorkItem, generate_shard, learn
+from expansion_dag.generation import Server, Turn, WorkItem, generate_shard, learn
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import default_engine
 
 MODEL = SimServerConfig().model_name
 SAMPLING = SamplingSettings()
@@ -13,7 +14,7 @@ SAMPLING = SamplingSettings()
 SIM = SimServerConfig(port=0, max_running_requests=1, ttft_s=0.0, token_latency_s=0.00002, output_sigma=0.2,
                       output_median_by_marker=(("[A]", 400), ("[B]", 20)))
 #: One request at a time: the order answers are written is the order they were sent.
-SEQUENTIAL = EngineConfig(min_headroom=0, headroom_fraction=0.0, canary=False, backoff_initial_s=0.01,
+SEQUENTIAL = default_engine(min_headroom=0, headroom_fraction=0.0, canary=False, backoff_initial_s=0.01,
                           progress_interval_s=3600)
 
 

@@ -7,11 +7,11 @@ import httpx
 import pytest
 
 from expansion_dag.core import FAILED, IDS_LEFT_OUT, OK, OUTPUT_IDS, PROMPT_IDS, SamplingSettings, unpack
-from expansion_dag.generation import MIN_ANSWERS, EngineConfig, Server, WorkItem, generate_shard
+from expansion_dag.generation import MIN_ANSWERS, Server, WorkItem, generate_shard
 from expansion_dag.servers import SGLANG, dialect_for
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import repetitive_answers
+from expansion_dag_tests.helpers import default_engine, repetitive_answers
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -60,7 +60,7 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
     report, records, stats = run_shard(
         tmp_path,
         dict(backend=backend, loop_rate=0.25, stream_interval=server_interval),
-        EngineConfig(**FAST),
+        default_engine(**FAST),
         stream_interval=interval,
     )
     assert stats["last_chat_request"].get("stream_interval") == (32 if backend == "vllm" and interval > 1 else None)
@@ -92,7 +92,7 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
 
 def test_without_early_stopping_loops_run_to_the_cap_and_the_waste_shows(tmp_path):
     report, records, stats = run_shard(
-        tmp_path, dict(loop_rate=0.25), EngineConfig(**FAST, stop_degenerate=False)
+        tmp_path, dict(loop_rate=0.25), default_engine(**FAST, stop_degenerate=False)
     )
     assert stats["last_chat_request"].get("stream") is None
     assert report.finish_reasons == {"stop": 30, "length": 10}
@@ -107,10 +107,10 @@ def test_without_early_stopping_loops_run_to_the_cap_and_the_waste_shows(tmp_pat
 @pytest.mark.parametrize("interval", [1, 32])
 def test_streamed_and_plain_runs_write_the_same_completions(tmp_path, interval):
     _, streamed, _ = run_shard(
-        tmp_path / "a", dict(reasoning_parser="qwen3", stream_interval=interval), EngineConfig(**FAST), n=12,
+        tmp_path / "a", dict(reasoning_parser="qwen3", stream_interval=interval), default_engine(**FAST), n=12,
         stream_interval=interval,
     )
-    _, plain, _ = run_shard(tmp_path / "b", dict(reasoning_parser="qwen3"), EngineConfig(**FAST, stop_degenerate=False), n=12)
+    _, plain, _ = run_shard(tmp_path / "b", dict(reasoning_parser="qwen3"), default_engine(**FAST, stop_degenerate=False), n=12)
     fields = ("prompt_id", "content", "reasoning_content", "finish_reason", "prompt_tokens", "completion_tokens")
     assert sorted(tuple(r[f] for f in fields) for r in streamed) == sorted(tuple(r[f] for f in fields) for r in plain)
 
@@ -120,7 +120,7 @@ def test_streamed_and_plain_runs_write_the_same_completions(tmp_path, interval):
 def test_answers_are_recorded_with_the_ids_the_server_ran_and_sampled(tmp_path, backend, streamed):
     _, records, stats = run_shard(
         tmp_path, dict(backend=backend, reasoning_parser="qwen3", stream_interval=8),
-        EngineConfig(**FAST, stop_degenerate=streamed), n=12, stream_interval=8,
+        default_engine(**FAST, stop_degenerate=streamed), n=12, stream_interval=8,
     )
     assert len(records) == 12 and all(r["status"] == OK for r in records)
     for record in records:
@@ -134,7 +134,7 @@ def test_answers_are_recorded_with_the_ids_the_server_ran_and_sampled(tmp_path, 
 def test_a_server_that_returns_no_ids_gives_records_without_them(tmp_path, version):
     """A simulated server that ignores the request for ids, and an SGLang too old to be asked."""
     sim = dict(token_ids=False) if version is None else dict(version=version)
-    _, records, stats = run_shard(tmp_path, sim, EngineConfig(**FAST), n=6)
+    _, records, stats = run_shard(tmp_path, sim, default_engine(**FAST), n=6)
     assert len(records) == 6 and all(r["status"] == OK for r in records)
     assert not any(PROMPT_IDS in r or OUTPUT_IDS in r or IDS_LEFT_OUT in r for r in records)
     assert ("return_output_ids_in_sglext" in stats["last_chat_request"]) == (version is None)
@@ -154,7 +154,7 @@ def test_a_legitimate_repetitive_answer_is_kept(tmp_path):
     with store.writer(SHARD) as writer:
         report = generate_shard(
             work(1), [Server("http://gpu-0:30000", 1, SGLANG)], writer=writer, model="m",
-            sampling=SamplingSettings(), config=EngineConfig(**FAST), transport=httpx.MockTransport(handler),
+            sampling=SamplingSettings(), config=default_engine(**FAST), transport=httpx.MockTransport(handler),
         )
     assert report.ok == 1
     assert next(iter(store.records(SHARD)))["content"] == table
@@ -165,7 +165,7 @@ def test_the_flood_follows_the_canarys_first_text_not_its_whole_answer(tmp_path,
     """A reasoning answer takes minutes on a GPU: the server has shown it works at its first streamed
     text. A plain request says nothing until its answer is whole, so its canary is waited out."""
     slow = dict(token_latency_s=0.01, output_median_tokens=200, output_sigma=0.0, keep_timeline=True)
-    report, records, stats = run_shard(tmp_path, slow, EngineConfig(**FAST, stop_degenerate=streamed), n=9)
+    report, records, stats = run_shard(tmp_path, slow, default_engine(**FAST, stop_degenerate=streamed), n=9)
     assert report.ok == 9 and len(records) == 9
     canary, *flood = sorted(stats["timeline"]["requests"], key=lambda r: r["arrived"])
     # 200 tokens at 10 ms: the canary answers for 2 s; streamed, the flood came at its first text.
@@ -180,7 +180,7 @@ def test_a_shard_measures_its_speed_from_its_own_answers_once_its_slots_are_full
         with CompletionStore(tmp_path).writer(SHARD) as writer:
             report = generate_shard(
                 work(40), [Server(fleet.urls[0], 8, SGLANG)], writer=writer, model=MODEL, sampling=SamplingSettings(),
-                config=EngineConfig(**FAST, stop_degenerate=streamed), on_progress=reports.append,
+                config=default_engine(**FAST, stop_degenerate=streamed), on_progress=reports.append,
             )
     speed = reports[-1].speed  # the run's last report
     assert report.ok == 40 and speed is not None and speed.defensible

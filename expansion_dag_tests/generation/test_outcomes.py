@@ -23,7 +23,6 @@ from expansion_dag.core import (
 )
 from expansion_dag.generation import (
     OWNER_NOT_STARTED,
-    EngineConfig,
     Server,
     WorkItem,
     claim_share,
@@ -40,7 +39,7 @@ from expansion_dag.sim import (
     most_borrowed_at_once,
 )
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import wait_for
+from expansion_dag_tests.helpers import default_engine, wait_for
 
 MODEL = SimServerConfig().model_name
 SAMPLING = SamplingSettings()
@@ -134,7 +133,7 @@ def test_a_fleet_whose_answers_all_loop_runs_to_the_end_and_asks_each_prompt_onc
     with SimulatedFleet([SimServerConfig(**SIM, looping_prompt_share=1.0)]) as fleet:
         with store.writer("shard-00") as writer:
             report = generate_shard(work(30), [Server(fleet.urls[0], 4)], writer=writer, model=MODEL,
-                                    sampling=SAMPLING, config=EngineConfig(**FAST, breaker_window=8))
+                                    sampling=SAMPLING, config=default_engine(**FAST, breaker_window=8))
         loops = fleet.stats(0)["loops"]
     assert report.aborted is None
     assert report.failures_by_kind == {"degenerate": 30} and loops == 30 == report.attempts
@@ -150,7 +149,7 @@ def test_a_loop_on_a_borrowed_server_is_recorded_there_and_the_server_stays_in_u
         own, idle = (Server(url, 4) for url in fleet.urls)
         with store.writer("shard-00") as writer:
             report = generate_shard(work(120), [own], writer=writer, model=MODEL, sampling=SAMPLING,
-                                    config=EngineConfig(**FAST), helpers=[idle])
+                                    config=default_engine(**FAST), helpers=[idle])
         loops = sum(fleet.stats(i)["loops"] for i in range(2))
     failures = [r for r in store.records("shard-00", status=FAILED)]
     on_idle = [f for f in failures if f["server"] == idle.url]
@@ -178,7 +177,7 @@ def test_shards_borrowing_bounded_queues_lose_no_prompt_and_never_hold_more_than
                  for prompt_id, text in prompts]  # fmt: skip
         with store.writer(f"shard-{index:02d}") as writer:
             reports[index] = generate_shard(items, [servers[index]], writer=writer, model=MODEL, sampling=SAMPLING,
-                                            config=EngineConfig(**FAST), helpers=servers, fleet_urls=urls)
+                                            config=default_engine(**FAST), helpers=servers, fleet_urls=urls)
 
     with SimulatedFleet([BORROWING_SERVER] * len(BORROWING_SHARDS)) as fleet:
         urls = fleet.urls
@@ -206,7 +205,7 @@ def test_a_shard_does_not_borrow_a_server_before_its_own_shard_has_started(tmp_p
     eight times (the event, not a delay). Server 1's queue is bounded so that the owner's first
     flood (slots + headroom) just fits: a slot borrowed before it started would refuse one of them."""
     sim = SimServerConfig(**{**SIM, "token_latency_s": 0.002}, max_queued_requests=2, keep_timeline=True)
-    config = EngineConfig(**{**FAST, "owner_wait_s": 600})  # only a hang waits so long for an owner
+    config = default_engine(**{**FAST, "owner_wait_s": 600})  # only a hang waits so long for an owner
     store = CompletionStore(tmp_path)
     reports = {}
 
@@ -244,7 +243,7 @@ def test_a_rerun_with_retry_outcomes_asks_only_the_loops_again(tmp_path):
     with SimulatedFleet([SimServerConfig(**SIM, looping_prompt_share=0.2)]) as fleet:
         with store.writer("shard-00") as writer:
             generate_shard(items, [Server(fleet.urls[0], 4)], writer=writer, model=MODEL, sampling=SAMPLING,
-                           config=EngineConfig(**FAST))
+                           config=default_engine(**FAST))
         first_loops = fleet.stats(0)["loops"]
         latest = list(store.latest_records())
         again = {r["key"] for r in latest if not core.is_final(r, ("degenerate",))}
@@ -252,7 +251,7 @@ def test_a_rerun_with_retry_outcomes_asks_only_the_loops_again(tmp_path):
         assert not [r for r in latest if not core.is_final(r)]
         with store.writer("shard-00") as writer:
             report = generate_shard([i for i in items if i.key in again], [Server(fleet.urls[0], 4)], writer=writer,
-                                    model=MODEL, sampling=SAMPLING, config=EngineConfig(**FAST))
+                                    model=MODEL, sampling=SAMPLING, config=default_engine(**FAST))
         assert fleet.stats(0)["loops"] == 2 * first_loops  # the same prompts loop again, as a real model's do
     assert report.failures_by_kind == {"degenerate": first_loops}
 
@@ -274,7 +273,7 @@ def test_the_order_learns_what_the_words_of_a_prompt_say_about_its_length(tmp_pa
     with SimulatedFleet([sim]) as fleet, store.writer("shard-00") as writer:
         # One request at a time: each answer is expected knowing every answer before it.
         report = generate_shard(items, [Server(fleet.urls[0], 1)], writer=writer, model=MODEL, sampling=SAMPLING,
-                                config=EngineConfig(**FAST, min_headroom=0, headroom_fraction=0.0, canary=False, stop_degenerate=False))
+                                config=default_engine(**FAST, min_headroom=0, headroom_fraction=0.0, canary=False, stop_degenerate=False))
     # The queue sends the longest expected first, so the later half is the shorter-expected half: a
     # narrower range than the whole. The typed prior alone ranks nothing here (one source, one bucket).
     late = report.answers[300:]

@@ -30,7 +30,7 @@ def answers(lengths: list[int], source: str = "alpaca", cap: int = 10_000) -> Ob
 
 def plan_of(frame: pl.DataFrame, observed: Observed, *, tokens_per_s: float | None = 1000.0, servers: int = 2):
     return make_plan(frame, observed, lambda source: 300, servers=servers,
-                     throughput=Throughput(tokens_per_s, "setting"), simulated=True)
+                     throughput=Throughput(tokens_per_s, "setting"), simulated=True, drop_truncated=True)
 
 
 def test_the_stores_answers_say_what_a_prompt_will_cost_and_how_often_it_is_cut():

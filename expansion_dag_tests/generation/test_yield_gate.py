@@ -4,11 +4,11 @@ its first answers, naming the cause and the fix, keeping every answer; a healthy
 import pytest
 
 from expansion_dag.core import FAILED, Identity, SamplingSettings, ShardAborted, load_tokenizer
-from expansion_dag.generation import AnswerYield, EngineConfig, Server, WorkItem, YieldGate, generate_shard
+from expansion_dag.generation import AnswerYield, Server, WorkItem, YieldGate, generate_shard
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag.training import ROW, AnswerJudge, TrainingSetConfig
-from expansion_dag_tests.helpers import one_mode
+from expansion_dag.training import ROW, AnswerJudge
+from expansion_dag_tests.helpers import default_engine, default_training, one_mode
 
 SHARD = "shard-00"
 SLOTS = 4
@@ -34,8 +34,8 @@ def work(n: int, cap: int) -> list[WorkItem]:
 def run(tmp_path, sim: dict, cap: int = 3000):
     """The shard's report (or the abort that carries it) and every record it wrote."""
     store = CompletionStore(tmp_path)
-    judge = AnswerJudge(load_tokenizer(), TrainingSetConfig(), IDENTITIES)
-    config = EngineConfig(
+    judge = AnswerJudge(load_tokenizer(), default_training(), IDENTITIES)
+    config = default_engine(
         backoff_initial_s=0.01, progress_interval_s=3600,
         yield_gate=YieldGate(min_yield=0.5, answers=GATE, max_output_tokens=cap),
     )
@@ -83,7 +83,7 @@ def test_a_healthy_fleet_passes_the_gate_and_counts_its_rows(tmp_path):
     assert not isinstance(outcome, ShardAborted), str(outcome)
     assert outcome.answer_yield.gate_state == "passed"
     assert outcome.answer_yield.judged == outcome.done == PROMPTS == len(records)
-    judge = AnswerJudge(load_tokenizer(), TrainingSetConfig(), IDENTITIES)
+    judge = AnswerJudge(load_tokenizer(), default_training(), IDENTITIES)
     assert outcome.answer_yield.rows == sum(judge(r) == ROW for r in records) > PROMPTS / 2
 
 
@@ -97,7 +97,7 @@ def test_the_yield_reads_rows_first_then_reasons_most_common_first():
 
 def test_the_gate_judges_once_when_its_answers_are_in():
     answers = AnswerYield()
-    gate = YieldGate(min_yield=0.5, answers=4)
+    gate = YieldGate(min_yield=0.5, answers=4, max_output_tokens=None)
     for _ in range(3):
         answers.count("empty")
         assert answers.gate(gate) is None  # too few answers to judge
@@ -109,4 +109,4 @@ def test_the_gate_judges_once_when_its_answers_are_in():
 @pytest.mark.parametrize(("field", "value"), [("min_yield", 1.5), ("min_yield", -0.1), ("answers", 0)])
 def test_a_gate_setting_out_of_range_is_refused_naming_it(field, value):
     with pytest.raises(ValueError, match=field):
-        YieldGate(**{field: value})
+        YieldGate(**{"min_yield": 0.5, "answers": 4, "max_output_tokens": None, field: value})

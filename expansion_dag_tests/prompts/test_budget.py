@@ -9,12 +9,12 @@ from expansion_dag.core import count_prompt_tokens, load_tokenizer, render_promp
 from expansion_dag.prompts import (
     PROMPT_OVER_INPUT_LIMIT,
     PROMPT_TOO_LONG,
-    BudgetConfig,
     budget_prompts,
     extract_prompts,
     load_catalog,
     load_source,
 )
+from expansion_dag_tests.helpers import default_budget
 
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 
@@ -37,7 +37,7 @@ def tokenizer():
 
 def test_prompt_tokens_are_counted_as_the_server_counts_them(tokenizer):
     frame = prompt_frame(["What is 2 + 2?", "Write a poem about the sea " * 20])
-    result = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1)
+    result = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1, config=default_budget())
     expected = [
         len(tokenizer.apply_chat_template(m, tokenize=True, add_generation_prompt=True, return_dict=False))
         for m in frame["messages"].to_list()
@@ -47,10 +47,10 @@ def test_prompt_tokens_are_counted_as_the_server_counts_them(tokenizer):
 
 def test_chat_template_arguments_change_the_count(tokenizer):
     frame = prompt_frame(["Hello there"])
-    plain = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1)
+    plain = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1, config=default_budget())
     no_think = budget_prompts(
         frame, tokenizer, context_length=8192, num_shards=1,
-        config=BudgetConfig(chat_template_kwargs={"enable_thinking": False}),
+        config=default_budget(chat_template_kwargs={"enable_thinking": False}),
     )
     # Qwen3 appends an empty <think></think> block when thinking is off: the server counts it.
     assert no_think.prompts["prompt_tokens"][0] == plain.prompts["prompt_tokens"][0] + 4
@@ -58,7 +58,7 @@ def test_chat_template_arguments_change_the_count(tokenizer):
 
 def test_a_cap_at_the_context_length_still_leaves_every_request_inside_the_window(tokenizer):
     frame = prompt_frame(["word " * n for n in (30, 100, 300)])
-    config = BudgetConfig(max_output_tokens=8192, margin=16)
+    config = default_budget(max_output_tokens=8192, margin=16)
     result = budget_prompts(frame, tokenizer, context_length=8192, num_shards=2, config=config)
     rows = result.prompts
     assert (rows["prompt_tokens"] + rows["max_tokens"] <= 8192 - 16).all()
@@ -68,14 +68,14 @@ def test_a_cap_at_the_context_length_still_leaves_every_request_inside_the_windo
 def test_the_cap_wins_when_it_is_smaller(tokenizer):
     result = budget_prompts(
         prompt_frame(["hi"]), tokenizer, context_length=32768, num_shards=1,
-        config=BudgetConfig(max_output_tokens=4096),
+        config=default_budget(max_output_tokens=4096),
     )
     assert result.prompts["max_tokens"].to_list() == [4096]
 
 
 def test_prompts_that_cannot_fit_the_minimum_answer_are_set_aside_with_a_reason(tokenizer):
     frame = prompt_frame(["short question", "long " * 1000])
-    config = BudgetConfig(min_output_tokens=256, max_output_tokens=1024)
+    config = default_budget(min_output_tokens=256, max_output_tokens=1024)
     result = budget_prompts(frame, tokenizer, context_length=1200, num_shards=1, config=config)
     assert result.prompts["prompt_id"].to_list() == ["p0000"]
     assert result.set_aside["prompt_id"].to_list() == ["p0001"]
@@ -87,7 +87,8 @@ def test_prompts_over_the_servers_input_limit_are_set_aside_though_the_context_h
     # SGLang's max_req_input_len follows the KV cache too: a 600-token prompt in a 32k context is
     # still refused by a server whose limit is 500, so it is never sent.
     frame = prompt_frame(["short question", "long " * 600])
-    result = budget_prompts(frame, tokenizer, context_length=32768, num_shards=1, max_prompt_tokens=500)
+    result = budget_prompts(frame, tokenizer, context_length=32768, num_shards=1, config=default_budget(),
+                            max_prompt_tokens=500)
     assert result.prompts["prompt_id"].to_list() == ["p0000"]
     assert result.set_aside["reason"].to_list() == [PROMPT_OVER_INPUT_LIMIT]
     assert "input limit of 500" in result.set_aside["detail"][0]
@@ -96,7 +97,7 @@ def test_prompts_over_the_servers_input_limit_are_set_aside_though_the_context_h
 def test_shards_are_balanced_on_expected_tokens_not_rows(tokenizer):
     # Every fourth prompt is long: dealing rows out in turn would put all of them on one shard.
     texts = ["essay " * 1500 if i % 4 == 0 and i < 32 else "ok?" for i in range(100)]
-    config = BudgetConfig(expected_output_tokens=200, max_output_tokens=4096, min_output_tokens=16)
+    config = default_budget(expected_output_tokens=200, max_output_tokens=4096, min_output_tokens=16)
     result = budget_prompts(prompt_frame(texts), tokenizer, context_length=8192, num_shards=4, config=config)
     stats = result.shard_stats()
     assert stats["shard"].to_list() == ["shard-00", "shard-01", "shard-02", "shard-03"]
@@ -107,14 +108,15 @@ def test_shards_are_balanced_on_expected_tokens_not_rows(tokenizer):
 
 def test_shard_assignment_is_the_same_on_every_run(tokenizer):
     frame = prompt_frame([f"question number {i} " * (i % 7 + 1) for i in range(60)])
-    first = budget_prompts(frame, tokenizer, context_length=8192, num_shards=3)
-    again = budget_prompts(frame.sample(fraction=1.0, shuffle=True, seed=3), tokenizer, context_length=8192, num_shards=3)
+    first = budget_prompts(frame, tokenizer, context_length=8192, num_shards=3, config=default_budget())
+    again = budget_prompts(frame.sample(fraction=1.0, shuffle=True, seed=3), tokenizer, context_length=8192, num_shards=3,
+                           config=default_budget())
     assert first.prompts.select("prompt_id", "shard").equals(again.prompts.select("prompt_id", "shard"))
 
 
 def test_per_source_expected_output_drives_expected_work(tokenizer):
     frame = prompt_frame(["same prompt a", "same prompt b"], sources=["chat", "code"])
-    config = BudgetConfig(expected_output_by_source={"code": 3000}, expected_output_tokens=100)
+    config = default_budget(expected_output_by_source={"code": 3000}, expected_output_tokens=100)
     rows = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1, config=config).prompts
     work = dict(zip(rows["source"], rows["expected_tokens"] - rows["prompt_tokens"]))
     assert work == {"chat": 100, "code": 3000}
@@ -131,18 +133,18 @@ def test_per_source_expected_output_drives_expected_work(tokenizer):
 )
 def test_invalid_budget_settings_say_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        BudgetConfig(**kwargs)
+        default_budget(**kwargs)
 
 
 def test_a_context_too_small_for_any_answer_is_refused(tokenizer):
     with pytest.raises(ValueError, match="leaves no room"):
-        budget_prompts(prompt_frame(["x"]), tokenizer, context_length=100, num_shards=1)
+        budget_prompts(prompt_frame(["x"]), tokenizer, context_length=100, num_shards=1, config=default_budget())
 
 
 def test_counting_matches_the_shared_tokenizer_helper(tokenizer):
     frame = prompt_frame(["alpha", "beta gamma"])
     counts = count_prompt_tokens(tokenizer, frame["messages"].to_list())
-    result = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1)
+    result = budget_prompts(frame, tokenizer, context_length=8192, num_shards=1, config=default_budget())
     assert result.prompts.sort("prompt_id")["prompt_tokens"].to_list() == counts
 
 
@@ -156,7 +158,7 @@ def hermes_conversations(tmp_path_factory):
 
 def test_a_prompt_with_tools_is_counted_with_them_in_the_template(tokenizer, hermes_conversations):
     prompts = hermes_conversations
-    result = budget_prompts(prompts, tokenizer, context_length=8192, num_shards=1)
+    result = budget_prompts(prompts, tokenizer, context_length=8192, num_shards=1, config=default_budget())
     rows = result.prompts.filter(pl.col("tools").is_not_null())
     assert rows.height >= 10
     for row in rows.iter_rows(named=True):
@@ -174,7 +176,7 @@ def test_a_prompt_with_tools_is_counted_with_them_in_the_template(tokenizer, her
 def test_each_mode_counts_with_its_own_template_arguments(tokenizer, hermes_conversations):
     prompts = hermes_conversations.head(6)
     modes = prompts.with_columns(mode=pl.Series(["on", "off"] * 3))
-    config = BudgetConfig(
+    config = default_budget(
         chat_template_kwargs_by_mode={"on": {"enable_thinking": True}, "off": {"enable_thinking": False}}
     )
     counted = budget_prompts(modes, tokenizer, context_length=8192, num_shards=1, config=config).prompts
@@ -187,7 +189,7 @@ def test_each_mode_counts_with_its_own_template_arguments(tokenizer, hermes_conv
             enable_thinking=row["mode"] == "on",
         )
         assert row["prompt_tokens"] == len(ids), row["mode"]
-    on = budget_prompts(prompts, tokenizer, context_length=8192, num_shards=1).prompts
+    on = budget_prompts(prompts, tokenizer, context_length=8192, num_shards=1, config=default_budget()).prompts
     off = counted.filter(pl.col("mode") == "off").join(on, on="prompt_id", suffix="_on")
     # Thinking off adds the empty <think></think> block the server counts.
     assert (off["prompt_tokens"] == off["prompt_tokens_on"] + 4).all() and off.height == 3

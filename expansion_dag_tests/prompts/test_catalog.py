@@ -1,7 +1,6 @@
 """The source catalog: YAML validation, loading every bundled sample through ``datasets``, clean
 failures that name the source and never the token, and fingerprints."""
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -361,4 +360,4 @@ def test_fingerprint_follows_local_files_and_hub_revision(tmp_path):
 
     hub = SourceSpec(name="math", extractor="metamathqa", hub_id="meta-math/MetaMathQA", revision="aaa111")
     assert source_fingerprint(hub) == "hub:meta-math/MetaMathQA|config=default|split=train|revision=aaa111"
-    assert source_fingerprint(dataclasses.replace(hub, revision="bbb222")) != source_fingerprint(hub)
+    assert source_fingerprint(hub.model_copy(update={"revision": "bbb222"})) != source_fingerprint(hub)

@@ -1,7 +1,6 @@
 """Prompt extraction, quarantine, deduplication and sampling, on the bundled samples (loaded through
 ``datasets`` as the pipeline does) and on small hand-made tables for each edge case."""
 
-import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -114,7 +113,7 @@ def test_infinity_instruct_takes_the_first_human_turn_of_english_rows(raw, resul
 
 
 def test_hermes_first_turn_prompts_keep_the_tool_definitions(samples, raw):
-    spec = dataclasses.replace(samples.source("hermes_fc"), conversation=False)
+    spec = samples.source("hermes_fc").model_copy(update={"conversation": False})
     result = extract(raw["hermes_fc"], spec)
     assert result.prompts["conversation"].is_null().all() and result.prompts["tools"].is_null().all()
     for prompt in result.prompts["messages"].to_list():

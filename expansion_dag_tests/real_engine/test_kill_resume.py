@@ -17,9 +17,8 @@ import time
 import polars as pl
 import pytest
 
-from expansion_dag.generation import EngineConfig
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import answered_prompts, requests_per_prompt
+from expansion_dag_tests.helpers import answered_prompts, default_engine, requests_per_prompt
 from expansion_dag_tests.real_engine.conftest import SLOTS
 from expansion_dag_tests.real_engine.support import Deployment, EngineServer, failure_report
 
@@ -77,7 +76,7 @@ def test_a_killed_shard_resumes_asking_the_server_only_for_what_is_missing(engin
     # Every answer the killed run wrote was kept. Only answers in flight at the kill can have been
     # generated and lost with the client (and each run's weights probe, before its prompts); the
     # resume asked the server for the rest, once each.
-    assert 0 <= generated_by_killed_run - 1 - done_at_kill <= EngineConfig().workers_for(SLOTS)
+    assert 0 <= generated_by_killed_run - 1 - done_at_kill <= default_engine().workers_for(SLOTS)
     # One request a prompt, or a conversation's turn (at this context, only one-turn ones fit).
     records = list(store.records(SHARD))
     assert answered_prompts(records) == prompts

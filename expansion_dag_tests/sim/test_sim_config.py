@@ -1,6 +1,7 @@
+import httpx
 import pytest
 
-from expansion_dag.sim import SimServerConfig
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
 
 
 @pytest.mark.parametrize(
@@ -82,3 +83,12 @@ def test_max_req_input_len_is_sglangs_own_formula():
     # min(context - 1, kv capacity - 1) - 5, the capacity defaulting to slots x context
     assert SimServerConfig(context_length=4096, max_running_requests=8).max_req_input_len == 4090
     assert SimServerConfig(context_length=4096, max_total_tokens=1000).max_req_input_len == 994
+
+
+def test_a_release_candidate_is_emulated_as_what_came_before_its_release(fast):
+    # pip's order (packaging.version): 0.5.8rc1 is after 0.5.7 and before 0.5.8, whose /v1/loads it lacks.
+    with pytest.raises(ValueError, match="got '0.5.4rc1'"):
+        SimServerConfig(version="0.5.4rc1")  # before the oldest emulated
+    with SimulatedFleet([fast(version="0.5.8rc1"), fast(version="0.5.8")]) as fleet:
+        assert [httpx.get(f"{url}/v1/loads").status_code for url in fleet.urls] == [404, 200]
+        assert [httpx.get(f"{url}/get_load").status_code for url in fleet.urls] == [200, 200]

@@ -27,7 +27,7 @@ from expansion_dag.store import (
     conditional_file,
     process_id,
 )
-from expansion_dag_tests.helpers import wait_for
+from expansion_dag_tests.helpers import LEASE_TIMEOUT_S, wait_for
 
 SHARD = "shard-03"
 
@@ -56,7 +56,7 @@ def root(request, tmp_path):
 
 def lease(root, run_id, **kw) -> tuple[ShardLease, Said]:
     said = Said()
-    return ShardLease(root, SHARD, run_id=run_id, log=said, **kw), said
+    return ShardLease(root, SHARD, run_id=run_id, log=said, **{"timeout_s": LEASE_TIMEOUT_S, "wait": True, **kw}), said
 
 
 #: A holder in a process of its own, on the machine whose local folder is argv[2]: it takes the
@@ -67,7 +67,7 @@ from expansion_dag.core import as_upath
 from expansion_dag.store import ShardLease
 class Log:
     info = warning = error = staticmethod(print)
-lease = ShardLease(as_upath(sys.argv[1]), sys.argv[3], run_id="run-killed", log=Log(), timeout_s=3600,
+lease = ShardLease(as_upath(sys.argv[1]), sys.argv[3], run_id="run-killed", log=Log(), timeout_s=3600, wait=True,
                    local_dir=sys.argv[2])
 lease.acquire()
 print("holding", flush=True)

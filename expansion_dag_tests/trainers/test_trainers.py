@@ -25,13 +25,12 @@ from expansion_dag.store import BuildClaim
 from expansion_dag.training import (
     FORMATS,
     Manifest,
-    TrainingSetConfig,
     build_training_set,
     data_files,
     publishing,
     specforge_template,
 )
-from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.helpers import LEASE_TIMEOUT_S, default_training, one_mode
 from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.trainers.conftest import consume
 from expansion_dag_tests.training import test_training_set_conversations as conversations
@@ -99,13 +98,13 @@ def consumed(tmp_path_factory, qwen3, render_server) -> dict[str, Consumed]:
     sets = {"thinking": (True, False), "no-thinking": (False, True)}
     jobs, built = [], {}
     for name, (thinking, newline) in sets.items():
-        config = TrainingSetConfig(
+        config = default_training(
             formats=tuple(FORMATS), train_newline_after_end_of_turn=newline, max_length=MAX_LENGTH,
         )
         identities = one_mode(MODEL, {} if thinking else {"enable_thinking": False})
         # Published as a run publishes it; the trainers are given the set's stable path, the link.
         root = as_upath(str(tmp / name))
-        with (BuildClaim(root, run_id=name, log=Said(), local_dir=tmp / "machine") as claim,
+        with (BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id=name, log=Said(), local_dir=tmp / "machine") as claim,
               publishing(root, claim=claim, keep=1, scratch=tmp / "scratch", log=Said()) as version):
             manifest = build_training_set(records(thinking, qwen3), qwen3, config, version.directory,
                                           identities=identities)
@@ -197,7 +196,7 @@ def test_the_mask_convention_is_what_the_manifest_and_the_card_say(consumed, tmp
     assert all(row["loss_mask"][-1] == 1 for row in consumed["no-thinking"].parquet)
     assert all(row["loss_mask"][-1] == 0 for row in consumed["thinking"].parquet)
     manifest = build_training_set(
-        records(True, qwen3), qwen3, TrainingSetConfig(formats=("parquet", "speculators-pretokenized")), tmp_path / "ts",
+        records(True, qwen3), qwen3, default_training(formats=("parquet", "speculators-pretokenized")), tmp_path / "ts",
         identities=one_mode(MODEL),
     )
     assert manifest == Manifest.read(tmp_path / "ts")
@@ -214,7 +213,7 @@ def test_specforge_reads_a_tool_conversation_with_only_its_documented_difference
     ids = conversations.identities()
     out = tmp_path / "ts"
     records = conversations.turn_records(ids, parsed_call=True)
-    build_training_set(records, qwen3, TrainingSetConfig(max_length=MAX_LENGTH), out, identities=ids)
+    build_training_set(records, qwen3, default_training(max_length=MAX_LENGTH), out, identities=ids)
     job = {"consumer": "specforge", "data": str(out / "conversations.jsonl"), "max_length": MAX_LENGTH,
            "chat_template": specforge_template(True)}
     [got] = consume([job], tmp_path)

@@ -15,19 +15,18 @@ from expansion_dag.training import (
     POINTER,
     VERSIONS,
     Manifest,
-    TrainingSetConfig,
     build_training_set,
     current_version,
     data_files,
     publishing,
 )
-from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.helpers import LEASE_TIMEOUT_S, default_training, one_mode
 from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.store.test_object_storage import objects
 from expansion_dag_tests.training.test_training_set import MODEL, record
 
 #: Two rows a Parquet file: a set of a few rows is several files, as a real one is.
-CONFIG = TrainingSetConfig(formats=("parquet", "specforge-conversations"), rows_per_file=2, chunk_rows=2)
+CONFIG = default_training(formats=("parquet", "specforge-conversations"), rows_per_file=2, chunk_rows=2)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +65,7 @@ def ids_of(numbers) -> list[str]:
 
 def test_each_build_publishes_a_new_version_and_the_set_names_the_newest_whole(root, qwen3, tmp_path):
     said = Said()
-    with BuildClaim(root, run_id="run", log=said, local_dir=tmp_path / "machine") as claim:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run", log=said, local_dir=tmp_path / "machine") as claim:
         versions = [published(root, qwen3, range(n), tmp_path, claim=claim, log=said) for n in (3, 5, 7)]
     # The set is the newest version, whole: its rows, its manifest, its files in its own folder.
     assert read_set(root / "training_set") == (ids_of(range(7)), 7)
@@ -93,8 +92,8 @@ def test_each_build_publishes_a_new_version_and_the_set_names_the_newest_whole(r
 
 def test_a_version_finished_after_a_newer_one_never_becomes_current(root, qwen3, tmp_path):
     said = Said()
-    with (BuildClaim(root, run_id="nightly", log=said, local_dir=tmp_path / "a") as early,
-          BuildClaim(root, run_id="manual", log=said, local_dir=tmp_path / "b") as late):
+    with (BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="nightly", log=said, local_dir=tmp_path / "a") as early,
+          BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="manual", log=said, local_dir=tmp_path / "b") as late):
         with publishing(root, claim=early, keep=3, scratch=tmp_path / "scratch", log=said) as slow:
             build_training_set([record(i) for i in range(2)], qwen3, CONFIG, slow.directory, identities=one_mode(MODEL))
             fast = published(root, qwen3, range(4), tmp_path, claim=late, keep=3, log=said)
@@ -107,16 +106,16 @@ def test_a_version_finished_after_a_newer_one_never_becomes_current(root, qwen3,
 def test_a_version_a_live_builder_owns_is_never_removed(root, qwen3, tmp_path):
     """Builder A, on another host, is still writing its version when B publishes, keeping one."""
     said = Said()
-    with BuildClaim(root, run_id="a", log=said, local_dir=tmp_path / "host-a") as a:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="a", log=said, local_dir=tmp_path / "host-a") as a:
         unfinished = root / VERSIONS / f"20260101T000000000000Z-{a.id}"  # started first, not published
         if root.protocol == "":
             os.makedirs(unfinished.path)
         (unfinished / "part-00000.parquet").write_bytes(b"the first file of a set being written")
-        with BuildClaim(root, run_id="b", log=said, local_dir=tmp_path / "host-b") as b:
+        with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="b", log=said, local_dir=tmp_path / "host-b") as b:
             published(root, qwen3, range(3), tmp_path, claim=b, keep=1, log=said)
         assert (unfinished / "part-00000.parquet").exists()
     # A ended without publishing: its claim is gone, and the next build removes what it left.
-    with BuildClaim(root, run_id="c", log=said, local_dir=tmp_path / "host-b") as c:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="c", log=said, local_dir=tmp_path / "host-b") as c:
         newest = published(root, qwen3, range(4), tmp_path, claim=c, keep=1, log=said)
     names = ({p.name for p in (root / VERSIONS).iterdir()} if root.protocol == ""
              else {o.split("/")[1] for o in objects(str(root)) if o.startswith(f"{VERSIONS}/")})
@@ -128,7 +127,7 @@ def test_a_set_in_the_layout_of_an_earlier_release_becomes_a_version(qwen3, tmp_
     root = as_upath(str(tmp_path / "storage"))
     build_training_set([record(i) for i in range(2)], qwen3, CONFIG, tmp_path / "storage" / "training_set",
                        identities=one_mode(MODEL))
-    with BuildClaim(root, run_id="run", log=Said(), local_dir=tmp_path / "machine") as claim:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run", log=Said(), local_dir=tmp_path / "machine") as claim:
         newest = published(root, qwen3, range(3), tmp_path, claim=claim, keep=2)
     assert read_set(root / "training_set") == (ids_of(range(3)), 3)
     [older] = [p for p in (tmp_path / "storage" / VERSIONS).iterdir() if p.name != newest.name]
@@ -141,7 +140,7 @@ def test_on_an_object_store_a_set_of_the_earlier_layout_goes_once_a_version_is_c
     upload(tmp_path / "earlier", root / "training_set", last="manifest.json")
     assert read_set(root / "training_set") == (ids_of(range(2)), 2)  # read as it always was, until then
     said = Said()
-    with BuildClaim(root, run_id="run", log=said, local_dir=tmp_path / "machine") as claim:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run", log=said, local_dir=tmp_path / "machine") as claim:
         published(root, qwen3, range(3), tmp_path, claim=claim, log=said)
     assert read_set(root / "training_set") == (ids_of(range(3)), 3)
     assert not [o for o in objects(str(root)) if o.startswith("training_set/")]

@@ -15,13 +15,12 @@ from expansion_dag.training import (
     PART_DONE,
     BuildTrace,
     Manifest,
-    TrainingSetConfig,
     build_parts,
     build_training_set,
     build_training_set_in_parts,
     part_names,
 )
-from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.helpers import LEASE_TIMEOUT_S, default_training, one_mode
 from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.training.test_training_set import MODEL, record
 
@@ -43,14 +42,14 @@ def night(store, shard, records):
 def in_parts(store, qwen3, out_dir, parts_dir, *, workers=1, trace=None, owner=None, **config):
     parts, failures = store.parts()
     return build_training_set_in_parts(
-        parts, failures, qwen3, TrainingSetConfig(formats=FORMATS, **config), out_dir, parts_dir=parts_dir,
+        parts, failures, qwen3, default_training(formats=FORMATS, **config), out_dir, parts_dir=parts_dir,
         identities=one_mode(MODEL), trace=trace, workers=workers, owner=owner,
     )
 
 
 def in_one_pass(store, qwen3, out_dir, trace=None):
     return build_training_set(
-        store.latest_records(), qwen3, TrainingSetConfig(formats=FORMATS), out_dir, identities=one_mode(MODEL),
+        store.latest_records(), qwen3, default_training(formats=FORMATS), out_dir, identities=one_mode(MODEL),
         trace=trace,
     )
 
@@ -152,7 +151,7 @@ def shard_parts(root, shard, parts_dir):
     """What a Dagster run of one shard's ``training_set_parts`` does: that shard's parts alone."""
     parts, _ = CompletionStore(root).parts([shard])
     return build_parts(
-        parts, load_tokenizer(), TrainingSetConfig(formats=FORMATS), parts_dir=parts_dir, identities=one_mode(MODEL)
+        parts, load_tokenizer(), default_training(formats=FORMATS), parts_dir=parts_dir, identities=one_mode(MODEL)
     )
 
 
@@ -180,15 +179,15 @@ def test_the_set_never_removes_a_part_another_live_builder_is_writing(qwen3, tmp
     root = as_upath(str(tmp_path))
     store = CompletionStore(tmp_path / "completions")
     night(store, "shard-00", [record(i) for i in range(4)])
-    with BuildClaim(root, run_id="a", log=Said(), local_dir=tmp_path / "host-a") as a:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="a", log=Said(), local_dir=tmp_path / "host-a") as a:
         staging = tmp_path / "parts" / f".{'0' * 24}.tmp-{a.id}"
         staging.mkdir(parents=True)
         (staging / "part-00000.parquet").write_bytes(b"the first file of a part being written")
-        with BuildClaim(root, run_id="b", log=Said(), local_dir=tmp_path / "host-b") as b:
+        with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="b", log=Said(), local_dir=tmp_path / "host-b") as b:
             in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", owner=b)
         assert staging.exists()
     # A's claim is gone (its run ended, or was killed and timed out): the next build removes its folder.
-    with BuildClaim(root, run_id="c", log=Said(), local_dir=tmp_path / "host-b") as c:
+    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="c", log=Said(), local_dir=tmp_path / "host-b") as c:
         in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", owner=c)
     assert not staging.exists()
 
@@ -198,7 +197,7 @@ def test_a_part_of_a_segment_the_set_did_not_see_is_kept_and_a_part_of_another_b
     night(store, "shard-00", [record(i) for i in range(4)])
     night(store, "shard-01", [record(i) for i in range(4, 8)])
     parts, failures = store.parts()
-    config = TrainingSetConfig(formats=FORMATS)
+    config = default_training(formats=FORMATS)
     # shard-01's run builds its part after the set's build listed the store: the set sees shard-00 only.
     build_parts(parts[1:], qwen3, config, parts_dir=tmp_path / "parts", identities=one_mode(MODEL))
     build_training_set_in_parts(parts[:1], failures, qwen3, config, tmp_path / "set", parts_dir=tmp_path / "parts",
@@ -207,6 +206,6 @@ def test_a_part_of_a_segment_the_set_did_not_see_is_kept_and_a_part_of_another_b
     assert (tmp_path / "parts" / newer / PART_DONE).exists()
     # A changed setting makes another build: the parts of the earlier one are no build's now.
     in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", train_newline_after_end_of_turn=True)
-    changed = TrainingSetConfig(formats=FORMATS, train_newline_after_end_of_turn=True)
+    changed = default_training(formats=FORMATS, train_newline_after_end_of_turn=True)
     assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == sorted(
         [*part_names(parts, qwen3, changed, one_mode(MODEL)), "build.json"])

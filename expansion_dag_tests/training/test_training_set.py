@@ -18,7 +18,6 @@ from expansion_dag.training import (
     LEFT_OUT_REASONS,
     BuildTrace,
     Manifest,
-    TrainingSetConfig,
     build_training_set,
     check_round_trip,
     data_files,
@@ -26,7 +25,7 @@ from expansion_dag.training import (
     manifest_markdown,
     sample_rows,
 )
-from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.helpers import default_training, one_mode
 
 SYSTEM = "You are terse."
 #: The identity every test record is written under unless a test says otherwise.
@@ -103,7 +102,7 @@ def tiny():
 def build(records, tokenizer, tmp_path, name="ts", chat_template_kwargs=None, **config):
     out = tmp_path / name
     identities = one_mode(MODEL, chat_template_kwargs)
-    manifest = build_training_set(records, tokenizer, TrainingSetConfig(**config), out, identities=identities)
+    manifest = build_training_set(records, tokenizer, default_training(**config), out, identities=identities)
     return manifest, pq.read_table(data_files(out)).to_pylist()
 
 
@@ -248,7 +247,7 @@ def test_manifest_says_what_share_of_the_generated_tokens_reached_the_set(qwen3,
         record(3, completion_tokens=999, identity=SIMULATED),  # another identity's: not this set's work
     ]
     trace = BuildTrace()
-    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identities=one_mode(MODEL), trace=trace)
+    manifest = build_training_set(records, qwen3, default_training(), tmp_path / "ts", identities=one_mode(MODEL), trace=trace)
     assert (manifest.output_tokens, manifest.output_tokens_in_set, manifest.useful_token_share) == (500, 100, 0.2)
     # The nightly table's figures come from the same pass.
     assert trace.completion_tokens == {"p0000": 100, "p0001": 300} and trace.failed == {"p0002"}
@@ -304,7 +303,7 @@ def test_loads_with_datasets_parquet(qwen3, tmp_path):
 
 def test_round_trip_check_passes_and_catches_corruption(qwen3, tmp_path):
     records = [record(i) for i in range(12)]
-    config = TrainingSetConfig(rows_per_file=5, chunk_rows=4)
+    config = default_training(rows_per_file=5, chunk_rows=4)
     build_training_set(records, qwen3, config, tmp_path / "ts", identities=one_mode(MODEL))
     rows = sample_rows(tmp_path / "ts", 6)
     assert [r["id"] for r in rows] == ["p0000", "p0002", "p0004", "p0006", "p0008", "p0010"]
@@ -325,7 +324,7 @@ def test_round_trip_check_passes_and_catches_corruption(qwen3, tmp_path):
     assert (result.checked, result.passed, result.failed, result.missing) == (5, 1, 3, 1)
     assert result.failing_ids == ["p0002", "p0004", "nobody", "p0008"]
     # Rendered under other settings, the same rows no longer match.
-    dropped = TrainingSetConfig(reasoning="drop")
+    dropped = default_training(reasoning="drop")
     assert check_round_trip(rows, expected_renders(records, qwen3, dropped, identities=one_mode(MODEL)), qwen3).failed == 6
     # A row is only right when it comes from the set's own identity.
     assert check_round_trip(rows, expected_renders(records, qwen3, config, identities=one_mode(SIMULATED)), qwen3).missing == 6
@@ -333,7 +332,7 @@ def test_round_trip_check_passes_and_catches_corruption(qwen3, tmp_path):
 
 def test_conversations_jsonl_matches_the_tokenized_set(qwen3, tmp_path):
     records = [record(0), record(1, finish_reason="length"), record(2, content="word " * 400)]
-    config = TrainingSetConfig(max_length=200)
+    config = default_training(max_length=200)
     manifest = build_training_set(records, qwen3, config, tmp_path / "ts", identities=one_mode(MODEL))
     assert manifest.outputs["specforge-conversations"] == ["conversations.jsonl"]
     lines = [json.loads(x) for x in (tmp_path / "ts" / "conversations.jsonl").read_text().splitlines()]
@@ -371,17 +370,17 @@ def test_the_newline_after_the_end_of_turn_is_trained_when_configured(qwen3, tmp
     # The trainers' JSONL holds exactly the Parquet rows, and the round trip checks the convention.
     lines = [json.loads(x) for x in (tmp_path / "trained" / "pretokenized.jsonl").read_text().splitlines()]
     assert lines == [{k: r[k] for k in ("id", "input_ids", "loss_mask")} for r in rows]
-    config = TrainingSetConfig(train_newline_after_end_of_turn=True)
+    config = default_training(train_newline_after_end_of_turn=True)
     assert check_round_trip(rows, expected_renders(records, qwen3, config, identities=one_mode(MODEL)), qwen3).ok
     assert check_round_trip(untrained, expected_renders(records, qwen3, config, identities=one_mode(MODEL)), qwen3).failed == 4
 
 
 def test_formats_are_checked(qwen3):
     with pytest.raises(ValueError, match="'parquet' among them"):
-        TrainingSetConfig(formats=["specforge-pretokenized"])
+        default_training(formats=["specforge-pretokenized"])
     with pytest.raises(ValueError, match="formats must name some of"):
-        TrainingSetConfig(formats=["parquet", "megatron"])
-    assert TrainingSetConfig(formats=["speculators-pretokenized", "parquet", "parquet"]).formats == (
+        default_training(formats=["parquet", "megatron"])
+    assert default_training(formats=["speculators-pretokenized", "parquet", "parquet"]).formats == (
         "parquet", "speculators-pretokenized"
     )
 
@@ -530,7 +529,7 @@ def test_manifest_markdown_has_a_histogram_picture_and_tables(qwen3, tmp_path):
 )
 def test_config_is_validated(fields):
     with pytest.raises(ValueError):
-        TrainingSetConfig(**fields)
+        default_training(**fields)
 
 
 def test_only_the_current_identity_and_finished_answers_are_taken(qwen3, tmp_path):
@@ -548,7 +547,7 @@ def test_only_the_current_identity_and_finished_answers_are_taken(qwen3, tmp_pat
     ]
     known = {i.fingerprint: i for i in (MODEL, SIMULATED, warmer)}
     manifest = build_training_set(
-        records, qwen3, TrainingSetConfig(drop_truncated=False), tmp_path / "ts", identities=one_mode(MODEL), known=known
+        records, qwen3, default_training(drop_truncated=False), tmp_path / "ts", identities=one_mode(MODEL), known=known
     )
     rows = pq.read_table(data_files(tmp_path / "ts")).to_pylist()
     assert [r["id"] for r in rows] == ["p0000", "p0005", "p0007"]  # one answer per prompt
@@ -565,7 +564,7 @@ def test_only_the_current_identity_and_finished_answers_are_taken(qwen3, tmp_pat
 
 def test_a_set_built_from_simulated_answers_says_so(qwen3, tmp_path):
     records = [record(i, identity=SIMULATED) for i in range(3)] + [record(9)]
-    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identities=one_mode(SIMULATED))
+    manifest = build_training_set(records, qwen3, default_training(), tmp_path / "ts", identities=one_mode(SIMULATED))
     assert manifest.samples == 3 and manifest.left_out["other_identity"] == 1
     assert Manifest.read(tmp_path / "ts").simulated is True
     assert json.loads((tmp_path / "ts" / "manifest.json").read_text())["identity"]["model"].endswith("(simulator)")

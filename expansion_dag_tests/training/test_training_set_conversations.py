@@ -17,13 +17,13 @@ from expansion_dag.core import (
 )
 from expansion_dag.training import (
     BuildTrace,
-    TrainingSetConfig,
     build_training_set,
     check_round_trip,
     data_files,
     expected_renders,
     sample_rows,
 )
+from expansion_dag_tests.helpers import default_training
 
 CID = "conv0001"
 SYSTEM = "You are a function calling AI model."
@@ -78,7 +78,7 @@ def turn_records(ids, *, thinking=True, parsed_call=False, finishes=("stop", "st
 
 
 def build(records, tokenizer, out, ids, **config):
-    manifest = build_training_set(records, tokenizer, TrainingSetConfig(**config), out, identities=ids)
+    manifest = build_training_set(records, tokenizer, default_training(**config), out, identities=ids)
     return manifest, pq.read_table(data_files(out)).to_pylist()
 
 
@@ -158,9 +158,9 @@ def test_round_trip_and_trace_cover_conversation_rows(qwen3, tmp_path):
     ids = identities()
     records = [*turn_records(ids), *turn_records(ids, cid="conv0002")]
     trace = BuildTrace()
-    manifest = build_training_set(records, qwen3, TrainingSetConfig(), tmp_path / "ts", identities=ids, trace=trace)
+    manifest = build_training_set(records, qwen3, default_training(), tmp_path / "ts", identities=ids, trace=trace)
     rows = sample_rows(tmp_path / "ts", 2)
-    expected = expected_renders(records, qwen3, TrainingSetConfig(), identities=ids)
+    expected = expected_renders(records, qwen3, default_training(), identities=ids)
     assert manifest.samples == 2 and trace.renders == expected and set(expected) == {CID, "conv0002"}
     assert check_round_trip(rows, expected, qwen3).ok
     # Each turn's record counts for the nightly table under its own id.

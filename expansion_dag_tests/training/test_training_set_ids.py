@@ -17,13 +17,12 @@ from expansion_dag.core import (
 )
 from expansion_dag.training import (
     BuildTrace,
-    TrainingSetConfig,
     build_training_set,
     check_round_trip,
     expected_renders,
     sample_rows,
 )
-from expansion_dag_tests.helpers import one_mode
+from expansion_dag_tests.helpers import default_training, one_mode
 from expansion_dag_tests.training import test_training_set_conversations as conversations
 from expansion_dag_tests.training.test_training_set import (
     MODEL,
@@ -159,7 +158,7 @@ def test_dropped_reasoning_is_re_tokenized_since_no_one_sampled_that_sequence(qw
 def test_round_trip_checks_rows_from_ids_against_their_records(qwen3, tmp_path):
     records = [with_ids(qwen3, r, sampled(qwen3, r)) for r in (record(i, reasoning=REASONING) for i in range(4))]
     records.append(record(9))  # and one without ids, beside them
-    config = TrainingSetConfig()
+    config = default_training()
     trace = BuildTrace()
     build_training_set(records, qwen3, config, tmp_path / "ts", identities=one_mode(MODEL), trace=trace)
     expected = expected_renders(records, qwen3, config, identities=one_mode(MODEL))

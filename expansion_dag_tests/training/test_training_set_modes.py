@@ -8,7 +8,6 @@ import pytest
 
 from expansion_dag.core import Identity, ModeIdentities, ModeMix, SamplingSettings, load_tokenizer
 from expansion_dag.training import (
-    TrainingSetConfig,
     build_training_set,
     check_round_trip,
     data_files,
@@ -16,6 +15,7 @@ from expansion_dag.training import (
     manifest_markdown,
     sample_rows,
 )
+from expansion_dag_tests.helpers import default_training
 from expansion_dag_tests.training.test_training_set_conversations import turn_records
 
 PROMPTS = 400
@@ -52,7 +52,7 @@ def answers(ids: ModeIdentities, n: int = PROMPTS):
 
 
 def build(records, tokenizer, out, ids, **config):
-    manifest = build_training_set(records, tokenizer, TrainingSetConfig(**config), out, identities=ids)
+    manifest = build_training_set(records, tokenizer, default_training(**config), out, identities=ids)
     return manifest, pq.read_table(data_files(out)).to_pylist()
 
 
@@ -89,7 +89,7 @@ def test_each_row_is_rendered_with_its_modes_kwargs_and_the_manifest_shows_the_s
     assert "## Generation modes" in card and "| direct | 0.400 |" in card and "thinking on and off" in card
     assert f"| thinking | 0.600 | {manifest.modes['thinking']['sample_share']:.3f} |" in manifest_markdown(manifest)
     rows = sample_rows(tmp_path / "ts", 16)
-    assert check_round_trip(rows, expected_renders(records, qwen3, TrainingSetConfig(), identities=ids), qwen3).ok
+    assert check_round_trip(rows, expected_renders(records, qwen3, default_training(), identities=ids), qwen3).ok
 
 
 def test_the_thinking_gates_are_each_modes(qwen3, tmp_path):

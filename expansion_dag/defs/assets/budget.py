@@ -10,6 +10,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from expansion_dag.config import ScheduleConfig, schema_default
 from expansion_dag.core import ModeIdentities
 from expansion_dag.defs import SHARD_KEYS, shard_partitions
 from expansion_dag.defs.assets.metadata import markdown_table
@@ -29,7 +30,10 @@ class NightConfig(dg.Config):
     """Set by the nightly schedule; a run without it budgets every prompt."""
 
     night: str = Field(default="", description="The night (YYYY-MM-DD) whose quota this run takes.")
-    quota: int = Field(default=0, description="Prompts a night takes that nothing has generated yet.")
+    quota: int = Field(
+        default=schema_default(ScheduleConfig, "quota"),
+        description="Prompts a night takes that nothing has generated yet (the schedule passes schedule.quota).",
+    )
 
 
 @dg.asset(group_name=GROUP, io_manager_key="parquet_io")

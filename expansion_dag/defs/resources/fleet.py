@@ -77,7 +77,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
         if self.launch_scope == "run":
             gpus = gpus[:1]  # the one GPU this run's pod was given
         return Launcher(
-            state_dir=self.state_dir or os.path.join(os.getcwd(), "storage", "fleet"),
+            state_dir=os.path.abspath(self.state_dir),
             command=self.command(),
             host=self.host,
             specs=[LaunchSpec(gpu=g, port=self.base_port + i) for i, g in enumerate(gpus)],

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 from upath import UPath
 
-from expansion_dag.config import LeaseSettings
+from expansion_dag.config import StorageSettings
 from expansion_dag.core import (
     as_upath,
     default_local_dir,
@@ -39,7 +39,7 @@ from expansion_dag.store import (
     Log,
     ShardLease,
 )
-from expansion_dag.training import DEFAULT_VERSIONS_KEPT, Version, publishing
+from expansion_dag.training import Version, publishing
 
 ASSETS = "assets"  # where the IO manager keeps asset files: <root>/assets/<asset>[/<partition>].parquet
 
@@ -51,24 +51,11 @@ def _read_parquet(path: UPath, columns: list[str] | None = None) -> pl.DataFrame
         return pl.from_arrow(pq.read_table(fh, columns=columns))
 
 
-def default_storage_root() -> str:
-    """``$EXPANSION_STORAGE``, else ``./storage`` in the working directory.
-
-    Not ``$DAGSTER_HOME/storage``: Dagster keeps its own run artifacts there.
-    """
-    return os.environ.get("EXPANSION_STORAGE") or os.path.abspath("storage")
-
-
-class StorageResource(dg.ConfigurableResource, LeaseSettings):
+class StorageResource(dg.ConfigurableResource, StorageSettings):
     """Side files of the assets: quarantine, set-aside prompts, the completion store, the training set."""
 
-    root: str = Field(
-        default_factory=default_storage_root, description="A local folder or an fsspec URL (s3://bucket/prefix)."
-    )
-    local_dir: str = Field(
-        default_factory=default_local_dir,
-        description="This machine's spool, cache and staging for a remote root; it must outlive runs.",
-    )
+    # Given by the run configuration (storage.root, resolved): no default here.
+    root: str = Field(description="A local folder or an fsspec URL (s3://bucket/prefix).")
     segment_records: int = Field(
         default=DEFAULT_SEGMENT_RECORDS, ge=1, description="Remote root: completions per uploaded segment, at most."
     )
@@ -77,9 +64,11 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
         gt=0,
         description="Remote root: seconds after its first completion that a segment is uploaded, at most.",
     )
-    training_set_versions: int = Field(
-        default=DEFAULT_VERSIONS_KEPT, ge=1, description="Versions of the training set kept, the current one included."
-    )
+
+    @property
+    def machine_dir(self) -> str:
+        """This machine's folder (``local_dir``, else the default one)."""
+        return self.local_dir or default_local_dir()
 
     def path(self, *parts: str) -> UPath:
         return as_upath(self.root).joinpath(*parts)
@@ -99,7 +88,7 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
             yield local_path(root / name)
             return
         remote = root / name
-        local = Path(self.local_dir, "cache", hashlib.sha256(str(root).encode()).hexdigest()[:16], name)
+        local = Path(self.machine_dir, "cache", hashlib.sha256(str(root).encode()).hexdigest()[:16], name)
         local.mkdir(parents=True, exist_ok=True)
         there = {
             entry_name(e): e["type"] for e in listing(remote)
@@ -134,14 +123,14 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
     def build_claim(self, *, run_id: str, log: Log) -> BuildClaim:
         """The claim a build of the training set (or of its parts) holds on the folders it writes."""
         return BuildClaim(as_upath(self.root), run_id=run_id, log=log, timeout_s=self.lease_timeout_s,
-                          local_dir=self.local_dir)
+                          local_dir=self.machine_dir)
 
     @contextmanager
     def training_set_version(self, claim: BuildClaim, log: Log) -> Iterator[Version]:
         """A new version of the training set to build, published whole when the block succeeds
         (``expansion_dag.training.publish``)."""
         with publishing(self.root, claim=claim, keep=self.training_set_versions,
-                        scratch=Path(self.local_dir, "staging"), log=log) as version:
+                        scratch=Path(self.machine_dir, "staging"), log=log) as version:
             yield version
 
     def read_asset(self, asset: str, partition: str | None = None) -> pl.DataFrame:
@@ -159,12 +148,12 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
     def shard_lease(self, shard: str, *, run_id: str, log: Log) -> ShardLease:
         """The lease a run holds while it chooses and sends ``shard``'s prompts (``expansion_dag.store.lease``)."""
         return ShardLease(as_upath(self.root), shard, run_id=run_id, log=log, timeout_s=self.lease_timeout_s,
-                          wait=self.when_shard_busy == "wait", local_dir=self.local_dir)
+                          wait=self.when_shard_busy == "wait", local_dir=self.machine_dir)
 
     def completion_store(self) -> CompletionStore:
         return CompletionStore(
             self.path("completions"),
-            local_dir=self.local_dir,
+            local_dir=self.machine_dir,
             segment_records=self.segment_records,
             segment_interval_s=self.segment_interval_s,
         )
@@ -173,7 +162,7 @@ class StorageResource(dg.ConfigurableResource, LeaseSettings):
 class ParquetIOManager(dg.ConfigurableIOManagerFactory):
     """polars DataFrames as Parquet under ``<root>/assets``, one file per asset (per partition when partitioned)."""
 
-    root: str = Field(default_factory=default_storage_root)
+    root: str = Field(description="The storage root (storage.root, resolved).")
 
     def create_io_manager(self, context: dg.InitResourceContext) -> _PolarsParquetIOManager:
         return _PolarsParquetIOManager(as_upath(self.root) / ASSETS)
