@@ -38,8 +38,7 @@ from typing import Any
 
 from harness import header, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.config import GenerationConfig, engine_config
-from expansion_dag.core import SamplingSettings
+from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
 from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
 from expansion_dag.sim import (
     BORROWING_SERVER,
@@ -53,7 +52,7 @@ from expansion_dag.store import CompletionStore
 
 SLOTS = BORROWING_SERVER.max_running_requests
 MODEL = BORROWING_SERVER.model_name
-SAMPLING = SamplingSettings()
+SAMPLING = sampling_settings(GenerationConfig())
 #: Shard 0 is done within ``owner_wait_s``: its server is lent soon after, as a done shard's is.
 ENGINE = engine_config(GenerationConfig(), backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01,
                        progress_interval_s=3600, spill_poll_s=0.2, max_attempts=2, owner_wait_s=0.5)  # fmt: skip

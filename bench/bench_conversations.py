@@ -26,8 +26,8 @@ from typing import Any
 import polars as pl
 from harness import cpu_s, header, stats, write_result  # (bench/ is on sys.path)
 
-from expansion_dag.config import GenerationConfig, engine_config
-from expansion_dag.core import ModeIdentities, ModeMix, SamplingSettings, count_prompt_tokens, load_tokenizer
+from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
+from expansion_dag.core import ModeIdentities, ModeMix, count_prompt_tokens, load_tokenizer
 from expansion_dag.generation import Server, ShardWork, TurnPlanner, WorkItem, generate_shard
 from expansion_dag.prompts import extract_prompts, package_dir
 from expansion_dag.servers import SGLANG, template_tools
@@ -36,7 +36,7 @@ from expansion_dag.store import CompletionStore
 
 MODEL = "Qwen/Qwen3-8B"
 CONTEXT, CAP, MARGIN, MIN_OUT = 32_768, 1024, 16, 64
-SAMPLING = SamplingSettings(chat_template_kwargs_json='{"enable_thinking": false}', max_output_tokens=CAP)
+SAMPLING = sampling_settings(GenerationConfig(), chat_template_kwargs_json='{"enable_thinking": false}', max_output_tokens=CAP)
 IDENTITIES = ModeIdentities(ModeMix.single(SAMPLING), f"{MODEL} (simulator)", True)
 
 

@@ -64,7 +64,7 @@ import httpx
 import polars as pl
 from harness import RESULTS_DIR, header, machine_cpu_s, process_cpu_s, write_result  # (bench/ is on sys.path)
 
-from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, engine_config
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, engine_config, sampling_settings
 from expansion_dag.core import (
     DEFAULT_TOKENIZER,
     SamplingSettings,
@@ -314,7 +314,7 @@ def build_workload(n: int, *, seed: int, context_length: int, max_output_tokens:
     sample = rng.sample(range(len(rendered)), min(200, len(rendered)))
     exact = count_tokens(tokenizer, [rendered[i] for i in sample])
     assert exact == [prompt_tokens[i] for i in sample], "prompt token counts disagree with the tokenizer"
-    sampling = SamplingSettings(max_output_tokens=max_output_tokens)
+    sampling = sampling_settings(GenerationConfig(), max_output_tokens=max_output_tokens)
     fingerprint = sampling.fingerprint(f"{MODEL} (simulator)")
     prompts: list[Prompt] = []
     for source, conversation, text, p_tokens in zip(order, conversations, rendered, prompt_tokens):
@@ -793,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     slots_total = args.servers * args.slots
     summary = workload_summary(prompts, args.ttft_ms / 1000, args.token_latency_ms / 1000, slots_total)
-    sampling = SamplingSettings(max_output_tokens=args.max_output_tokens)
+    sampling = sampling_settings(GenerationConfig(), max_output_tokens=args.max_output_tokens)
     shards = assign(prompts, args.servers)
     items = [p.item for p in prompts]
     durations = {p.item.key: args.ttft_ms / 1000 + p.sim_output_tokens * args.token_latency_ms / 1000 for p in prompts}

@@ -79,8 +79,7 @@ def slow_fsync(folder: Path, delay_s: float, spans: list[tuple[float, float]]) -
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import expansion_dag
-    from expansion_dag.core import SamplingSettings
-    from expansion_dag.config import GenerationConfig, engine_config
+    from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
     from expansion_dag.generation import Server, ShardRun, WorkItem
     try:
         from expansion_dag.servers import run_ticked
@@ -106,7 +105,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         store = CompletionStore(folder)
         with store.writer("shard-00", fsync_interval_s=2.0) as writer:
             run = ShardRun(items, [Server(args.url, args.slots, stream_interval=256)], writer=writer, model="m",
-                           sampling=SamplingSettings(), config=config, on_progress=reports.append)
+                           sampling=sampling_settings(GenerationConfig()), config=config, on_progress=reports.append)
             task = asyncio.create_task(run.run())
             while not task.done():
                 before = time.monotonic()

@@ -24,8 +24,8 @@ from pathlib import Path
 import harness
 import polars as pl
 
-from expansion_dag.config import GenerationConfig, engine_config
-from expansion_dag.core import FAILED, Identity, SamplingSettings
+from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
+from expansion_dag.core import FAILED, Identity
 from expansion_dag.generation import (
     Observed,
     Plan,
@@ -64,7 +64,7 @@ def run(url: str, store: CompletionStore, work: list[WorkItem], model: str) -> S
     config = engine_config(GenerationConfig(), stop_degenerate=False, progress_interval_s=3600, canary=False)
     with store.writer(SHARD) as writer:
         return generate_shard(work, [Server(url, SLOTS)], writer=writer, model=model,
-                              sampling=SamplingSettings(), config=config)
+                              sampling=sampling_settings(GenerationConfig()), config=config)
 
 
 def disk_bytes(root: Path) -> int:

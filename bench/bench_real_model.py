@@ -55,8 +55,8 @@ from typing import Any
 import httpx
 from harness import ROOT, RESULTS_DIR, cpu_s, free_ports, header, process_cpu_s, stats, write_result
 
-from expansion_dag.config import GenerationConfig, engine_config, training_set_config
-from expansion_dag.core import OK, ModeIdentities, ModeMix, SamplingSettings, count_prompt_tokens, load_tokenizer
+from expansion_dag.config import GenerationConfig, engine_config, sampling_settings, training_set_config
+from expansion_dag.core import OK, ModeIdentities, ModeMix, count_prompt_tokens, load_tokenizer
 from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.samples.chat_sources import (
     CODE_PROMPTS_II,
@@ -242,7 +242,7 @@ class Run:
         self.args = args
         self.prompts = build_prompts(args.prompts, args.seed, tuple(args.kinds.split(",")))
         self.tokenizer = load_tokenizer(str(args.model_dir))
-        self.sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=-1, seed=args.seed,
+        self.sampling = sampling_settings(GenerationConfig(), temperature=args.temperature, top_p=args.top_p, top_k=-1, seed=args.seed,
                                          max_output_tokens=args.max_tokens)  # fmt: skip
         self.identities = ModeIdentities(ModeMix.single(self.sampling), SERVED_NAME, simulated=False)
         self.judge = AnswerJudge(self.tokenizer, training_set_config(GenerationConfig(), DEFAULT_MAX_LENGTH), self.identities)
@@ -404,7 +404,7 @@ def detector_phase(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(str(args.model_dir))
     old_detector, old_thresholds = baseline_detector(args.baseline)
 
-    now = EngineConfig().loop_thresholds()  # the engine's, as a run configures it
+    now = engine_config(GenerationConfig()).loop_thresholds()  # the engine's, as a run configures it
     result: dict[str, Any] = {"answers": len(texts), "chars": sum(map(len, texts))}
     for interval in (256, 1):
         streams = [_events(tokenizer, t, interval) for t in texts]

@@ -30,7 +30,7 @@ import time
 import httpx
 from harness import header, http_server_child, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.core import SamplingSettings
+from expansion_dag.config import GenerationConfig, sampling_settings
 from expansion_dag.generation import EngineConfig
 from expansion_dag.servers import (
     SGLANG,
@@ -118,7 +118,7 @@ async def measure(name: str, url: str, repeats: int) -> float:
         if name == "HttpClient":
             run = lambda: read_stream(client, url)  # noqa: E731
         else:
-            chat = chat_request("m", REQUEST["messages"], 256 * 100, SamplingSettings(), stream=True)
+            chat = chat_request("m", REQUEST["messages"], 256 * 100, sampling_settings(GenerationConfig()), stream=True)
             thresholds = EngineConfig().loop_thresholds()  # the engine's, as a run configures it
             run = lambda: send_chat(client, url, chat, SGLANG, thresholds, stream_interval=256)  # noqa: E731
     await run()  # connect and warm up outside the measurement

@@ -96,8 +96,8 @@ from bench_waste import (  # (bench/ is on sys.path when run as a script)
 )
 from harness import RESULTS_DIR, header, process_cpu_s, write_result
 
-from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, budget_config, engine_config, turn_planner
-from expansion_dag.core import ModeIdentities, ModeMix, SamplingSettings, load_tokenizer
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, budget_config, engine_config, sampling_settings, turn_planner
+from expansion_dag.core import ModeIdentities, ModeMix, load_tokenizer
 from expansion_dag.generation import Server, ShardWork, TurnPlanner, WorkItem, generate_shard
 from expansion_dag.prompts import budget_prompts, extract_prompts, package_dir, shard_keys
 from expansion_dag.servers import (
@@ -110,7 +110,7 @@ from expansion_dag.sim import FleetProcess, SimServerConfig
 from expansion_dag.store import CompletionStore
 
 BUDGET = budget_config(GenerationConfig())
-SAMPLING = SamplingSettings(max_output_tokens=BUDGET.max_output_tokens)
+SAMPLING = sampling_settings(GenerationConfig(), max_output_tokens=BUDGET.max_output_tokens)
 IDENTITIES = ModeIdentities(ModeMix.single(SAMPLING), f"{MODEL} (simulator)", True)
 #: Tokens of one vocabulary word (" w" and its digits) on the bundled tokenizer: sizes a prompt's filler.
 WORD_TOKENS = 4.6

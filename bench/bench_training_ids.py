@@ -126,8 +126,8 @@ def build_inputs(args: argparse.Namespace) -> dict[str, Path]:
 def simulate_records(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's run against the simulated fleet, its store written out as ``build_inputs``;
     what the run did."""
-    from expansion_dag.core import OUTPUT_IDS, PROMPT_IDS, SamplingSettings, count_prompt_tokens, load_tokenizer
-    from expansion_dag.config import GenerationConfig, engine_config
+    from expansion_dag.core import OUTPUT_IDS, PROMPT_IDS, count_prompt_tokens, load_tokenizer
+    from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
     from expansion_dag.generation import Server, WorkItem, generate_shard
     from expansion_dag.store import CompletionStore
 
@@ -144,7 +144,7 @@ def simulate_records(args: argparse.Namespace) -> dict[str, Any]:
     with FleetProcess([server] * SIM_SERVERS) as fleet:
         with store.writer(SHARD) as writer:
             servers = [Server(url, server.max_running_requests, stream_interval=STREAM_INTERVAL) for url in fleet.urls]
-            report = generate_shard(items, servers, writer=writer, model=server.model_name, sampling=SamplingSettings(),
+            report = generate_shard(items, servers, writer=writer, model=server.model_name, sampling=sampling_settings(GenerationConfig()),
                                     config=config)  # fmt: skip
         server_cpu_s = harness.process_cpu_s(fleet.pid)
     paths = build_inputs(args)

@@ -60,7 +60,8 @@ from typing import Any
 import harness  # (bench/ is on sys.path when run as a script)
 from harness import Clock, reset_peak, window_peak_mib
 
-from expansion_dag.core import DEFAULT_MODE, Identity, ModeIdentities, ModeMix, SamplingSettings
+from expansion_dag.config import GenerationConfig, sampling_settings
+from expansion_dag.core import DEFAULT_MODE, Identity, ModeIdentities, ModeMix
 from expansion_dag.samples.text_model import TextModel, lognormal_ints
 
 #: The identity the generated records' keys belong to (``completion_key(prompt_id, "settings")``).
@@ -70,7 +71,9 @@ BENCH_IDENTITY = Identity(model="bench", simulated=True, fingerprint="settings")
 def bench_identities() -> ModeIdentities:
     """A run without modes whose one mode is ``BENCH_IDENTITY``, its answers rendered with the
     template's defaults (thinking on), as every generated record is."""
-    identities = ModeIdentities(ModeMix.single(SamplingSettings()), BENCH_IDENTITY.model, BENCH_IDENTITY.simulated)
+    identities = ModeIdentities(
+        ModeMix.single(sampling_settings(GenerationConfig())), BENCH_IDENTITY.model, BENCH_IDENTITY.simulated
+    )
     identities.by_mode[DEFAULT_MODE] = BENCH_IDENTITY
     return identities
 

@@ -77,8 +77,8 @@ from typing import Any
 
 from harness import header, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, engine_config
-from expansion_dag.core import DEFAULT_TOKENIZER, SamplingSettings
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL, GenerationConfig, engine_config, sampling_settings
+from expansion_dag.core import DEFAULT_TOKENIZER
 from expansion_dag.generation import (
     AnswerLengths,
     PromptQueue,
@@ -132,7 +132,7 @@ def simulated_fleet(args: argparse.Namespace, stream_interval: int) -> FleetProc
 
 
 def part_a_items(n: int, servers: int) -> list[list[WorkItem]]:
-    sampling = SamplingSettings(max_output_tokens=CONTEXT)
+    sampling = sampling_settings(GenerationConfig(), max_output_tokens=CONTEXT)
     shards: list[list[WorkItem]] = [[] for _ in range(servers)]
     for i in range(n):
         prompt_id = f"a{i:06d}"
@@ -150,7 +150,7 @@ async def run_phase(
 ) -> dict[str, Any]:
     config = engine_config(GenerationConfig(), stop_degenerate=stop, canary=False, client_tick_s=tick_s)
     store = CompletionStore(store_root)
-    sampling = SamplingSettings(max_output_tokens=CONTEXT)
+    sampling = sampling_settings(GenerationConfig(), max_output_tokens=CONTEXT)
 
     async def one(i: int):
         with store.writer(f"shard-{i:02d}") as writer:

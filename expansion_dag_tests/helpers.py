@@ -14,7 +14,14 @@ import dagster as dg
 import httpx
 import polars as pl
 
-from expansion_dag.config import GenerationConfig, LeaseSettings, budget_config, engine_config, training_set_config
+from expansion_dag.config import (
+    GenerationConfig,
+    LeaseSettings,
+    budget_config,
+    engine_config,
+    sampling_settings,
+    training_set_config,
+)
 from expansion_dag.core import (
     DEFAULT_MODE,
     Identity,
@@ -39,6 +46,10 @@ LEASE_TIMEOUT_S = LeaseSettings().lease_timeout_s
 # schema's, as expansion_dag.config derives them) and changes what it is about.
 def default_engine(**changes: Any) -> EngineConfig:
     return engine_config(GenerationConfig(), **changes)
+
+
+def default_sampling(**changes: Any) -> SamplingSettings:
+    return sampling_settings(GenerationConfig(), **changes)
 
 
 def default_budget(**changes: Any) -> BudgetConfig:
@@ -159,7 +170,7 @@ def repetitive_answers() -> list[dict[str, str]]:
 def one_mode(identity: Identity, chat_template_kwargs: dict | None = None) -> ModeIdentities:
     """A run without modes whose one identity is ``identity`` (the tests' own, fingerprint and all),
     its answers rendered with ``chat_template_kwargs``."""
-    sampling = SamplingSettings(chat_template_kwargs_json=json.dumps(chat_template_kwargs or {}))
+    sampling = default_sampling(chat_template_kwargs_json=json.dumps(chat_template_kwargs or {}))
     identities = ModeIdentities(ModeMix.single(sampling), identity.model, identity.simulated)
     identities.by_mode[DEFAULT_MODE] = identity
     return identities

@@ -344,3 +344,65 @@ def test_dagster_is_used_through_its_public_api_only(where):
         if (uses := dagster_internals(ast.parse(path.read_text(), filename=str(path))))
     }
     assert private == {}, "Dagster's private layer changes with any upgrade: use its public API"
+
+
+#: A lower layer's default named like a schema field but meaning another thing, with the reason.
+OTHER_MEANING = {
+    ("core/modes.py", "seed"): "the seed of each prompt's draw among modes (generation.mode_seed), not sampling's",
+    ("prompts/catalog.py", "seed"): "a catalog file's own selection seed, not sampling's",
+    ("generation/dispatch.py", "mode"): "a prompt's generation mode, not the fleet's mode",
+    ("training/manifest.py", "modes"): "the modes a built set holds, as its manifest reports them",
+    ("servers/probing/fleet.py", "stream_interval"): "what a server streams when it says nothing: every token",
+    ("generation/engine_config.py", "stream_interval"): "what a server streams when it says nothing: every token",
+}
+
+
+def schema_fields_with_defaults() -> set[str]:
+    import pydantic
+
+    from expansion_dag.config import schema
+
+    return {
+        field
+        for model in vars(schema).values()
+        if isinstance(model, type) and issubclass(model, pydantic.BaseModel) and model.__module__ == schema.__name__
+        for field, info in model.model_fields.items()
+        if not info.is_required()
+    }
+
+
+def stated_defaults(tree: ast.Module):
+    """(line, name, default) of each class field and keyword with a default in ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
+                    yield item.lineno, item.target.id, item.value
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            pairs = [*zip(positional[len(positional) - len(args.defaults):], args.defaults),
+                     *zip(args.kwonlyargs, args.kw_defaults)]  # fmt: skip
+            yield from ((arg.lineno, arg.arg, default) for arg, default in pairs if default is not None)
+
+
+def test_no_default_of_the_schema_is_said_again_below_it():
+    """Each default is said once, in the run configuration's schema: a layer below it (and the
+    shell's resources, which take ``schema_default``) takes the value and states none of its own.
+    ``None`` says "not given", not a value; a name that means another thing is listed above."""
+    fields = schema_fields_with_defaults()
+    assert {"max_output_tokens", "temperature", "max_attempts", "stream_interval"} <= fields
+    below = [*LAYERS[: LAYERS.index("config")], "defs"]
+    repeated = []
+    for folder in below:
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            where = path.relative_to(PACKAGE).as_posix()
+            for line, name, default in stated_defaults(ast.parse(path.read_text(), filename=str(path))):
+                is_none = isinstance(default, ast.Constant) and default.value is None
+                from_schema = isinstance(default, ast.Call) and "schema_default" in ast.unparse(default)
+                # pydantic's Field(description=...) alone is a required field, with no default.
+                required = (isinstance(default, ast.Call) and ast.unparse(default.func).endswith("Field")
+                            and not default.args and not {"default", "default_factory"} & {k.arg for k in default.keywords})  # fmt: skip
+                if name in fields and not (is_none or from_schema or required) and (where, name) not in OTHER_MEANING:
+                    repeated.append(f"{where}:{line}: {name} = {ast.unparse(default)[:60]}")
+    assert repeated == []

@@ -6,6 +6,7 @@ from expansion_dag.config.derived import (
     budget_config,
     engine_config,
     fleet_settings,
+    sampling_settings,
     storage_settings,
     training_set_config,
     turn_planner,
@@ -34,5 +35,5 @@ __all__ = [
     "ModelConfig", "RunConfig",
     "SGLANG_LAUNCH_COMMAND", "SIMULATOR_LAUNCH_COMMAND", "ScheduleConfig", "StorageSettings", "budget_config",
     "bundled_config_path", "current_config", "engine_config", "fleet_settings", "load_config", "mask_url",
-    "parse_config", "schema_default", "storage_settings", "training_set_config", "turn_planner"
+    "parse_config", "sampling_settings", "schema_default", "storage_settings", "training_set_config", "turn_planner"
 ]

@@ -9,6 +9,7 @@ let a conversation go on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -22,7 +23,7 @@ from expansion_dag.config.schema import (
     GenerationConfig,
     RunConfig,
 )
-from expansion_dag.core import ModeIdentities, as_upath, default_local_dir, is_local
+from expansion_dag.core import ModeIdentities, SamplingSettings, as_upath, default_local_dir, is_local
 from expansion_dag.generation import EngineConfig, TurnPlanner, YieldGate
 from expansion_dag.prompts import BudgetConfig
 from expansion_dag.training import TrainingSetConfig
@@ -82,6 +83,12 @@ def storage_settings(config: RunConfig) -> dict[str, Any]:
         "when_shard_busy": storage.when_shard_busy,
         "training_set_versions": storage.training_set_versions,
     }
+
+
+def sampling_settings(generation: GenerationConfig, **changes: Any) -> SamplingSettings:
+    """The run's sampling settings (``generation.sampling()``) with ``changes`` (a test's or a
+    benchmark's)."""
+    return dataclasses.replace(generation.sampling(), **changes)
 
 
 def engine_config(generation: GenerationConfig, **changes: Any) -> EngineConfig:

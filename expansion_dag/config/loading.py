@@ -38,6 +38,10 @@ def _csv(value: str) -> list[str]:
 
 
 #: Variables that override single fields: variable -> (dotted key, parser). Documented in the file.
+#: A table, not pydantic-settings: its variables are named after a nested model's path
+#: (EXPANSION_FLEET__SHARDS, with a delimiter) or one alias each, and its errors name the field, not
+#: the variable; users' variables (EXPANSION_SHARDS, ...) and errors ("$VAR (overrides key): ...")
+#: stay as docs/configuration.md says them.
 ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EXPANSION_SHARDS": ("fleet.shards", int),
     "EXPANSION_FLEET_URLS": ("fleet.urls", _csv),

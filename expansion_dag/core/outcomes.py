@@ -57,7 +57,7 @@ def of_record(record: Mapping[str, Any]) -> str:
     return str(record.get("outcome") or _OUTCOME_OF_KIND.get(str(record.get("error")), SERVER))
 
 
-def is_final(record: Mapping[str, Any], retry_outcomes: Collection[str] = ()) -> bool:
+def is_final(record: Mapping[str, Any], retry_outcomes: Collection[str]) -> bool:
     """Whether a re-run leaves the record's prompt alone: a content outcome the user did not ask again."""
     if record.get("status") == OK:
         return True

@@ -16,19 +16,22 @@ from expansion_dag.core.records import completion_key
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
-    """Everything sent with a request that shapes the answer; part of each completion's identity."""
+    """Everything sent with a request that shapes the answer; part of each completion's identity.
 
-    temperature: float = 0.7
-    top_p: float = 0.8
-    top_k: int = 20
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    The values are the run configuration's (``generation.*``, where their defaults are said).
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
     seed: int | None = None
     stop: tuple[str, ...] = ()
     #: JSON object text, e.g. ``{"enable_thinking": false}``: kept as text so the settings hash.
     chat_template_kwargs_json: str = "{}"
     #: The ``max_tokens`` cap: a higher cap changes which answers are cut, so it is identity too.
-    max_output_tokens: int = 4096
+    max_output_tokens: int
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 2.0:

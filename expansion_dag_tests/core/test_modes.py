@@ -12,11 +12,11 @@ from expansion_dag.core import (
     ModeError,
     ModeIdentities,
     ModeMix,
-    SamplingSettings,
     parse_modes,
 )
+from expansion_dag_tests.helpers import default_sampling
 
-BASE = SamplingSettings(temperature=0.7, chat_template_kwargs_json='{"enable_thinking": false}')
+BASE = default_sampling(temperature=0.7, chat_template_kwargs_json='{"enable_thinking": false}')
 THINKING = [
     {"name": "thinking", "weight": 0.6, "chat_template_kwargs": {"enable_thinking": True}},
     {"name": "direct", "weight": 0.4},

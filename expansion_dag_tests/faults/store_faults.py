@@ -12,11 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from expansion_dag.core import SamplingSettings
 from expansion_dag.generation import Server, ShardRun, WorkItem, generate_shard
 from expansion_dag.servers import run_ticked
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine
+from expansion_dag_tests.helpers import default_sampling, default_engine
 
 SHARD = "shard-00"
 #: Answers of a few milliseconds on 8 slots: a shard of dozens of prompts in about a second.
@@ -31,7 +30,7 @@ def run_shard(store: CompletionStore, items: list[WorkItem], url: str, *, fsync_
     """One run of the shard, to its end: its report."""
     config = default_engine(**{**FAST, **kwargs.pop("config", {})})
     with store.writer(SHARD, fsync_interval_s=fsync_interval_s) as writer:
-        return generate_shard(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+        return generate_shard(items, [Server(url, 8)], writer=writer, model="m", sampling=default_sampling(),
                               config=config, **kwargs)
 
 
@@ -69,7 +68,7 @@ class HeldRun(Background):
         async def main() -> Any:
             self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
             with CompletionStore(root).writer(SHARD, fsync_interval_s=0) as writer:
-                self.shard = ShardRun(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+                self.shard = ShardRun(items, [Server(url, 8)], writer=writer, model="m", sampling=default_sampling(),
                                       config=default_engine(**FAST), **kwargs)
                 return await self.shard.run()
 

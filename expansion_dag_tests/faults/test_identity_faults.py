@@ -18,14 +18,14 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
-from expansion_dag.core import FleetMismatchError, Identity, SamplingSettings, WeightsProbe
+from expansion_dag.core import FleetMismatchError, Identity, WeightsProbe
 from expansion_dag.defs import SHARD_KEYS
 from expansion_dag.defs.assets import budgeted_prompts, completions, shard_prompts, training_set
 from expansion_dag.servers import probe_fleet
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore, RegistryError, WeightsChangedError
 from expansion_dag.training import data_files
-from expansion_dag_tests.helpers import prompt_frame, prompts_answered, prompts_asset, resources
+from expansion_dag_tests.helpers import default_sampling, prompt_frame, prompts_answered, prompts_asset, resources
 
 SIM = dict(port=0, max_running_requests=4, ttft_s=0.0, token_latency_s=0.0001, output_median_tokens=40,
            output_sigma=0.3)
@@ -120,13 +120,13 @@ def probe(text: str, engine: str = "sglang 0.5.23", ids=(1, 2, 3)) -> WeightsPro
 
 
 def identity(model: str, probe_: WeightsProbe | None) -> Identity:
-    return Identity.of(model, False, SamplingSettings(), probe_)
+    return Identity.of(model, False, default_sampling(), probe_)
 
 
 def test_an_identity_registered_before_the_probe_keeps_its_answers_and_its_first_probe_is_kept(tmp_path):
     store = CompletionStore(tmp_path)
     # A store written before identities named the weights: the same path and settings, no probe.
-    old = Identity.of("/models/target", False, SamplingSettings())
+    old = Identity.of("/models/target", False, default_sampling())
     (tmp_path / "identities").mkdir()
     (tmp_path / "identities" / f"{old.fingerprint}.json").write_text(json.dumps(old.to_dict()))
     now = identity("/models/target", probe("The keeper counts"))

@@ -10,9 +10,10 @@ import json
 import pytest
 
 from expansion_dag.config import ConfigError, load_config
-from expansion_dag.core import Identity, SamplingSettings
+from expansion_dag.core import Identity
 from expansion_dag.prompts import CatalogError, load_catalog
 from expansion_dag.store import CompletionStore, RegistryError
+from expansion_dag_tests.helpers import default_sampling
 
 #: A production catalog whose relative path names a file the bundled samples also have.
 CATALOG = """\
@@ -37,7 +38,7 @@ def test_a_missing_relative_local_path_is_an_error_never_the_bundled_sample(tmp_
     assert load_catalog(catalog).source("metamathqa").local_path == str(tmp_path / "metamathqa" / "MetaMathQA-395K.json")
 
 
-IDENTITY = Identity.of("Qwen/Qwen3-8B", False, SamplingSettings())
+IDENTITY = Identity.of("Qwen/Qwen3-8B", False, default_sampling())
 DAMAGE = {
     "not JSON": b'{"model": "Qwen/Qwen3-8B", "simu',
     "not UTF-8": b'{"model": "Qwen\xff"}',
@@ -53,7 +54,7 @@ def test_a_damaged_identity_file_is_named_with_what_to_do_by_writers_and_builds(
     store.registry.register(IDENTITY)
     entry = tmp_path / "identities" / f"{IDENTITY.fingerprint}.json"
     entry.write_bytes(DAMAGE[damage])
-    other = Identity.of("Qwen/Qwen3-8B", False, SamplingSettings(temperature=0.1))
+    other = Identity.of("Qwen/Qwen3-8B", False, default_sampling(temperature=0.1))
     # A writer of any identity, and a build reading who wrote the store, meet it the same way.
     for blocked in (lambda: store.writer("shard-00", identities=[other]), store.registry.known):
         with pytest.raises(RegistryError) as raised:

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from expansion_dag.core import BadResponseError, SamplingSettings
+from expansion_dag.core import BadResponseError
 from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.servers import SGLANG, VLLM, parse_chat_completion, parse_chat_stream
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine
+from expansion_dag_tests.helpers import default_sampling, default_engine
 from expansion_dag_tests.ports import free_ports
 
 class _Missing:
@@ -320,7 +320,7 @@ def test_a_server_answering_wrong_shapes_fails_those_requests_only_and_a_rerun_c
     def run(todo: list[WorkItem]):
         with store.writer("shard-00") as writer:
             return generate_shard(todo, [Server(url, 4, dialect=SGLANG)], writer=writer, model="m",
-                                  sampling=SamplingSettings(), config=config)
+                                  sampling=default_sampling(), config=config)
 
     report = run(items)
     faulty = {i.key for i in items if "[fault:" in i.messages[-1]["content"]}

@@ -12,16 +12,15 @@ from expansion_dag.core import (
     TURN_UNFINISHED,
     ModeIdentities,
     ModeMix,
-    SamplingSettings,
     count_prompt_tokens,
     load_tokenizer,
 )
 from expansion_dag.generation import ShardWork, TurnPlanner, turn_id
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine
+from expansion_dag_tests.helpers import default_sampling, default_engine
 from expansion_dag_tests.generation.test_engine import FAST, completion, run
 
-SAMPLING = SamplingSettings(chat_template_kwargs_json='{"enable_thinking": false}')
+SAMPLING = default_sampling(chat_template_kwargs_json='{"enable_thinking": false}')
 IDENTITIES = ModeIdentities(ModeMix.single(SAMPLING), "m", False)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]

@@ -7,11 +7,11 @@ import json
 import httpx
 import pytest
 
-from expansion_dag.core import CANARY_PROMPTS, SamplingSettings, ShardAborted, is_final
+from expansion_dag.core import CANARY_PROMPTS, ShardAborted, is_final
 from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.servers import VLLM, dialect_for
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine
+from expansion_dag_tests.helpers import default_sampling, default_engine
 
 URL = "http://gpu-0:30000"
 # These handlers answer plain JSON bodies; streamed requests are tested in test_engine_streaming.py.
@@ -68,7 +68,7 @@ def run(tmp_path, work, handler, *, slots=4, config=None, dialect=None, **kw):
             [Server(URL, slots) if dialect is None else Server(URL, slots, dialect)],
             writer=writer,
             model="m",
-            sampling=kw.pop("sampling", SamplingSettings()),
+            sampling=kw.pop("sampling", default_sampling()),
             config=config or default_engine(**FAST),
             transport=httpx.MockTransport(handler),
             **kw,
@@ -417,7 +417,7 @@ def test_requests_carry_the_sampling_settings_and_the_api_key(tmp_path):
         seen.append((json.loads(request.content), request.headers.get("authorization")))
         return httpx.Response(200, json=completion())
 
-    sampling = SamplingSettings(temperature=0.3, seed=7, chat_template_kwargs_json='{"enable_thinking": false}')
+    sampling = default_sampling(temperature=0.3, seed=7, chat_template_kwargs_json='{"enable_thinking": false}')
     run(tmp_path, items(1), handler, sampling=sampling, api_key="secret")
     body, auth = seen[0]
     assert auth == "Bearer secret"
@@ -500,15 +500,15 @@ def test_a_queue_that_stays_full_past_the_wait_is_a_failure_a_rerun_asks_again(t
     assert report.failed == 3 and report.failures_by_kind == {"queue_full": 3}
     failures = list(store.records("shard-00", status="failed"))
     assert {(f["error"], f["outcome"], f["http_status"]) for f in failures} == {("queue_full", "backpressure", 503)}
-    assert not any(is_final(f) for f in failures)
+    assert not any(is_final(f, ()) for f in failures)
 
 
 def test_completion_identity_follows_model_and_sampling():
-    base = SamplingSettings()
-    assert base.key("p1", "model-a") == SamplingSettings().key("p1", "model-a")
+    base = default_sampling()
+    assert base.key("p1", "model-a") == default_sampling().key("p1", "model-a")
     assert base.key("p1", "model-a") != base.key("p1", "model-b")
-    assert base.key("p1", "model-a") != SamplingSettings(temperature=0.1).key("p1", "model-a")
-    assert base.key("p1", "model-a") != SamplingSettings(chat_template_kwargs_json='{"enable_thinking": false}').key("p1", "model-a")
+    assert base.key("p1", "model-a") != default_sampling(temperature=0.1).key("p1", "model-a")
+    assert base.key("p1", "model-a") != default_sampling(chat_template_kwargs_json='{"enable_thinking": false}').key("p1", "model-a")
 
 
 @pytest.mark.parametrize(
@@ -522,7 +522,7 @@ def test_completion_identity_follows_model_and_sampling():
 )
 def test_invalid_sampling_settings_say_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingSettings(**kwargs)
+        default_sampling(**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ import threading
 import httpx
 import pytest
 
-from expansion_dag.core import SamplingSettings, ShardAborted
+from expansion_dag.core import ShardAborted
 from expansion_dag.generation import Server, WorkItem, generate_shard
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine, wait_for
+from expansion_dag_tests.helpers import default_sampling, default_engine, wait_for
 from expansion_dag_tests.ports import free_ports
 
 SHARD = "shard-00"
@@ -43,7 +43,7 @@ def run_until_settled(store, items, url, *, config, runs=5):
         with store.writer(SHARD) as writer:
             try:
                 reports.append(generate_shard(todo, [Server(url, 8)], writer=writer, model="m",
-                                              sampling=SamplingSettings(), config=config))
+                                              sampling=default_sampling(), config=config))
             except ShardAborted as exc:
                 reports.append(exc)
     return reports
@@ -66,7 +66,7 @@ def test_a_server_that_dies_mid_shard_stops_the_shard_and_a_rerun_finishes_it(tm
     with SimulatedFleet([SimServerConfig(**SIM, die_after_requests=40)]) as fleet:
         url = fleet.urls[0]
         with store.writer(SHARD) as writer, pytest.raises(ShardAborted, match="circuit breaker: .* connect"):
-            generate_shard(items, [Server(url, 8)], writer=writer, model="m", sampling=SamplingSettings(), config=config)
+            generate_shard(items, [Server(url, 8)], writer=writer, model="m", sampling=default_sampling(), config=config)
         done_before = store.scan(SHARD).done
         assert 30 <= len(done_before) <= 48
         fleet.restart(0, config=SimServerConfig(**SIM))
@@ -108,7 +108,7 @@ def test_a_shard_borrows_an_idle_server_skips_a_dead_one_and_sends_every_prompt_
         own, idle = fleet.urls
         dead = f"http://127.0.0.1:{free_ports(1)[0]}"
         with store.writer(SHARD) as writer:
-            report = generate_shard(items, [Server(own, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+            report = generate_shard(items, [Server(own, 8)], writer=writer, model="m", sampling=default_sampling(),
                                     config=config, helpers=[Server(idle, 8), Server(dead, 8)])
         served = [fleet.stats(i)["chat_requests_by_status"].get("200", 0) for i in (0, 1)]
     assert_each_prompt_once(store, items)
@@ -126,7 +126,7 @@ def test_a_borrowed_server_that_dies_mid_request_costs_the_shard_nothing(tmp_pat
     with SimulatedFleet([SimServerConfig(**SIM), SimServerConfig(**SIM, die_after_requests=5)]) as fleet:
         own, helper = fleet.urls
         with store.writer(SHARD) as writer:
-            report = generate_shard(items, [Server(own, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+            report = generate_shard(items, [Server(own, 8)], writer=writer, model="m", sampling=default_sampling(),
                                     config=config, helpers=[Server(helper, 8)])
         assert fleet.state(1) == "stopped", "the borrowed server did not die"
     assert report.aborted is None and report.failed == 0
@@ -150,7 +150,7 @@ def test_polling_busy_servers_for_idle_slots_keeps_one_connection_to_each(tmp_pa
         for i in (1, 2):
             wait_for(lambda: fleet.stats(i)["num_running"] == 1, "the hog's request admitted")
         with store.writer(SHARD) as writer:
-            report = generate_shard(work(40), [Server(own, 8)], writer=writer, model="m", sampling=SamplingSettings(),
+            report = generate_shard(work(40), [Server(own, 8)], writer=writer, model="m", sampling=default_sampling(),
                                     config=config, helpers=[Server(url, 1) for url in helpers])
         stats = [fleet.stats(i) for i in (1, 2)]
     for hog in hogs:  # the fleet has stopped: their requests are cut

@@ -2,14 +2,13 @@
 and from the run's own answers as they return. Against the simulator over real HTTP, one worker,
 so the store's order is the dispatch order."""
 
-from expansion_dag.core import SamplingSettings
 from expansion_dag.generation import Server, Turn, WorkItem, generate_shard, learn
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine
+from expansion_dag_tests.helpers import default_sampling, default_engine
 
 MODEL = SimServerConfig().model_name
-SAMPLING = SamplingSettings()
+SAMPLING = default_sampling()
 #: Source A's instruction makes long answers, B's short ones (the simulator's per-source medians).
 SIM = SimServerConfig(port=0, max_running_requests=1, ttft_s=0.0, token_latency_s=0.00002, output_sigma=0.2,
                       output_median_by_marker=(("[A]", 400), ("[B]", 20)))
@@ -65,7 +64,7 @@ def test_with_an_empty_store_the_run_learns_the_order_as_answers_return(tmp_path
 def test_answers_of_other_settings_teach_nothing(tmp_path):
     store = CompletionStore(tmp_path)
     run(store, "night-1", work(1, 10))
-    other = SamplingSettings(temperature=0.1)
+    other = default_sampling(temperature=0.1)
     lengths = learn((r for shard in store.shards() for r in store.records(shard)),
                     lambda r: r["key"] == other.key(r["prompt_id"], MODEL))
     assert lengths.answers == 0

@@ -6,12 +6,12 @@ import json
 import httpx
 import pytest
 
-from expansion_dag.core import FAILED, IDS_LEFT_OUT, OK, OUTPUT_IDS, PROMPT_IDS, SamplingSettings, unpack
+from expansion_dag.core import FAILED, IDS_LEFT_OUT, OK, OUTPUT_IDS, PROMPT_IDS, unpack
 from expansion_dag.generation import MIN_ANSWERS, Server, WorkItem, generate_shard
 from expansion_dag.servers import SGLANG, dialect_for
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine, repetitive_answers
+from expansion_dag_tests.helpers import default_sampling, default_engine, repetitive_answers
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -39,7 +39,7 @@ def run_shard(tmp_path, sim, config, n=40, stream_interval=1):
         server = Server(fleet.urls[0], 8, dialect, stream_interval=stream_interval)
         with store.writer(SHARD) as writer:
             report = generate_shard(
-                work(n), [server], writer=writer, model=MODEL, sampling=SamplingSettings(), config=config
+                work(n), [server], writer=writer, model=MODEL, sampling=default_sampling(), config=config
             )
         stats = fleet.stats(0)
     return report, [*store.records(SHARD), *store.records(SHARD, status=FAILED)], stats
@@ -154,7 +154,7 @@ def test_a_legitimate_repetitive_answer_is_kept(tmp_path):
     with store.writer(SHARD) as writer:
         report = generate_shard(
             work(1), [Server("http://gpu-0:30000", 1, SGLANG)], writer=writer, model="m",
-            sampling=SamplingSettings(), config=default_engine(**FAST), transport=httpx.MockTransport(handler),
+            sampling=default_sampling(), config=default_engine(**FAST), transport=httpx.MockTransport(handler),
         )
     assert report.ok == 1
     assert next(iter(store.records(SHARD)))["content"] == table
@@ -179,7 +179,7 @@ def test_a_shard_measures_its_speed_from_its_own_answers_once_its_slots_are_full
     with SimulatedFleet([SimServerConfig(**{**SIM, "token_latency_s": 0.002})]) as fleet:
         with CompletionStore(tmp_path).writer(SHARD) as writer:
             report = generate_shard(
-                work(40), [Server(fleet.urls[0], 8, SGLANG)], writer=writer, model=MODEL, sampling=SamplingSettings(),
+                work(40), [Server(fleet.urls[0], 8, SGLANG)], writer=writer, model=MODEL, sampling=default_sampling(),
                 config=default_engine(**FAST, stop_degenerate=streamed), on_progress=reports.append,
             )
     speed = reports[-1].speed  # the run's last report

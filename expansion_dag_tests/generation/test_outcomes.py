@@ -18,7 +18,6 @@ from expansion_dag.core import (
     ContextLengthError,
     QueueFullError,
     RejectedError,
-    SamplingSettings,
     UnfinishedError,
 )
 from expansion_dag.generation import (
@@ -39,10 +38,10 @@ from expansion_dag.sim import (
     most_borrowed_at_once,
 )
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine, wait_for
+from expansion_dag_tests.helpers import default_sampling, default_engine, wait_for
 
 MODEL = SimServerConfig().model_name
-SAMPLING = SamplingSettings()
+SAMPLING = default_sampling()
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600,
             spill_poll_s=0.05, owner_wait_s=0)  # the idle helpers here have no shard of their own to wait for
 SIM = dict(port=0, max_running_requests=4, ttft_s=0.001, token_latency_s=0.0003, output_median_tokens=40)
@@ -139,7 +138,7 @@ def test_a_fleet_whose_answers_all_loop_runs_to_the_end_and_asks_each_prompt_onc
     assert report.failures_by_kind == {"degenerate": 30} and loops == 30 == report.attempts
     failures = list(store.records("shard-00", status=FAILED))
     assert len({f["key"] for f in failures}) == 30
-    assert all(f["outcome"] == "content" and core.is_final(f) for f in failures)
+    assert all(f["outcome"] == "content" and core.is_final(f, ()) for f in failures)
 
 
 def test_a_loop_on_a_borrowed_server_is_recorded_there_and_the_server_stays_in_use(tmp_path):
@@ -248,7 +247,7 @@ def test_a_rerun_with_retry_outcomes_asks_only_the_loops_again(tmp_path):
         latest = list(store.latest_records())
         again = {r["key"] for r in latest if not core.is_final(r, ("degenerate",))}
         assert again == {r["key"] for r in latest if r["status"] == FAILED} and len(again) == first_loops > 0
-        assert not [r for r in latest if not core.is_final(r)]
+        assert not [r for r in latest if not core.is_final(r, ())]
         with store.writer("shard-00") as writer:
             report = generate_shard([i for i in items if i.key in again], [Server(fleet.urls[0], 4)], writer=writer,
                                     model=MODEL, sampling=SAMPLING, config=default_engine(**FAST))

@@ -3,12 +3,12 @@ its first answers, naming the cause and the fix, keeping every answer; a healthy
 
 import pytest
 
-from expansion_dag.core import FAILED, Identity, SamplingSettings, ShardAborted, load_tokenizer
+from expansion_dag.core import FAILED, Identity, ShardAborted, load_tokenizer
 from expansion_dag.generation import AnswerYield, Server, WorkItem, YieldGate, generate_shard
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
 from expansion_dag.training import ROW, AnswerJudge
-from expansion_dag_tests.helpers import default_engine, default_training, one_mode
+from expansion_dag_tests.helpers import default_sampling, default_engine, default_training, one_mode
 
 SHARD = "shard-00"
 SLOTS = 4
@@ -43,7 +43,7 @@ def run(tmp_path, sim: dict, cap: int = 3000):
         try:
             outcome = generate_shard(
                 work(PROMPTS, cap), [Server(fleet.urls[0], SLOTS)], writer=writer, model=IDENTITY.model,
-                sampling=SamplingSettings(), config=config, judge=judge,
+                sampling=default_sampling(), config=config, judge=judge,
             )
         except ShardAborted as exc:
             outcome = exc

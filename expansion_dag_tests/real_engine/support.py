@@ -28,7 +28,6 @@ import pytest
 import yaml
 
 from expansion_dag.config import SGLANG_LAUNCH_COMMAND
-from expansion_dag.core import SamplingSettings
 from expansion_dag.servers import (
     Answer,
     ChatRequest,
@@ -42,7 +41,7 @@ from expansion_dag.servers import (
     send_chat,
 )
 from expansion_dag_tests.deployment.support import isolated_env, make_dagster_home
-from expansion_dag_tests.helpers import loop_thresholds
+from expansion_dag_tests.helpers import default_sampling, loop_thresholds
 from expansion_dag_tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -515,7 +514,7 @@ FREE_TIMEOUT_S = 15.0
 #: Bound on the wait to see the looping streams all running before they are read: a hang only.
 RUNNING_TIMEOUT_S = 60.0
 #: Greedy: the forced token always wins, so every answer is exactly the same loop.
-GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1)
+GREEDY = default_sampling(temperature=0.0, top_p=1.0, top_k=-1)
 REQUEST_TIMEOUT_S = 60.0
 
 

@@ -24,14 +24,13 @@ from expansion_dag.core import (
     OK,
     OUTPUT_IDS,
     ModeMix,
-    SamplingSettings,
     base_prompt_id,
     load_tokenizer,
     unpack,
 )
 from expansion_dag.store import CompletionStore
 from expansion_dag.training import Manifest
-from expansion_dag_tests.helpers import closed_turn, masked_runs
+from expansion_dag_tests.helpers import default_sampling, closed_turn, masked_runs
 from expansion_dag_tests.real_engine.conftest import API_KEY_ENV, SETTINGS, SLOTS
 from expansion_dag_tests.real_engine.support import PIPELINE_PROBES, Deployment, VllmServer, run_pipeline
 
@@ -127,7 +126,7 @@ def test_each_conversation_is_one_row_trained_on_every_regenerated_turn(run):
 
 
 def test_the_mix_draws_each_conversation_into_one_mode_and_the_manifest_counts_each(run):
-    mix = ModeMix.of(MIX, SamplingSettings())
+    mix = ModeMix.of(MIX, default_sampling())
     for record in run["records"]:
         assert record["mode"] == mix.assign(record["conversation_id"]).name
     rows_by_mode = collections.Counter(mix.assign(row["id"]).name for row in run["rows"])

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from expansion_dag.core import Identity, SamplingSettings
+from expansion_dag.core import Identity
 from expansion_dag.servers import folder_weights, probe_fleet, probe_fleet_weights
 from expansion_dag.store import CompletionStore, WeightsChangedError
 from expansion_dag_tests.real_engine.conftest import API_KEY, SLOTS
 from expansion_dag_tests.real_engine.support import ROOT, VllmServer
+from expansion_dag_tests.helpers import default_sampling
 
 MODEL = ROOT / ".models" / "smollm2-135m-instruct"
 
@@ -78,7 +79,7 @@ def test_new_weights_at_the_same_path_are_caught_by_the_probe_on_a_real_vllm(tmp
     assert again == first  # greedy, alone, on one engine build: the same ids every time
     identity = fleet.identity  # attached vLLM: the path alone, nothing of the weights
     assert identity == str(target)
-    store.registry.register(Identity.of(identity, False, SamplingSettings(), first))
+    store.registry.register(Identity.of(identity, False, default_sampling(), first))
 
     assert swap_layers(target / "model.safetensors", 3, 4) == 9  # every tensor of the two layers
     server = VllmServer(target, tmp_path / "after.log", context_length=2048, slots=SLOTS, api_key=API_KEY)
@@ -90,6 +91,6 @@ def test_new_weights_at_the_same_path_are_caught_by_the_probe_on_a_real_vllm(tmp
     assert fleet.identity == identity and changed is not None
     assert changed.difference(first) is not None, (first.text, changed.text)
     with pytest.raises(WeightsChangedError, match="set model.revision") as raised:
-        store.registry.register(Identity.of(identity, False, SamplingSettings(), changed))
+        store.registry.register(Identity.of(identity, False, default_sampling(), changed))
     assert str(target) in str(raised.value)
     assert folder_weights(str(target)) != named_before

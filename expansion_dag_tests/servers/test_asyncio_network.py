@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trustme
 
-from expansion_dag.core import ConnectError, SamplingSettings, TimeoutError_
+from expansion_dag.core import ConnectError, TimeoutError_
 from expansion_dag.servers import (
     SGLANG,
     VLLM,
@@ -22,11 +22,11 @@ from expansion_dag.servers import (
     make_client,
     send_chat,
 )
-from expansion_dag_tests.helpers import until
+from expansion_dag_tests.helpers import default_sampling, until
 from expansion_dag_tests.ports import free_ports
 
-STREAMED = chat_request("m", [], 9, SamplingSettings(), stream=True)
-PLAIN = chat_request("m", [], 9, SamplingSettings())
+STREAMED = chat_request("m", [], 9, default_sampling(), stream=True)
+PLAIN = chat_request("m", [], 9, default_sampling())
 BIG = bytes(range(256)) * (5 * 4096)  # 5 MiB, past the read buffer's high-water mark
 EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(3)]
 CHAT = [
@@ -170,7 +170,7 @@ def test_the_workers_client_streams_answers_on_one_kept_alive_connection():
 def test_the_workers_client_sends_the_headers_servers_route_and_frame_by_and_reads_plain_answers_whole():
     """Host with the port (proxies route by it), the JSON type, the body's exact length (a server
     frames the request by it) and the key; a plain answer longer than one read arrives whole."""
-    request = chat_request("m", [{"role": "user", "content": "héllo ✓"}], 9, SamplingSettings())
+    request = chat_request("m", [{"role": "user", "content": "héllo ✓"}], 9, default_sampling())
 
     async def main():
         async with serving() as (server, url):

@@ -12,9 +12,8 @@ import pytest
 import stamina.instrumentation
 
 from expansion_dag import core, servers
-from expansion_dag.core import SamplingSettings
 from expansion_dag.servers import SGLANG, SGLANG_MIN_VERSION, VLLM, dialect_for
-from expansion_dag_tests.helpers import mock_client
+from expansion_dag_tests.helpers import default_sampling, mock_client
 
 SGLANG_OVERFLOW = (
     "Requested token count exceeds the model's maximum context length of 8192 tokens. You requested a total "
@@ -312,7 +311,7 @@ def exchange(handler, policy=FAST):
 
     async def main():
         async with mock_client(handler) as client:
-            request = servers.chat_request("m", [], 100, SamplingSettings())
+            request = servers.chat_request("m", [], 100, default_sampling())
             return await servers.generate(
                 client, "http://gpu-0:30000", request, SGLANG, policy, on_retry=retries.append, stream_interval=1
             )
@@ -376,7 +375,7 @@ def test_a_borrowed_servers_full_queue_is_the_prompts_error_at_once():
 
 
 def test_the_request_carries_the_sampling_settings_sglang_and_vllm_both_read():
-    sampling = SamplingSettings(temperature=0.3, seed=7, stop=("###",), chat_template_kwargs_json='{"enable_thinking": false}')
+    sampling = default_sampling(temperature=0.3, seed=7, stop=("###",), chat_template_kwargs_json='{"enable_thinking": false}')
     request = servers.chat_request("m", [{"role": "user", "content": "hi"}], 64, sampling)
     assert request.body() == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0.3,

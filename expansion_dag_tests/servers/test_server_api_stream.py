@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from expansion_dag import servers
-from expansion_dag.core import BadResponseError, ContextLengthError, SamplingSettings, TransientError
+from expansion_dag.core import BadResponseError, ContextLengthError, TransientError
 from expansion_dag.servers import (
     SGLANG,
     VLLM,
@@ -16,7 +16,7 @@ from expansion_dag.servers import (
     parse_chat_completion,
     parse_chat_stream,
 )
-from expansion_dag_tests.helpers import loop_thresholds, mock_client
+from expansion_dag_tests.helpers import default_sampling, loop_thresholds, mock_client
 
 URL = "http://gpu-0:30000"
 THRESHOLDS = loop_thresholds()
@@ -103,8 +103,8 @@ def test_streamed_and_plain_requests_over_http_give_the_same_answer():
         return httpx.Response(200, json=body_of(SGLANG, "x = 1\n" * 5, "think"))
 
     messages = [{"role": "user", "content": "hi"}]
-    plain = servers.chat_request("m", messages, 50, SamplingSettings())
-    streamed = servers.chat_request("m", messages, 50, SamplingSettings(), stream=True)
+    plain = servers.chat_request("m", messages, 50, default_sampling())
+    streamed = servers.chat_request("m", messages, 50, default_sampling(), stream=True)
     assert "stream" not in plain.body()
     assert send(handler, streamed, thresholds=THRESHOLDS) == send(handler, plain)
 
@@ -118,7 +118,7 @@ def test_a_loop_stops_reading_the_stream_and_an_error_status_is_classified():
             pulled.append(i)
             yield b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "Same again. "}}]}).encode() + b"\n\n"
 
-    request = servers.chat_request("m", [], 8000, SamplingSettings(), stream=True)
+    request = servers.chat_request("m", [], 8000, default_sampling(), stream=True)
     with pytest.raises(DegenerateError):
         send(lambda r: httpx.Response(200, content=endless()), request, thresholds=THRESHOLDS)
     assert len(pulled) < 200
@@ -149,7 +149,7 @@ def test_a_stream_cut_anywhere_reads_as_the_same_answer():
 def test_a_stopped_answers_tokens_are_the_servers_count_when_its_chunks_carry_one():
     """A vLLM that ignores ``stream_interval`` (older than the field) still streams every token; its
     continuous usage keeps the count of a stopped loop right instead of 256 tokens an event."""
-    request = servers.chat_request("m", [{"role": "user", "content": "q"}], 500, SamplingSettings(),
+    request = servers.chat_request("m", [{"role": "user", "content": "q"}], 500, default_sampling(),
                                       stream=True, stream_interval=256, continuous_usage=True)
     assert request.body()["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     events = [{"choices": [{"index": 0, "delta": {"content": " loop"}, "finish_reason": None}],

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from expansion_dag import core
-from expansion_dag.core import BadResponseError, SamplingSettings
+from expansion_dag.core import BadResponseError
 from expansion_dag.servers import (
     SGLANG,
     VLLM,
@@ -24,6 +24,7 @@ from expansion_dag.servers import (
     parse_chat_completion,
     parse_chat_stream,
 )
+from expansion_dag_tests.helpers import default_sampling
 
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
 OUTPUT = [785, 4226, 374, 220, 19, 13, 151645]
@@ -95,7 +96,7 @@ def test_packed_ids_unpack_to_the_same_ids_across_the_whole_uint32_range():
 
 def test_each_server_is_asked_for_ids_in_its_own_fields_and_an_older_sglang_is_not_asked():
     def asked(dialect, **kw):
-        request = chat_request("m", [], 8, SamplingSettings(), token_ids=dialect.token_ids, **kw)
+        request = chat_request("m", [], 8, default_sampling(), token_ids=dialect.token_ids, **kw)
         return {k for k in request.body() if "ids" in k}
 
     both = {"return_input_ids_in_sglext", "return_output_ids_in_sglext"}

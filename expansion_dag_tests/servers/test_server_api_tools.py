@@ -6,8 +6,9 @@ import json
 import pytest
 
 from expansion_dag import servers
-from expansion_dag.core import BadResponseError, SamplingSettings, count_tokens, load_tokenizer
+from expansion_dag.core import BadResponseError, count_tokens, load_tokenizer
 from expansion_dag.servers import SGLANG, VLLM, finish_error, parse_chat_completion, parse_chat_stream
+from expansion_dag_tests.helpers import default_sampling
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 #: A Hermes source's tool: its fields in another order than the servers render them.
@@ -31,7 +32,7 @@ SENT = {
 
 def request(**kwargs):
     """The body sent for ``MESSAGES`` with ``kwargs``."""
-    return servers.chat_request("m", MESSAGES, 100, SamplingSettings(), **kwargs).body()
+    return servers.chat_request("m", MESSAGES, 100, default_sampling(), **kwargs).body()
 
 
 def test_a_request_with_tools_sends_them_in_one_form_with_its_tool_choice():

@@ -10,7 +10,6 @@ from transformers import AutoTokenizer
 from expansion_dag.core import (
     ModeIdentities,
     ModeMix,
-    SamplingSettings,
     bundled_qwen3_path,
     load_tokenizer,
     render_prompts,
@@ -23,7 +22,7 @@ from expansion_dag.training import (
     expected_renders,
     sample_rows,
 )
-from expansion_dag_tests.helpers import default_training
+from expansion_dag_tests.helpers import default_sampling, default_training
 
 CID = "conv0001"
 SYSTEM = "You are a function calling AI model."
@@ -48,7 +47,7 @@ def qwen3():
 
 
 def identities(**kwargs) -> ModeIdentities:
-    sampling = SamplingSettings(chat_template_kwargs_json=json.dumps(kwargs))
+    sampling = default_sampling(chat_template_kwargs_json=json.dumps(kwargs))
     return ModeIdentities(ModeMix.single(sampling), "Qwen/Qwen3-8B", simulated=False)
 
 

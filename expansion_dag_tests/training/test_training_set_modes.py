@@ -6,7 +6,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from expansion_dag.core import Identity, ModeIdentities, ModeMix, SamplingSettings, load_tokenizer
+from expansion_dag.core import Identity, ModeIdentities, ModeMix, load_tokenizer
 from expansion_dag.training import (
     build_training_set,
     check_round_trip,
@@ -15,7 +15,7 @@ from expansion_dag.training import (
     manifest_markdown,
     sample_rows,
 )
-from expansion_dag_tests.helpers import default_training
+from expansion_dag_tests.helpers import default_sampling, default_training
 from expansion_dag_tests.training.test_training_set_conversations import turn_records
 
 PROMPTS = 400
@@ -33,7 +33,7 @@ def mix(thinking: float, direct: float) -> ModeIdentities:
         {"name": "thinking", "weight": thinking},
         {"name": "direct", "weight": direct, "chat_template_kwargs": {"enable_thinking": False}},
     ]
-    return ModeIdentities(ModeMix.of(spec, SamplingSettings(), seed=7), "Qwen/Qwen3-8B", simulated=False)
+    return ModeIdentities(ModeMix.of(spec, default_sampling(), seed=7), "Qwen/Qwen3-8B", simulated=False)
 
 
 def answer(prompt_id: str, identity: Identity, mode: str, **fields):

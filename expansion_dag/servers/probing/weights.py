@@ -47,7 +47,9 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 #: greedily (temperature 0, seed 0), one request at a time.
 PROBE_MESSAGES = ({"role": "user", "content": "Write four short lines about a lighthouse keeper who counts ships."},)
 PROBE_TOKENS = 32
-PROBE_SAMPLING = SamplingSettings(temperature=0.0, top_p=1.0, top_k=-1, seed=0, max_output_tokens=PROBE_TOKENS)
+PROBE_SAMPLING = SamplingSettings(
+    temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, seed=0, max_output_tokens=PROBE_TOKENS
+)
 #: A server that fails the probe now and then is asked again, briefly; the canary judges it after.
 PROBE_POLICY = RetryPolicy(
     attempts=3, wait_initial_s=0.5, wait_max_s=5.0, wait_jitter_s=0.5, context_retry=True, context_margin=16,

@@ -8,7 +8,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from expansion_dag.core import OUTPUT_IDS, ModeMix, SamplingSettings, load_tokenizer, unpack
+from expansion_dag.core import OUTPUT_IDS, ModeMix, load_tokenizer, unpack
 from expansion_dag.defs import SHARD_KEYS
 from expansion_dag.prompts import extract_prompts, package_dir
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
@@ -19,7 +19,7 @@ from expansion_dag_tests.defs.assets.test_completions import (
     run_pipeline,
     small_frame,
 )
-from expansion_dag_tests.helpers import masked_runs, prompts_answered
+from expansion_dag_tests.helpers import default_sampling, masked_runs, prompts_answered
 
 THINKING_MIX = [
     {"name": "thinking", "weight": 0.6, "chat_template_kwargs": {"enable_thinking": True}},
@@ -36,14 +36,14 @@ def test_a_mix_of_two_modes_gives_each_prompt_its_drawn_mode_and_a_changed_mix_r
     tmp_path, instance
 ):
     frame = small_frame(120)
-    mix = ModeMix.of(THINKING_MIX, SamplingSettings())
+    mix = ModeMix.of(THINKING_MIX, default_sampling())
     drawn = dict(zip(frame["prompt_id"], mix.names(frame["prompt_id"].to_list())))
     # Servers with Qwen3's reasoning parser: thinking answers come back with their reasoning apart.
     with SimulatedFleet([SimServerConfig(**FAST_SIM, reasoning_parser="qwen3")] * len(SHARD_KEYS)) as fleet:
         results, res = run_pipeline(frame, fleet.urls, tmp_path, instance, training=True, drop_truncated=False,
                                     modes=json.dumps(THINKING_MIX))
         first = sent(fleet)
-        even = ModeMix.of(EVEN_MIX, SamplingSettings()).names(frame["prompt_id"].to_list())
+        even = ModeMix.of(EVEN_MIX, default_sampling()).names(frame["prompt_id"].to_list())
         moved = sum(drawn[p] != m for p, m in zip(frame["prompt_id"], even))
         again, _ = run_pipeline(frame, fleet.urls, tmp_path, instance, training=True, drop_truncated=False,
                                 modes=json.dumps(EVEN_MIX))
