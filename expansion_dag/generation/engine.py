@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import httpx
 
@@ -440,26 +441,9 @@ async def _report_every(
         await reporter.drain()
 
 
-def generate_shard(
-    items: Iterable[WorkItem],
-    servers: Sequence[Server],
-    *,
-    writer: SegmentWriter,
-    model: str,
-    sampling: SamplingSettings,
-    config: EngineConfig,
-    helpers: Sequence[Server] = (),
-    fleet_urls: Sequence[str] = (),
-    api_key: str | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-    on_progress: Callable[[Progress], None] | None = None,
-    lengths: AnswerLengths | None = None,
-    planner: TurnPlanner | None = None,
-    judge: Judge | None = None,
-    write_queue: int = WRITE_QUEUE,
-) -> ShardReport:
+def generate_shard(items: Iterable[WorkItem], servers: Sequence[Server], **options: Any) -> ShardReport:
     """Run a shard to the end (or to its abort) on a fresh event loop (``config.client_tick_s``);
-    the synchronous entry point.
+    the synchronous entry point. ``options``: :class:`ShardRun`'s keywords, ``config`` among them.
 
     ``helpers``: the fleet's other servers, borrowed while idle; ``fleet_urls``: every server of the
     fleet, so that every shard splits a helper's idle slots alike (default: this shard's servers and
@@ -472,23 +456,6 @@ def generate_shard(
     """
 
     async def main() -> ShardReport:
-        run = ShardRun(
-            items,
-            servers,
-            writer=writer,
-            model=model,
-            sampling=sampling,
-            config=config,
-            helpers=helpers,
-            fleet_urls=fleet_urls,
-            api_key=api_key,
-            transport=transport,
-            on_progress=on_progress,
-            lengths=lengths,
-            planner=planner,
-            judge=judge,
-            write_queue=write_queue,
-        )
-        return await run.run()
+        return await ShardRun(items, servers, **options).run()
 
-    return run_ticked(main(), tick_s=config.client_tick_s)
+    return run_ticked(main(), tick_s=options["config"].client_tick_s)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 import yaml
 
@@ -44,6 +45,11 @@ def _port_range(text: str) -> list[int]:
     return list(range(low, high + 1))
 
 
+def _knob(group: Any, flag: str, kind: type, text: str | None = None) -> None:
+    """A flag of ``group`` (an argument group) whose default is ``SimServerConfig``'s field of the same name."""
+    group.add_argument(flag, type=kind, default=getattr(_DEFAULTS, flag.removeprefix("--").replace("-", "_")), help=text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="expansion-sim",
@@ -69,9 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--context-length", type=int, default=_DEFAULTS.context_length)
     sg.add_argument("--max-running-requests", type=int, default=_DEFAULTS.max_running_requests)
     sg.add_argument("--max-queued-requests", type=int, default=None)
-    sg.add_argument(
-        "--stream-interval", type=int, default=_DEFAULTS.stream_interval, help="tokens per streamed event"
-    )
+    _knob(sg, "--stream-interval", int, "tokens per streamed event")
     # Like SGLang, only the flag (or --config) sets a key: SGLang reads no environment variable for
     # it. As vLLM, with --backend vllm, VLLM_API_KEY sets it too (serve/middleware/register.py).
     sg.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
@@ -120,9 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         "--token-latency-ms", type=float, default=_DEFAULTS.token_latency_s * 1000, help="per output token"
     )
     sim.add_argument("--output-median-tokens", type=int, default=_DEFAULTS.output_median_tokens)
-    sim.add_argument(
-        "--output-sigma", type=float, default=_DEFAULTS.output_sigma, help="lognormal sigma of output lengths"
-    )
+    _knob(sim, "--output-sigma", float, "lognormal sigma of output lengths")
     sim.add_argument(
         "--output-median-by-marker",
         action="append",
@@ -131,54 +133,26 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MARKER=TOKENS",
         help="median answer length of prompts containing MARKER (repeatable; the first match wins)",
     )
-    sim.add_argument(
-        "--output-prompt-exponent",
-        type=float,
-        default=_DEFAULTS.output_prompt_exponent,
-        help="answer medians scale as (prompt tokens / 64) ** this",
+    _knob(sim, "--output-prompt-exponent", float, "answer medians scale as (prompt tokens / 64) ** this")
+    _knob(
+        sim, "--output-max-tokens", int,
+        "the longest natural answer (default: the context length); under the requests' cap, only loops reach it",
     )
-    sim.add_argument(
-        "--output-max-tokens",
-        type=int,
-        default=_DEFAULTS.output_max_tokens,
-        help="the longest natural answer (default: the context length); under the requests' cap, only loops reach it",
-    )
-    sim.add_argument(
-        "--reasoning-share",
-        type=float,
-        default=_DEFAULTS.reasoning_share,
-        help="share of a thinking answer spent thinking",
-    )
-    sim.add_argument(
-        "--startup-delay-s",
-        type=float,
-        default=_DEFAULTS.startup_delay_s,
-        help="connections refused this long",
-    )
-    sim.add_argument(
-        "--warmup-s", type=float, default=_DEFAULTS.warmup_s, help="/health answers 503 this long"
-    )
+    _knob(sim, "--reasoning-share", float, "share of a thinking answer spent thinking")
+    _knob(sim, "--startup-delay-s", float, "connections refused this long")
+    _knob(sim, "--warmup-s", float, "/health answers 503 this long")
     sim.add_argument("--fail-rate", type=float, default=_DEFAULTS.fail_rate)
     sim.add_argument("--fail-status", type=int, default=_DEFAULTS.fail_status)
     sim.add_argument("--die-after-requests", type=int, default=None)
     sim.add_argument("--hang-rate", type=float, default=_DEFAULTS.hang_rate)
-    sim.add_argument(
-        "--abort-rate",
-        type=float,
-        default=_DEFAULTS.abort_rate,
-        help='share of answers cut halfway with finish_reason "abort" (HTTP 200, partial text)',
+    _knob(
+        sim, "--abort-rate", float,
+        'share of answers cut halfway with finish_reason "abort" (HTTP 200, partial text)',
     )
-    sim.add_argument(
-        "--loop-rate",
-        type=float,
-        default=_DEFAULTS.loop_rate,
-        help="share of answers that degenerate into a loop repeating one span until the cap",
-    )
-    sim.add_argument(
-        "--looping-prompt-share",
-        type=float,
-        default=_DEFAULTS.looping_prompt_share,
-        help="share of prompts (chosen by their text) that loop every time they are asked, as real models do",
+    _knob(sim, "--loop-rate", float, "share of answers that degenerate into a loop repeating one span until the cap")
+    _knob(
+        sim, "--looping-prompt-share", float,
+        "share of prompts (chosen by their text) that loop every time they are asked, as real models do",
     )
     sim.add_argument(
         "--answer-defect",
@@ -186,18 +160,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="give every answer a misconfigured fleet's defect (answers the training set leaves out)",
     )
-    sim.add_argument(
-        "--output-word-sigma",
-        type=float,
-        default=_DEFAULTS.output_word_sigma,
-        help="spread of the per-word effects on answer lengths: lengths follow what the prompt says (0: off)",
+    _knob(
+        sim, "--output-word-sigma", float,
+        "spread of the per-word effects on answer lengths: lengths follow what the prompt says (0: off)",
     )
-    sim.add_argument(
-        "--output-phrase-sigma",
-        type=float,
-        default=_DEFAULTS.output_phrase_sigma,
-        help="spread of the per-phrase (adjacent word pair) effects on answer lengths: what single words "
-        "do not tell (0: off)",
+    _knob(
+        sim, "--output-phrase-sigma", float,
+        "spread of the per-phrase (adjacent word pair) effects on answer lengths: what single words do not tell (0: off)",
     )
     sim.add_argument("--prompt-token-skew", type=int, default=_DEFAULTS.prompt_token_skew)
     sim.add_argument(
@@ -206,11 +175,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="ignore requests for token ids, as SGLang before 0.5.20 does",
     )
-    sim.add_argument(
-        "--tool-call-share",
-        type=float,
-        default=_DEFAULTS.tool_call_share,
-        help="share of answers to requests with tools that call one (chosen by the prompt)",
+    _knob(
+        sim, "--tool-call-share", float,
+        "share of answers to requests with tools that call one (chosen by the prompt)",
     )
     return p
 

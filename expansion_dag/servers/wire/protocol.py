@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
-from expansion_dag.core import BadResponseError
+from expansion_dag.core import BadResponseError, SamplingSettings
 
 #: Finish reasons of a complete answer; anything else (``abort``, ...) is partial text. A server
 #: with a tool-call parser ends an answer that calls tools with ``tool_calls``: SGLang when it
@@ -93,14 +93,8 @@ class ChatRequest:
     model: str
     messages: Sequence[Mapping[str, Any]]
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    chat_template_kwargs: Mapping[str, Any] | None = None
+    #: The sampler's fields and the chat template's arguments, sent as they are.
+    sampling: SamplingSettings
     #: Server-sent events, with the usage in a last chunk (``stream_options.include_usage``).
     stream: bool = False
     #: The tokens so far in every chunk of a stream (``stream_options.continuous_usage_stats``).
@@ -115,22 +109,23 @@ class ChatRequest:
 
     def body(self) -> dict[str, Any]:
         """The JSON body as sent."""
+        sampling = self.sampling
         body: dict[str, Any] = {
             "model": self.model,
             "messages": self.messages,
             "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
         }
-        if self.seed is not None:
-            body["seed"] = self.seed
-        if self.stop:
-            body["stop"] = list(self.stop)
-        if self.chat_template_kwargs:
-            body["chat_template_kwargs"] = self.chat_template_kwargs
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.chat_template_kwargs:
+            body["chat_template_kwargs"] = sampling.chat_template_kwargs
         if self.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
