@@ -21,7 +21,6 @@ import os
 import platform
 import pstats
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from expansion_dag.core import free_port_block
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -345,18 +346,7 @@ def run_phase(command: list[str], phase: str, *, quiet_wait_s: float) -> dict[st
 
 def free_ports(count: int, start: int) -> int:
     """The first port >= ``start`` beginning ``count`` consecutive free ports on 127.0.0.1."""
-    port = start
-    while port + count <= 65535:
-        for offset in range(count):
-            with socket.socket() as s:
-                try:
-                    s.bind((HOST, port + offset))
-                except OSError:
-                    port += offset + 1
-                    break
-        else:
-            return port
-    raise RuntimeError(f"no {count} consecutive free ports from {start}")
+    return free_port_block(count, range(start, 65536), HOST)[0]
 
 
 LISTENING = "listening on port "

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
+
+from expansion_dag.core import free_port_block
 
 _FIRST, _LAST = 20000, 32000  # below Linux's default ephemeral range (32768-60999)
 _SLICE = 1500
@@ -31,26 +32,16 @@ def _candidates():
 _next = _candidates()
 
 
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_ports(count: int = 1) -> list[int]:
     """``count`` consecutive ports on 127.0.0.1 that nothing holds now and this session has not handed out."""
-    for _ in range(_SLICE):
-        first = next(_next)
-        block = [first + i for i in range(count)]
-        if all(_is_free(port) for port in block):
-            # Consume the rest of the block so that the next call does not hand it out again.
-            for _ in range(count - 1):
-                next(_next)
-            return block
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 between {_FIRST} and {_LAST}")
+    try:
+        block = free_port_block(count, itertools.islice(_next, _SLICE), "127.0.0.1")
+    except RuntimeError:
+        raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 between {_FIRST} and {_LAST}") from None
+    # Consume the rest of the block so that the next call does not hand it out again.
+    for _ in range(count - 1):
+        next(_next)
+    return block
 
 
 def free_port(count: int = 1) -> int:

@@ -1,13 +1,16 @@
 """Whether a process of this machine still runs: the launcher asks it of the servers it started,
-the shard lease of a holder on this host."""
+the shard lease of a holder on this host. And ports on this machine that nothing holds, for the
+servers a test or a benchmark starts."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["pid_alive"]
+__all__ = ["free_port_block", "pid_alive"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -27,3 +30,22 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state != "Z"
+
+
+def free_port_block(count: int, starts: Iterable[int], host: str) -> list[int]:
+    """The first run of ``count`` consecutive ports, beginning at one of ``starts`` in turn, that
+    nothing on ``host`` holds now (a simulated fleet takes a run of them)."""
+    for first in starts:
+        block = list(range(first, first + count))
+        if block[-1] <= 65535 and all(_is_free(host, port) for port in block):
+            return block
+    raise RuntimeError(f"no {count} consecutive free ports on {host} among those tried")
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
