@@ -30,8 +30,7 @@ import time
 import httpx
 from harness import header, http_server_child, serve_http, write_result  # (bench/ is on sys.path when run as a script)
 
-from expansion_dag.config import GenerationConfig, sampling_settings
-from expansion_dag.generation import EngineConfig
+from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
 from expansion_dag.servers import (
     SGLANG,
     HttpClient,
@@ -119,7 +118,7 @@ async def measure(name: str, url: str, repeats: int) -> float:
             run = lambda: read_stream(client, url)  # noqa: E731
         else:
             chat = chat_request("m", REQUEST["messages"], 256 * 100, sampling_settings(GenerationConfig()), stream=True)
-            thresholds = EngineConfig().loop_thresholds()  # the engine's, as a run configures it
+            thresholds = engine_config(GenerationConfig()).loop_thresholds()  # the engine's, as a run configures it
             run = lambda: send_chat(client, url, chat, SGLANG, thresholds, stream_interval=256)  # noqa: E731
     await run()  # connect and warm up outside the measurement
     cpu = time.process_time()
