@@ -9,6 +9,7 @@ the project's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import collections
 import json
 import os
@@ -246,7 +247,10 @@ class EngineServer:
         """The engine's Prometheus series, summed over labels, and per label value where ``by_label`` says.
 
         ``http``: a kept-alive client, for a poller that must sample often on a busy machine."""
-        text = (http or httpx).get(self.url + "/metrics", headers=self.headers(), timeout=10).text
+        url = self.url + "/metrics"
+        # A kept-alive client reads with its own timeout (a poller's is short).
+        response = http.get(url, headers=self.headers()) if http else httpx.get(url, headers=self.headers(), timeout=10)
+        text = response.text
         totals: dict[str, float] = collections.defaultdict(float)
         for line in text.splitlines():
             if not line.startswith(f"{self.backend}:"):
@@ -618,7 +622,11 @@ def stop_looping_streams(
             nonlocal most_running
             deadline = time.monotonic() + RUNNING_TIMEOUT_S
             while polling:
-                most_running = max(most_running, await asyncio.to_thread(server.running, http))
+                # CI once saw one reading of a kept-alive connection hang for the whole 20 s the
+                # streams ran: a reading that stalls is dropped, and the next one, on a new
+                # connection, sees them.
+                with contextlib.suppress(httpx.TimeoutException):
+                    most_running = max(most_running, await asyncio.to_thread(server.running, http))
                 # Every stream seen running (or, should the server never run them all, the
                 # deadline): the clients read on, and their detectors stop them.
                 if most_running >= count or time.monotonic() > deadline:
@@ -634,7 +642,7 @@ def stop_looping_streams(
             await asyncio.wait_for(poller, 15)
         return stopped, closed_at, most_running
 
-    with httpx.Client() as http:
+    with httpx.Client(timeout=httpx.Timeout(2.0)) as http:
         return asyncio.run(stop_all(http))
 
 

@@ -43,8 +43,9 @@ def test_a_healthy_runs_yield_in_the_metadata_is_what_the_training_set_takes(tmp
         assert s["actual_output_tokens_per_answer"].value == pytest.approx(actual, abs=0.05)
         # The run measured its own speed (the plan had none) and said when it would end, beside when it did.
         assert "| output tokens/s per server | no throughput |" in s["plan_against_actual"].value
-        said = s["speed_first_measured_at_s"].value + 0.0  # to 0.1 s, as the progress shows it
-        assert 0 <= said <= round(s["elapsed_s"].value, 1) and s["speed_first_tokens_per_s_per_server"].value > 0
+        # Said to 0.1 s, as the progress shows it, against the run's time to 0.01 s: 0.05 s apart at most.
+        said = s["speed_first_measured_at_s"].value
+        assert 0 <= said <= s["elapsed_s"].value + 0.06 and s["speed_first_tokens_per_s_per_server"].value > 0
         estimate, error = s["speed_first_wall_estimate_s"].value, s["speed_first_wall_estimate_error"].value
         assert estimate == pytest.approx(s["elapsed_s"].value * (1 + error), abs=0.1)  # figures to 0.1 s
 
