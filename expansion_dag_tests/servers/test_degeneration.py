@@ -216,6 +216,14 @@ def test_text_that_never_ends_a_sentence_is_not_resaid():
     assert first_stop(text, piece=1500) == (None, None)  # events of 256 tokens, as streamed
 
 
+def test_an_answer_of_one_long_number_is_read_without_error():
+    # Its shape stays empty until the number ends (a random model on SGLang wrote such answers).
+    digits = "".join(random.Random(2).choices("0123456789", k=6000))
+    assert first_stop(digits) == (None, None)
+    stop, loop = first_stop("7" * 6000)
+    assert loop.rule == "exact" and loop.span == "7" and stop < 1000
+
+
 def test_the_detector_keeps_only_its_window_and_stays_stopped():
     detector = LoopDetector(loop_thresholds(window_chars=2048))
     rng = random.Random(5)

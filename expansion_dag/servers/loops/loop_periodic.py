@@ -34,6 +34,8 @@ def repeated_tail(tail: str, *, min_repeats: int, min_chars: int, max_period: in
     (``str.rfind``, in C), nearest first, and each is one slice comparison: microseconds a call.
     """
     n = len(tail)
+    if n < _PROBE_CHARS:
+        return None  # nothing yet, or too short to repeat (a shape is empty while a number arrives)
     probe = tail[-_PROBE_CHARS:]
     end = n - 1
     while True:
