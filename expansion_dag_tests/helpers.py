@@ -101,6 +101,20 @@ def prompts_answered(stats: Mapping[str, Any]) -> int:
     return stats["completed"] - stats["greedy_requests"]
 
 
+def assert_the_demo_runs_succeeded(instance: dg.DagsterInstance) -> None:
+    """``instance`` holds the runs of one `expansion-dag run` of the demo: all four succeeded, and
+    each shard's completions were materialized with more than a handful of answers."""
+    runs = instance.get_runs()
+    assert sorted(r.job_name for r in runs) == ["generate_job", "generate_job", "prepare_job", "training_set_job"]
+    assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
+    for shard in ("shard-00", "shard-01"):
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard]), limit=1
+        ).records
+        assert records, shard
+        assert records[0].asset_materialization.metadata["completions_total"].value > 40
+
+
 def command_lines_holding(secret: str, session: int | None = None) -> list[str]:
     """The command lines that hold ``secret``, as ``ps`` shows them: of every process on this
     machine, or of those in ``session`` (a launched server's: its pid, the leader)."""

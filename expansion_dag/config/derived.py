@@ -140,15 +140,12 @@ def turn_planner(
     generation: GenerationConfig, tokenizer: Any, context_length: int, identities: ModeIdentities
 ) -> TurnPlanner:
     """Budgets each next turn of a conversation as the budget stage budgets turn 1."""
-    g = generation
     return TurnPlanner(
         tokenizer=tokenizer,
         context_length=context_length,
-        max_output_tokens=g.max_output_tokens,
-        min_output_tokens=g.min_output_tokens,
-        margin=g.margin,
         identities=identities.by_mode,
-        continue_on=FINISHED if g.drop_truncated else (*FINISHED, "length"),
+        continue_on=FINISHED if generation.drop_truncated else (*FINISHED, "length"),
+        **generation.model_dump(include={"max_output_tokens", "min_output_tokens", "margin"}),
     )
 
 

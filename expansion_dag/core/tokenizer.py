@@ -98,11 +98,8 @@ def count_tokens(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> li
 
 
 def count_prompt_tokens(
-    tokenizer: PreTrainedTokenizerBase,
-    conversations: Sequence[Messages],
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    *,
-    tools: Sequence[Tools | None] | None = None,
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[Messages],
+    chat_template_kwargs: Mapping[str, Any] | None = None, *, tools: Sequence[Tools | None] | None = None,
 ) -> list[int]:
     """Prompt token counts as the server reports them in ``usage.prompt_tokens``."""
     rendered = render_prompts(tokenizer, conversations, chat_template_kwargs, tools=tools)

@@ -352,22 +352,15 @@ def _check_turns(
     at = _position_label(spec)
     roles = spec.roles_for(conversation) or {}
     user_names = " or ".join(repr(name) for name, role in roles.items() if role == "user")
+
+    def found_at(column: str, reason: str, field: str, says: str) -> tuple[pl.Expr, str, pl.Expr]:
+        """The check that ``column`` holds a turn's position, named with what it ``says`` of it."""
+        return pl.col(column).is_not_null(), reason, pl.concat_str(at(pl.col(column), field), pl.lit(says))
+
     checks = [
-        (
-            pl.col("bad_role_at").is_not_null(),
-            INVALID_UNICODE,
-            pl.concat_str(at(pl.col("bad_role_at"), "from"), pl.lit(" is not valid UTF-8")),
-        ),
-        (
-            pl.col("bad_value_at").is_not_null(),
-            INVALID_UNICODE,
-            pl.concat_str(at(pl.col("bad_value_at"), "value"), pl.lit(" is not valid UTF-8")),
-        ),
-        (
-            pl.col("no_role_at").is_not_null(),
-            MISSING_FIELD,
-            pl.concat_str(at(pl.col("no_role_at"), "from"), pl.lit(" is null")),
-        ),
+        found_at("bad_role_at", INVALID_UNICODE, "from", " is not valid UTF-8"),
+        found_at("bad_value_at", INVALID_UNICODE, "value", " is not valid UTF-8"),
+        found_at("no_role_at", MISSING_FIELD, "from", " is null"),
         (
             pl.col("unknown_at").is_not_null(),
             UNKNOWN_ROLE,
@@ -376,16 +369,8 @@ def _check_turns(
             ),
         ),
         (pl.col("users") == 0, NO_USER_TURN, pl.lit(f"no {user_names} turn in {spec.column}")),
-        (
-            pl.col("no_value_at").is_not_null(),
-            MISSING_FIELD,
-            pl.concat_str(at(pl.col("no_value_at"), "value"), pl.lit(" is null")),
-        ),
-        (
-            pl.col("blank_at").is_not_null(),
-            EMPTY_PROMPT,
-            pl.concat_str(at(pl.col("blank_at"), "value"), pl.lit(" is blank")),
-        ),
+        found_at("no_value_at", MISSING_FIELD, "value", " is null"),
+        found_at("blank_at", EMPTY_PROMPT, "value", " is blank"),
         (
             pl.col("chars") > max_chars,
             TOO_LONG_CHARS,

@@ -29,99 +29,33 @@ AGENT_SPLITS = ("os", "db", "alfworld", "webshop", "kg", "mind2web")
 
 # --- NousResearch/hermes-function-calling-v1 --------------------------------------------------
 
-TOOLS = {
+TOOLS = {  # name: (description, {parameter: JSON type})
     "get_current_weather": ("Get the current weather for a city.", {"city": "string", "unit": "string"}),
-    "get_stock_price": (
-        "Get the latest trading price of a stock by its ticker symbol.",
-        {"symbol": "string"},
-    ),
-    "search_flights": (
-        "Search one-way flights between two airports on a date.",
-        {"origin": "string", "destination": "string", "date": "string"},
-    ),
-    "convert_currency": (
-        "Convert an amount from one currency to another.",
-        {"amount": "number", "from": "string", "to": "string"},
-    ),
-    "create_calendar_event": (
-        "Create a calendar event.",
-        {"title": "string", "start": "string", "duration_minutes": "integer"},
-    ),
-    "search_recipes": (
-        "Find recipes that use the given ingredients.",
-        {"ingredients": "array", "max_minutes": "integer"},
-    ),
-    "translate_text": (
-        "Translate text into a target language.",
-        {"text": "string", "target_language": "string"},
-    ),
-    "get_exchange_rate": (
-        "Get the exchange rate between two currencies.",
-        {"base": "string", "quote": "string"},
-    ),
+    "get_stock_price": ("Get the latest trading price of a stock by its ticker symbol.", {"symbol": "string"}),
+    "search_flights": ("Search one-way flights between two airports on a date.", {"origin": "string", "destination": "string", "date": "string"}),
+    "convert_currency": ("Convert an amount from one currency to another.", {"amount": "number", "from": "string", "to": "string"}),
+    "create_calendar_event": ("Create a calendar event.", {"title": "string", "start": "string", "duration_minutes": "integer"}),
+    "search_recipes": ("Find recipes that use the given ingredients.", {"ingredients": "array", "max_minutes": "integer"}),
+    "translate_text": ("Translate text into a target language.", {"text": "string", "target_language": "string"}),
+    "get_exchange_rate": ("Get the exchange rate between two currencies.", {"base": "string", "quote": "string"}),
 }
 TOOL_QUESTIONS = {
-    "get_current_weather": [
-        "What's the weather like in Oslo right now, in Celsius?",
-        "Do I need an umbrella in Seattle today?",
-    ],
-    "get_stock_price": [
-        "What is Apple's stock trading at?",
-        "Can you check the current price of NVDA for me?",
-    ],
-    "search_flights": [
-        "Find me a flight from Berlin to Madrid on 2024-05-14.",
-        "Are there flights from JFK to SFO next Friday, 2024-06-07?",
-    ],
-    "convert_currency": [
-        "How much is 250 euros in Japanese yen?",
-        "Convert 1,200 US dollars to British pounds.",
-    ],
-    "create_calendar_event": [
-        "Put a 45-minute dentist appointment in my calendar for tomorrow at 9:30.",
-        "Schedule a team retro on 2024-04-12 at 15:00 for one hour.",
-    ],
-    "search_recipes": [
-        "I have chickpeas, spinach and coconut milk. What can I cook in under 30 minutes?",
-        "Find a recipe with eggs and leftover rice.",
-    ],
-    "translate_text": [
-        "Translate 'Where is the train station?' into Portuguese.",
-        "How do you say 'thank you for your patience' in Korean?",
-    ],
+    "get_current_weather": ["What's the weather like in Oslo right now, in Celsius?", "Do I need an umbrella in Seattle today?"],
+    "get_stock_price": ["What is Apple's stock trading at?", "Can you check the current price of NVDA for me?"],
+    "search_flights": ["Find me a flight from Berlin to Madrid on 2024-05-14.", "Are there flights from JFK to SFO next Friday, 2024-06-07?"],
+    "convert_currency": ["How much is 250 euros in Japanese yen?", "Convert 1,200 US dollars to British pounds."],
+    "create_calendar_event": ["Put a 45-minute dentist appointment in my calendar for tomorrow at 9:30.", "Schedule a team retro on 2024-04-12 at 15:00 for one hour."],
+    "search_recipes": ["I have chickpeas, spinach and coconut milk. What can I cook in under 30 minutes?", "Find a recipe with eggs and leftover rice."],
+    "translate_text": ["Translate 'Where is the train station?' into Portuguese.", "How do you say 'thank you for your patience' in Korean?"],
     "get_exchange_rate": ["What's the exchange rate from CHF to EUR today?", "Give me the USD to INR rate."],
 }
-JSON_SCHEMAS = [
-    (
-        "Character",
-        {"name": "string", "age": "integer", "class": "string", "inventory": "array"},
-        "Create a fantasy RPG character: a retired pirate turned lighthouse keeper.",
-    ),
-    (
-        "Invoice",
-        {"invoice_number": "string", "customer": "string", "items": "array", "total": "number"},
-        "Make an invoice for two hours of piano lessons at 40 dollars an hour for Ms. Lee.",
-    ),
-    (
-        "Recipe",
-        {"title": "string", "servings": "integer", "ingredients": "array", "steps": "array"},
-        "Give me a recipe for a simple tomato soup as JSON.",
-    ),
-    (
-        "MeetingNotes",
-        {"date": "string", "attendees": "array", "decisions": "array", "action_items": "array"},
-        "Turn this into structured notes: we met on May 3 with Ana and Raj, decided to ship on Friday, Raj will write the release notes.",
-    ),
-    (
-        "BookReview",
-        {"title": "string", "author": "string", "rating": "integer", "summary": "string"},
-        "Review the novel 'The Old Man and the Sea' in structured form.",
-    ),
-    (
-        "JobPosting",
-        {"title": "string", "location": "string", "requirements": "array", "salary_range": "string"},
-        "Write a job posting for a junior data engineer in Toronto.",
-    ),
+JSON_SCHEMAS = [  # (title, {field: JSON type}, request)
+    ("Character", {"name": "string", "age": "integer", "class": "string", "inventory": "array"}, "Create a fantasy RPG character: a retired pirate turned lighthouse keeper."),
+    ("Invoice", {"invoice_number": "string", "customer": "string", "items": "array", "total": "number"}, "Make an invoice for two hours of piano lessons at 40 dollars an hour for Ms. Lee."),
+    ("Recipe", {"title": "string", "servings": "integer", "ingredients": "array", "steps": "array"}, "Give me a recipe for a simple tomato soup as JSON."),
+    ("MeetingNotes", {"date": "string", "attendees": "array", "decisions": "array", "action_items": "array"}, "Turn this into structured notes: we met on May 3 with Ana and Raj, decided to ship on Friday, Raj will write the release notes."),
+    ("BookReview", {"title": "string", "author": "string", "rating": "integer", "summary": "string"}, "Review the novel 'The Old Man and the Sea' in structured form."),
+    ("JobPosting", {"title": "string", "location": "string", "requirements": "array", "salary_range": "string"}, "Write a job posting for a junior data engineer in Toronto."),
 ]
 
 

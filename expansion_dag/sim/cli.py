@@ -191,50 +191,24 @@ def _marker_median(text: str) -> tuple[str, int]:
 
 def _configs(args: argparse.Namespace) -> list[SimServerConfig]:
     ports = list(dict.fromkeys([*args.port, *(port for r in args.ports for port in r)])) or [_DEFAULTS.port]
-    base = SimServerConfig(
-        host=args.host,
+    # Most flags are the config's field of the same name; these are said otherwise on the command line.
+    said_otherwise = dict(
         port=ports[0],
-        model_path=args.model_path,
-        served_model_name=args.served_model_name,
         tokenizer=args.tokenizer_path,
-        context_length=args.context_length,
-        max_running_requests=args.max_running_requests,
-        stream_interval=args.stream_interval,
-        max_queued_requests=args.max_queued_requests,
         # An empty --api-key sets no key, as on SGLang.
         api_key=args.api_key or (os.environ.get("VLLM_API_KEY") if args.backend == "vllm" else None) or None,
-        weight_version=args.weight_version,
-        max_total_tokens=args.max_total_tokens,
-        reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser or None,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_share=args.tool_call_share,
-        backend=args.backend,
         version=args.emulate_version,
-        startup_delay_s=args.startup_delay_s,
-        warmup_s=args.warmup_s,
         ttft_s=args.ttft_ms / 1000,
         token_latency_s=args.token_latency_ms / 1000,
-        output_median_tokens=args.output_median_tokens,
-        output_sigma=args.output_sigma,
         output_median_by_marker=tuple(args.output_median_by_marker),
-        output_prompt_exponent=args.output_prompt_exponent,
-        output_max_tokens=args.output_max_tokens,
-        reasoning_share=args.reasoning_share,
-        seed=args.seed,
-        fail_rate=args.fail_rate,
-        fail_status=args.fail_status,
-        die_after_requests=args.die_after_requests,
-        hang_rate=args.hang_rate,
-        looping_prompt_share=args.looping_prompt_share,
-        output_word_sigma=args.output_word_sigma,
-        output_phrase_sigma=args.output_phrase_sigma,
-        abort_rate=args.abort_rate,
-        loop_rate=args.loop_rate,
-        prompt_token_skew=args.prompt_token_skew,
-        answer_defect=args.answer_defect,
-        token_ids=args.token_ids,
     )
+    same = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(SimServerConfig)
+        if f.name not in said_otherwise and hasattr(args, f.name)
+    }
+    base = SimServerConfig(**same, **said_otherwise)
     return [dataclasses.replace(base, port=port) for port in ports]
 
 

@@ -231,11 +231,8 @@ def _publish(out_dir: Path, write: Callable[[Path], Manifest]) -> Manifest:
 
 
 def _write_rows(
-    records: Iterable[Mapping[str, Any]],
-    tokenizer: PreTrainedTokenizerBase,
-    config: TrainingSetConfig,
-    directory: Path,
-    tally: _Tally,
+    records: Iterable[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig,
+    directory: Path, tally: _Tally,
 ) -> tuple[list[dict[str, Any]], _Stats]:
     """The rows of ``records`` into ``directory``'s Parquet shards and trainers' files: those files
     ({name, sha256}, and rows for a shard) and what was counted."""

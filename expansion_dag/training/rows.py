@@ -264,10 +264,7 @@ def _tokenize(rows: Sequence[_Row], tokenizer: PreTrainedTokenizerBase, config: 
 
 
 def _encoded_chunks(
-    records: Iterable[Mapping[str, Any]],
-    tokenizer: PreTrainedTokenizerBase,
-    config: TrainingSetConfig,
-    tally: _Tally,
+    records: Iterable[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, config: TrainingSetConfig, tally: _Tally
 ) -> Iterator[_Chunk]:
     """The rows of each chunk of records, tokenized, with their digests, in input order.
 

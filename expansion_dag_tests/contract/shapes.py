@@ -77,21 +77,23 @@ def format_pattern(fmt: str, patterns: dict[str, str]) -> re.Pattern[str]:
     return re.compile("".join(parts))
 
 
+# bool before int: bool is a subclass of int, so the first match must be the narrower type.
+_JSON_KINDS: tuple[tuple[type, str], ...] = (
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
+    for python_type, name in _JSON_KINDS:
+        if isinstance(value, python_type):
+            return name
     raise TypeError(f"not a JSON value: {value!r}")
 
 

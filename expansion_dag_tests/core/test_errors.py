@@ -6,22 +6,24 @@ import pytest
 from expansion_dag import core
 
 
+#: The project's error each httpx exception must become.
+BECOMES = {
+    core.ConnectError: (
+        httpx.ConnectError("refused"), httpx.RemoteProtocolError("server disconnected"),
+        httpx.ReadError("reset"), httpx.WriteError("broken pipe"),
+    ),
+    core.TimeoutError_: (httpx.ReadTimeout("read"), httpx.ConnectTimeout("connect"), httpx.PoolTimeout("pool")),
+    core.TransientError: (httpx.ProxyError("proxy"),),
+    core.RejectedError: (
+        httpx.UnsupportedProtocol("ftp"), httpx.LocalProtocolError("bad header"),
+        httpx.DecodingError("gzip"), httpx.TooManyRedirects("loop"),
+    ),
+}
+
+
 @pytest.mark.parametrize(
     ("exc", "kind"),
-    [
-        (httpx.ConnectError("refused"), core.ConnectError),
-        (httpx.RemoteProtocolError("server disconnected"), core.ConnectError),
-        (httpx.ReadError("reset"), core.ConnectError),
-        (httpx.WriteError("broken pipe"), core.ConnectError),
-        (httpx.ReadTimeout("read"), core.TimeoutError_),
-        (httpx.ConnectTimeout("connect"), core.TimeoutError_),
-        (httpx.PoolTimeout("pool"), core.TimeoutError_),
-        (httpx.ProxyError("proxy"), core.TransientError),
-        (httpx.UnsupportedProtocol("ftp"), core.RejectedError),
-        (httpx.LocalProtocolError("bad header"), core.RejectedError),
-        (httpx.DecodingError("gzip"), core.RejectedError),
-        (httpx.TooManyRedirects("loop"), core.RejectedError),
-    ],
+    [pytest.param(exc, kind, id=type(exc).__name__) for kind, excs in BECOMES.items() for exc in excs],
 )
 def test_every_httpx_exception_maps_to_a_specific_error(exc, kind):
     error = core.error_from_exception(exc)

@@ -12,6 +12,7 @@ import dagster as dg
 import pytest
 
 from expansion_dag_tests.deployment.support import BIN, ROOT, isolated_env, make_dagster_home
+from expansion_dag_tests.helpers import assert_the_demo_runs_succeeded
 from expansion_dag_tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(420)
@@ -68,17 +69,7 @@ def test_the_pipeline_runs_on_a_postgres_instance(pg_deployment):
 
 def test_runs_and_event_logs_are_in_postgres(pg_deployment, pg_instance, postgres):
     assert not (pg_deployment.home / "history").exists()  # nothing went to SQLite on the side
-
-    runs = [record.dagster_run for record in pg_instance.get_run_records()]
-    assert sorted(r.job_name for r in runs) == ["generate_job", "generate_job", "prepare_job", "training_set_job"]
-    assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
-    for shard in ("shard-00", "shard-01"):
-        records = pg_instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard]), limit=1
-        ).records
-        assert records, shard
-        assert records[0].asset_materialization.metadata["completions_total"].value > 40
-
+    assert_the_demo_runs_succeeded(pg_instance)
     assert query(postgres, "SELECT count(*) FROM runs") == [(4,)]
     materialized = query(
         postgres,

@@ -98,21 +98,30 @@ def test_every_prompt_ends_as_one_completion_with_what_a_user_needs(tmp_path):
     assert report.drifted_completions == 0
 
 
+class Concurrency:
+    """Requests a handler is answering at once (``now``) and the most it ever answered (``peak``)."""
+
+    def __init__(self):
+        self.now = 0
+        self.peak = 0
+
+    async def answer(self):
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        await asyncio.sleep(0.01)  # hold the request so that others overlap it
+        self.now -= 1
+        return httpx.Response(200, json=completion())
+
+
 def test_in_flight_requests_fill_the_slots_plus_headroom_and_never_more(tmp_path):
-    in_flight = 0
-    peak = 0
+    in_flight = Concurrency()
 
     async def handler(request):
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        await asyncio.sleep(0.01)
-        in_flight -= 1
-        return httpx.Response(200, json=completion())
+        return await in_flight.answer()
 
     config = default_engine(**FAST, min_headroom=2)
     run(tmp_path, items(60), handler, slots=8, config=config)
-    assert peak == 8 + 2
+    assert in_flight.peak == 8 + 2
 
 
 def test_the_canary_is_the_shortest_expected_answer_then_the_longest_start_first(tmp_path):
@@ -158,25 +167,20 @@ def test_a_borrower_leaves_a_reserve_of_a_server_its_owner_is_using(tmp_path):
     """An owner's workers between two requests read as idle slots; borrowers leave some to it."""
     helper = "http://gpu-1:30000"
     owners = 8  # requests of the helper's own shard, always running
-    ours, most = 0, 0
+    ours = Concurrency()
 
     async def handler(request):
-        nonlocal ours, most
         if request.url.path == "/v1/loads":
-            return loads(slots=16, running=owners + ours, waiting=0)
+            return loads(slots=16, running=owners + ours.now, waiting=0)
         if request.url.host != "gpu-1":
             await asyncio.sleep(0.01)
             return httpx.Response(200, json=completion())
-        ours += 1
-        most = max(most, ours)
-        await asyncio.sleep(0.01)
-        ours -= 1
-        return httpx.Response(200, json=completion())
+        return await ours.answer()
 
     config = default_engine(**FAST, spill_poll_s=0.01)
     report, _ = run(tmp_path, items(400), handler, slots=1, config=config, helpers=[Server(helper, 16)])
     # 16 slots, 8 of them the owner's: 8 read idle, 1 of them left for the owner's next request.
-    assert most == 16 - owners - 1
+    assert ours.peak == 16 - owners - 1
     assert report.ok == 400 and report.helpers[helper].requests > 0
 
 
@@ -305,18 +309,26 @@ def test_vllm_reasoning_is_kept(tmp_path):
     assert {r["reasoning_content"] for r in store.records("shard-00")} == {"The capital..."}
 
 
-def test_the_schedulers_input_limit_is_a_context_length_failure_not_retried(tmp_path):
+def run_one_refused(tmp_path, n, refused, status, body):
+    """``n`` prompts, all answered but prompt number ``refused``, which gets ``status`` and ``body``:
+    the run's report and store, and how many requests the server saw."""
     calls = 0
 
     def handler(request):
         nonlocal calls
         calls += 1
-        if prompt_number(request) == 3:
-            message = "Input length (8190 tokens) exceeds the maximum allowed length (8186 tokens). Use a shorter input"
-            return httpx.Response(400, json={"object": "error", "message": message, "type": "BadRequestError", "code": 400})
+        if prompt_number(request) == refused:
+            return httpx.Response(status, json=body)
         return httpx.Response(200, json=completion())
 
-    report, store = run(tmp_path, items(5), handler)
+    report, store = run(tmp_path, items(n), handler)
+    return report, store, calls
+
+
+def test_the_schedulers_input_limit_is_a_context_length_failure_not_retried(tmp_path):
+    message = "Input length (8190 tokens) exceeds the maximum allowed length (8186 tokens). Use a shorter input"
+    body = {"object": "error", "message": message, "type": "BadRequestError", "code": 400}
+    report, store, calls = run_one_refused(tmp_path, 5, 3, 400, body)
     assert calls == 5
     [failure] = store.records("shard-00", status="failed")
     assert (failure["prompt_id"], failure["error"], failure["attempts"]) == ("p003", "context_length", 1)
@@ -324,16 +336,8 @@ def test_the_schedulers_input_limit_is_a_context_length_failure_not_retried(tmp_
 
 
 def test_other_client_errors_are_not_retried(tmp_path):
-    calls = 0
-
-    def handler(request):
-        nonlocal calls
-        calls += 1
-        if prompt_number(request) == 4:
-            return httpx.Response(422, json={"object": "error", "message": "bad stop sequence", "code": 422})
-        return httpx.Response(200, json=completion())
-
-    report, store = run(tmp_path, items(6), handler)
+    body = {"object": "error", "message": "bad stop sequence", "code": 422}
+    _, store, calls = run_one_refused(tmp_path, 6, 4, 422, body)
     assert calls == 6
     [failure] = store.records("shard-00", status="failed")
     assert (failure["prompt_id"], failure["http_status"], failure["message"]) == ("p004", 422, "bad stop sequence")

@@ -171,18 +171,23 @@ def test_missing_and_corrupt_local_files_raise_source_load_error(tmp_path):
         load_source(corrupt, cache_dir=tmp_path / "cache")
 
 
-def test_parts_with_different_columns_are_aligned(tmp_path):
-    (tmp_path / "a.json").write_text(
-        '[{"id": "a1", "conversations": [{"from": "human", "value": "hi"}], "task": "t"}]'
-    )
-    (tmp_path / "b.json").write_text(
-        '[{"id": "b1", "conversations": [{"from": "human", "value": "yo", "weight": 1}]}]'
-    )
-    spec = SourceSpec(
+def two_config_source(tmp_path, a, b):
+    """A local source whose configs ``a`` and ``b`` are the given JSON texts."""
+    (tmp_path / "a.json").write_text(a)
+    (tmp_path / "b.json").write_text(b)
+    return SourceSpec(
         name="mixed",
         extractor="hermes_function_calling",
         config=["a", "b"],
         local_path=str(tmp_path / "{config}.json"),
+    )
+
+
+def test_parts_with_different_columns_are_aligned(tmp_path):
+    spec = two_config_source(
+        tmp_path,
+        '[{"id": "a1", "conversations": [{"from": "human", "value": "hi"}], "task": "t"}]',
+        '[{"id": "b1", "conversations": [{"from": "human", "value": "yo", "weight": 1}]}]',
     )
     dataset = load_source(spec, cache_dir=tmp_path / "cache")
     assert dataset["id"] == ["a1", "b1"]
@@ -190,15 +195,10 @@ def test_parts_with_different_columns_are_aligned(tmp_path):
 
 
 def test_a_mistyped_row_in_one_config_does_not_break_the_others(tmp_path):
-    (tmp_path / "a.json").write_text('[{"conversations": [{"from": "human", "value": "fine"}]}]')
-    (tmp_path / "b.json").write_text(
-        '[{"conversations": [{"from": "human", "value": "also fine"}]}, {"conversations": "oops"}]'
-    )
-    spec = SourceSpec(
-        name="mixed",
-        extractor="hermes_function_calling",
-        config=["a", "b"],
-        local_path=str(tmp_path / "{config}.json"),
+    spec = two_config_source(
+        tmp_path,
+        '[{"conversations": [{"from": "human", "value": "fine"}]}]',
+        '[{"conversations": [{"from": "human", "value": "also fine"}]}, {"conversations": "oops"}]',
     )
     raw = pl.from_arrow(load_source(spec, cache_dir=tmp_path / "cache").data.table)
     result = extract_prompts(raw, source=spec.name, extractor=spec.extractor)

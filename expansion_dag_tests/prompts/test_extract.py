@@ -180,19 +180,21 @@ def test_hermes_single_turns_json_mode_and_bad_tools(raw, results):
     assert set(quarantine["reason"]) == {"invalid_tools", "unknown_role", "no_user_turn"}
 
 
-def test_conversation_places_answers_and_hashes_every_turn_but_the_assistants():
-    def conversation(*turns):
-        return [{"from": f, "value": v} for f, v in turns]
+def sharegpt(*turns: tuple[str, str]) -> list[dict[str, str]]:
+    """A ShareGPT-style conversation column value from ``(from, value)`` pairs."""
+    return [{"from": f, "value": v} for f, v in turns]
 
+
+def test_conversation_places_answers_and_hashes_every_turn_but_the_assistants():
     rows = [
         # A greeting before the first question is dropped; two answers in a row make one place.
-        conversation(("gpt", "Hi!"), ("human", "Q1"), ("gpt", "A1"), ("gpt", "A1b"), ("human", "Q2")),
-        conversation(("human", "Q1"), ("gpt", "A1"), ("human", "Q3")),  # same first turn, another second
-        conversation(("human", " Q1 "), ("gpt", "other answer"), ("human", "Q2")),  # row 0 up to whitespace
-        conversation(("system", "<tools>[]</tools>"), ("gpt", "no question")),
-        conversation(("system", "<tools>\n{\"name\": \"f\"}\n</tools>"), ("human", "Q1")),
+        sharegpt(("gpt", "Hi!"), ("human", "Q1"), ("gpt", "A1"), ("gpt", "A1b"), ("human", "Q2")),
+        sharegpt(("human", "Q1"), ("gpt", "A1"), ("human", "Q3")),  # same first turn, another second
+        sharegpt(("human", " Q1 "), ("gpt", "other answer"), ("human", "Q2")),  # row 0 up to whitespace
+        sharegpt(("system", "<tools>[]</tools>"), ("gpt", "no question")),
+        sharegpt(("system", "<tools>\n{\"name\": \"f\"}\n</tools>"), ("human", "Q1")),
         # Prose that names the tag stays; a result without its wrapper stays whole.
-        conversation(
+        sharegpt(
             ("system", "Use the <tools> below.\n<tools>\n[{'name': 'g', 'strict': True}]\n</tools>\nBe brief."),
             ("human", "Q1"),
             ("gpt", "<tool_call>...</tool_call>"),
@@ -387,16 +389,16 @@ def test_mistyped_rows_kept_as_json_by_datasets_are_quarantined(tmp_path):
 
 
 def test_turn_setting_decides_where_the_prompt_ends():
-    conversation = [
-        {"from": "gpt", "value": "Welcome!"},
-        {"from": "system", "value": "Be brief."},
-        {"from": "human", "value": "Q1"},
-        {"from": "gpt", "value": "A1"},
-        {"from": "human", "value": "Q2"},
-        {"from": "gpt", "value": "A2"},
-        {"from": "human", "value": "Q3"},
-        {"from": "gpt", "value": "A3"},
-    ]
+    conversation = sharegpt(
+        ("gpt", "Welcome!"),
+        ("system", "Be brief."),
+        ("human", "Q1"),
+        ("gpt", "A1"),
+        ("human", "Q2"),
+        ("gpt", "A2"),
+        ("human", "Q3"),
+        ("gpt", "A3"),
+    )
     frame = pl.DataFrame({"conversations": [conversation, conversation[:4]]})
 
     def prompt(turn, row=0):
@@ -411,13 +413,13 @@ def test_turn_setting_decides_where_the_prompt_ends():
 
 
 def test_hermes_tool_results_count_as_user_turns():
-    conversation = [
-        {"from": "system", "value": "<tools>[]</tools>"},
-        {"from": "human", "value": "Weather in Oslo?"},
-        {"from": "gpt", "value": "<tool_call>{}</tool_call>"},
-        {"from": "tool", "value": "<tool_response>{}</tool_response>"},
-        {"from": "gpt", "value": "It is sunny."},
-    ]
+    conversation = sharegpt(
+        ("system", "<tools>[]</tools>"),
+        ("human", "Weather in Oslo?"),
+        ("gpt", "<tool_call>{}</tool_call>"),
+        ("tool", "<tool_response>{}</tool_response>"),
+        ("gpt", "It is sunny."),
+    )
     result = extract_prompts(
         pl.DataFrame({"conversations": [conversation]}),
         source="h",

@@ -19,7 +19,7 @@ import ssl
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -152,6 +152,7 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: str, engine: EngineEnv) -> Pa
     return out_dir
 
 
+@dataclass(eq=False)
 class EngineServer:
     """A real engine's OpenAI server on 127.0.0.1, keyed, serving the tiny model.
 
@@ -165,23 +166,20 @@ class EngineServer:
     by_label: ClassVar[dict[str, str]] = {}
     startup_timeout_s: ClassVar[float] = STARTUP_TIMEOUT_S
 
-    def __init__(
-        self, model_dir: Path, log: Path, *, context_length: int, slots: int, api_key: str,
-        stream_interval: int = 1, port: int | None = None,
-    ) -> None:
-        self.model_dir = model_dir
-        self.log = log
-        self.context_length = context_length
-        self.slots = slots
-        self.api_key = api_key
-        self.stream_interval = stream_interval
-        self.url = f"http://127.0.0.1:{port or free_port()}"
-        self.startup_s: float | None = None
-        self._process: subprocess.Popen[bytes] | None = None
+    model_dir: Path
+    log: Path
+    _: KW_ONLY
+    context_length: int
+    slots: int
+    api_key: str
+    stream_interval: int = 1
+    port: int = field(default_factory=free_port)
+    startup_s: float | None = field(default=None, init=False)
+    _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         raise NotImplementedError

@@ -60,14 +60,15 @@ class RealRun:
     records: list[dict[str, Any]]
     rows: pl.DataFrame
     manifest: Manifest
-    #: Chat requests the server received during the pipeline, and during the second generation
-    #: (weights probes included: ``PROBES_IN_PIPELINE``, ``PROBES_IN_A_RUN``).
+    #: Chat requests the server received during the pipeline (weights probes included:
+    #: ``PROBES_IN_PIPELINE``).
     received: int
-    received_again: int
     #: Prompts answered more than once in the store.
     duplicates: int
-    second_run: dict[str, Any]
     figures: dict[str, Any]
+    #: The second generation's metadata, and the chat requests it sent (``PROBES_IN_A_RUN``).
+    second_run: dict[str, Any]
+    received_again: int
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])

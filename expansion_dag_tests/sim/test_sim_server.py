@@ -335,18 +335,21 @@ def test_without_reasoning_parser_thinking_stays_in_content(start_fleet, fast, c
 # slots, queue, disconnects, stats
 
 
+def paced(fast, *, slots, token_latency_s):
+    """A server whose answers run to ``max_tokens`` at a fixed pace, keeping its request timeline."""
+    return fast(
+        max_running_requests=slots,
+        ttft_s=0.0,
+        token_latency_s=token_latency_s,
+        output_median_tokens=1000,
+        output_sigma=0.0,
+        keep_timeline=True,
+    )
+
+
 def test_slots_run_and_the_rest_wait_in_fifo_order(start_fleet, fast, client, chat):
     # Requests of 1 s: the five arrive within it on any machine (each is sent once the last is seen).
-    fleet = start_fleet(
-        fast(
-            max_running_requests=2,
-            ttft_s=0.0,
-            token_latency_s=0.01,
-            output_median_tokens=1000,
-            output_sigma=0.0,
-            keep_timeline=True,
-        )
-    )
+    fleet = start_fleet(paced(fast, slots=2, token_latency_s=0.01))
     url = fleet.urls[0]
 
     futures = []
@@ -398,16 +401,7 @@ def test_a_full_queue_answers_503(start_fleet, fast, chat):
 
 
 def test_a_client_that_gives_up_frees_its_slot(start_fleet, fast, chat):
-    fleet = start_fleet(
-        fast(
-            max_running_requests=1,
-            ttft_s=0.0,
-            token_latency_s=0.1,
-            output_median_tokens=1000,
-            output_sigma=0.0,
-            keep_timeline=True,
-        )
-    )
+    fleet = start_fleet(paced(fast, slots=1, token_latency_s=0.1))
     url = fleet.urls[0]
     with httpx.Client(timeout=0.3) as impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post(

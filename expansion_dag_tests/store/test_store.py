@@ -17,13 +17,17 @@ def failed(key, message="boom"):
     return {"key": key, "status": FAILED, "prompt_id": key, "message": message}
 
 
+def write(store, shard, *records):
+    """One writer's run on ``shard``: ``records`` appended in order, then the writer closed."""
+    with store.writer(shard) as w:
+        for record in records:
+            w.append(record)
+
+
 def test_completions_survive_and_are_read_back_once(tmp_path):
     store = CompletionStore(tmp_path)
-    with store.writer("shard-00") as w:
-        w.append(ok("a"))
-        w.append(ok("b"))
-    with store.writer("shard-00") as w:
-        w.append(ok("a"))  # a resumed run that raced: same key again
+    write(store, "shard-00", ok("a"), ok("b"))
+    write(store, "shard-00", ok("a"))  # a resumed run that raced: same key again
     scan = store.scan("shard-00")
     assert scan.done == {"a", "b"}
     assert scan.duplicates == 1
@@ -53,14 +57,10 @@ def test_a_line_cut_inside_its_json_but_ending_in_newline_is_skipped(tmp_path):
 
 def test_failures_are_retryable_until_a_completion_exists(tmp_path):
     store = CompletionStore(tmp_path)
-    with store.writer("shard-00") as w:
-        w.append(failed("a", "first"))
-        w.append(failed("a", "second"))
-        w.append(failed("b"))
+    write(store, "shard-00", failed("a", "first"), failed("a", "second"), failed("b"))
     assert store.scan("shard-00").failed == {"a", "b"}
     assert {r["message"] for r in store.latest_failures("shard-00") if r["key"] == "a"} == {"second"}
-    with store.writer("shard-00") as w:
-        w.append(ok("a"))
+    write(store, "shard-00", ok("a"))
     scan = store.scan("shard-00")
     assert scan.done == {"a"}
     assert scan.failed == {"b"}
@@ -68,12 +68,8 @@ def test_failures_are_retryable_until_a_completion_exists(tmp_path):
 
 def test_sorted_iteration_spans_shards_and_is_stable(tmp_path):
     store = CompletionStore(tmp_path)
-    with store.writer("shard-01") as w:
-        w.append(ok("c"))
-        w.append(ok("a"))
-    with store.writer("shard-00") as w:
-        w.append(ok("b"))
-        w.append(failed("d"))
+    write(store, "shard-01", ok("c"), ok("a"))
+    write(store, "shard-00", ok("b"), failed("d"))
     assert sorted(r["key"] for r in store.latest_records() if r["status"] == "ok") == ["a", "b", "c"]
     assert store.done_keys() == {"a", "b", "c"}
 
@@ -181,13 +177,8 @@ def test_identity_changes_with_settings_and_prompt():
 
 def test_one_scan_finds_completions_whichever_shard_wrote_them(tmp_path):
     store = CompletionStore(tmp_path)
-    with store.writer("shard-00") as w:
-        w.append(ok("a"))
-        w.append(failed("b"))
-        w.append(failed("c"))
-    with store.writer("shard-03") as w:  # a shard of an earlier, larger layout
-        w.append(ok("b"))
-        w.append(ok("a"))
+    write(store, "shard-00", ok("a"), failed("b"), failed("c"))
+    write(store, "shard-03", ok("b"), ok("a"))  # a shard of an earlier, larger layout
     scan = store.scan()
     assert scan.done == {"a", "b"} == store.done_keys()
     assert scan.failed == {"c"}
@@ -248,10 +239,7 @@ def spooled(store):
 
 def test_a_remote_writer_uploads_each_sealed_segment_and_leaves_no_spool(tmp_path):
     store = CompletionStore(remote_root(tmp_path), local_dir=tmp_path / "machine-a", segment_records=2)
-    with store.writer("shard-00") as w:
-        for key in "abcde":
-            w.append(ok(key))
-        w.append(failed("f"))
+    write(store, "shard-00", *map(ok, "abcde"), failed("f"))
     assert spooled(store) == []
     objects = store.root.fs.ls((store.root / "shard-00").path)
     assert len(objects) == 3  # 2 + 2 + 2 lines

@@ -3,20 +3,12 @@ the mix draws it into, rendered and gated with that mode's settings, each mode a
 
 import json
 
-import pyarrow.parquet as pq
 import pytest
 
 from expansion_dag.core import Identity, ModeIdentities, ModeMix, load_tokenizer
-from expansion_dag.training import (
-    build_training_set,
-    check_round_trip,
-    data_files,
-    expected_renders,
-    manifest_markdown,
-    sample_rows,
-)
+from expansion_dag.training import check_round_trip, expected_renders, manifest_markdown, sample_rows
 from expansion_dag_tests.helpers import default_sampling, default_training
-from expansion_dag_tests.training.test_training_set_conversations import turn_records
+from expansion_dag_tests.training.test_training_set_conversations import build, turn_records
 
 PROMPTS = 400
 REASONING = "Let me add.\nDone."
@@ -49,11 +41,6 @@ def answer(prompt_id: str, identity: Identity, mode: str, **fields):
 def answers(ids: ModeIdentities, n: int = PROMPTS):
     """Each prompt answered under the mode the mix draws it into."""
     return [answer(f"p{i:04d}", ids.for_prompt(f"p{i:04d}"), ids.mix.assign(f"p{i:04d}").name) for i in range(n)]
-
-
-def build(records, tokenizer, out, ids, **config):
-    manifest = build_training_set(records, tokenizer, default_training(**config), out, identities=ids)
-    return manifest, pq.read_table(data_files(out)).to_pylist()
 
 
 def written(tokenizer, row):
