@@ -5,6 +5,7 @@
 from expansion_dag.store.completions import DIGEST_FIELDS, SEGMENT_GLOB, CompletionStore, SegmentPart
 from expansion_dag.store.conditional import ConditionalWritesIgnored, conditional_file
 from expansion_dag.store.identities import IdentityRegistry, MixedStoreError, RegistryError, WeightsChangedError
+from expansion_dag.store.kept_parts import kept_parts
 from expansion_dag.store.lines import BAD_LINE_REASONS, decode_line, encode_line
 from expansion_dag.store.lease import (
     LEASES,
@@ -22,5 +23,6 @@ __all__ = [
     "BAD_LINE_REASONS", "BuildClaim", "CompletionStore", "ConditionalWritesIgnored",
     "DEFAULT_SEGMENT_INTERVAL_S", "DEFAULT_SEGMENT_RECORDS", "DIGEST_FIELDS", "Holder", "IdentityRegistry", "LEASES",
     "LeaseLost", "Log", "MixedStoreError", "RegistryError", "SEGMENT_GLOB", "SegmentPart", "SegmentWriter",
-    "ShardBusy", "ShardLease", "WeightsChangedError", "conditional_file", "decode_line", "encode_line", "process_id"
+    "ShardBusy", "ShardLease", "WeightsChangedError", "conditional_file", "decode_line", "encode_line", "kept_parts",
+    "process_id",
 ]
