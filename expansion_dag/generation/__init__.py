@@ -13,7 +13,7 @@ from expansion_dag.generation.answer_lengths import (
 )
 from expansion_dag.generation.answer_yield import AnswerYield, YieldGate
 from expansion_dag.generation.borrowing import OWNER_NOT_STARTED
-from expansion_dag.generation.conversations import TurnPlanner, turn_id
+from expansion_dag.generation.conversations import Ended, TurnPlanner, turn_id
 from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, claim_share
 from expansion_dag.generation.engine import WRITE_QUEUE, ShardRun, generate_shard
 from expansion_dag.generation.engine_config import EngineConfig, Server
@@ -42,7 +42,7 @@ from expansion_dag.generation.shard_work import ShardWork, prompt_keys
 from expansion_dag.generation.speed import MIN_ANSWERS, ShardPlan, Speed, SpeedMeter, outlook
 
 __all__ = [
-    "AnswerLengths", "AnswerYield", "EngineConfig", "Estimate", "MIN_ANSWERS",
+    "AnswerLengths", "AnswerYield", "Ended", "EngineConfig", "Estimate", "MIN_ANSWERS",
     "MIN_OBSERVED", "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress",
     "ProgressDisplay", "PromptQueue", "Server", "ServerStats", "ShardFigures", "ShardPlan", "ShardProgress",
     "ShardReport", "ShardRun", "ShardWork", "Speed", "SpeedMeter", "Throughput", "Turn", "TurnPlanner",

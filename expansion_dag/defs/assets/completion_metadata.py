@@ -11,15 +11,15 @@ import polars as pl
 
 from expansion_dag.core import DEFAULT_MODE, ModeIdentities
 from expansion_dag.defs.assets.metadata import markdown_table
+from expansion_dag.defs.assets.shard_steps import Standing, Target, Todo
 from expansion_dag.generation import Estimate, ShardReport, ShardWork, bucket_label, cell_estimates
 
 
 def shard_metadata(
-    report: ShardReport, shard: str, target, standing, work: ShardWork, identities: ModeIdentities,
-    prompts: pl.DataFrame, todo, effective: dict[str, Any], drop_truncated: bool,
+    report: ShardReport, shard: str, target: Target, standing: Standing, work: ShardWork, identities: ModeIdentities,
+    prompts: pl.DataFrame, todo: Todo, effective: dict[str, Any], drop_truncated: bool,
 ) -> dict[str, Any]:
-    """Everything a shard's materialization reports but the plan's figures; ``target``, ``standing``
-    and ``todo`` are the asset's steps' (``completions``)."""
+    """Everything a shard's materialization reports but the plan's figures."""
     metadata = _metadata(report, shard, target, standing, standing.keys & work.done, effective)
     metadata |= _mode_metadata(identities, prompts)
     metadata |= _waste_metadata(report, drop_truncated) | {"degenerate_total": standing.figures.degenerate}
@@ -94,7 +94,7 @@ def _rounded(value: float | None) -> float | str:
 
 
 def _metadata(
-    report: ShardReport, shard: str, target, standing, done_before: set[str], effective: dict[str, Any]
+    report: ShardReport, shard: str, target: Target, standing: Standing, done_before: set[str], effective: dict[str, Any]
 ) -> dict[str, Any]:
     simulated = bool(effective["fleet"].get("simulator"))
     label = " (simulator)" if simulated else ""

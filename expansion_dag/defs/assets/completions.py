@@ -11,7 +11,6 @@ its materialization (so "backfill failed partitions" picks it up) after every su
 written; the next run sends only what is missing.
 """
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +24,7 @@ from expansion_dag.defs.assets.blocking_checks import record_verdicts
 from expansion_dag.defs.assets.completion_metadata import shard_metadata
 from expansion_dag.defs.assets.plan import ShardExpectation, plan_against_actual
 from expansion_dag.defs.assets.progress import ShardProgressReporter
+from expansion_dag.defs.assets.shard_steps import Standing, Target, Todo
 from expansion_dag.defs.resources import FleetResource, GenerationSettings, StorageResource
 from expansion_dag.generation import (
     Observed,
@@ -38,6 +38,7 @@ from expansion_dag.generation import (
     learn,
     shard_figures,
 )
+from expansion_dag.servers import ServerInfo
 from expansion_dag.store import CompletionStore, ShardLease
 from expansion_dag.training import AnswerJudge
 
@@ -92,49 +93,6 @@ def completions(
         yield from _generate(context, shard_prompts, fleet, settings, storage, lease)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Target:
-    """The server the shard runs on: its own, or a healthy one when its own is down."""
-
-    url: str
-    fell_back: bool
-    server: Any  # the probed server (expansion_dag.servers.ServerInfo)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Todo:
-    """What the store says is left to send, and what it taught about answer lengths."""
-
-    items: list
-    endings: list
-    lengths: Any
-    observed: Observed
-    learned_from_store: int
-    cells: list
-    estimates_before: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class _Standing:
-    """The shard's standing across every run and every shard folder, read back after the run."""
-
-    final: Any
-    keys: set[str]
-    figures: ShardFigures
-
-    @property
-    def done(self) -> int:
-        return len(self.keys & self.final.done)
-
-    @property
-    def failed(self) -> int:
-        return len(self.keys & self.final.failed)
-
-    @property
-    def missing(self) -> int:
-        return len(self.keys) - self.done - self.failed
-
-
 def _generate(
     context: dg.AssetExecutionContext,
     shard_prompts: pl.DataFrame,
@@ -170,7 +128,7 @@ def _generate(
 
 def _choose_server(
     context: dg.AssetExecutionContext, fleet: FleetResource, settings: GenerationSettings, shard: str
-) -> _Target:
+) -> Target:
     url, fell_back = fleet.server_for_shard(shard_index(shard))
     if fell_back:
         context.log.warning(f"{shard}: its own server is down; running on healthy server {url}")
@@ -183,10 +141,10 @@ def _choose_server(
             f"{fleet.stream_interval}: launch it with --stream-interval {fleet.stream_interval} "
             "(SGLang takes it only at launch) to spare the client's CPU"
         )
-    return _Target(url, fell_back, server)
+    return Target(url, fell_back, server)
 
 
-def _engine_server(server: Any) -> Server:
+def _engine_server(server: ServerInfo) -> Server:
     return Server(url=server.url, slots=server.slots, dialect=server.dialect, stream_interval=server.stream_interval,
                   tool_choice=server.tool_choice)  # fmt: skip
 
@@ -217,8 +175,8 @@ def _identities_and_work(
 
 def _scan_store(
     context: dg.AssetExecutionContext, store: CompletionStore, work: ShardWork, identities: ModeIdentities,
-    target: _Target,
-) -> _Todo:
+    target: Target,
+) -> Todo:
     # Expected answer lengths, learned from the mix's completions in the store (earlier nights,
     # other shards; the whole store: a prompt may have moved between shards) and refined by the
     # run: they order the queue, the typed priors only where nothing was learned. The same pass
@@ -236,12 +194,12 @@ def _scan_store(
         f"asks them again), {len(items)} to send to {target.url} ({target.server.slots} slots)"
     )
     cells = [(i.source, i.prompt_tokens, i.expected_output_tokens) for i in items]
-    return _Todo(items, endings, lengths, observed, learned_from_store, cells, cell_estimates(lengths, cells))
+    return Todo(items, endings, lengths, observed, learned_from_store, cells, cell_estimates(lengths, cells))
 
 
 def _run_engine(
     context: dg.AssetExecutionContext, store: CompletionStore, lease: ShardLease, work: ShardWork,
-    identities: ModeIdentities, todo: _Todo, target: _Target, helpers: list[Server], fleet: FleetResource,
+    identities: ModeIdentities, todo: Todo, target: Target, helpers: list[Server], fleet: FleetResource,
     settings: GenerationSettings, expected: ShardExpectation,
 ) -> tuple[ShardReport, str | None, ShardProgressReporter]:
     """The shard's prompts through the engine, every answer written under the lease; the report,
@@ -269,14 +227,14 @@ def _run_engine(
     return report, aborted, progress
 
 
-def _read_standing(store: CompletionStore, work: ShardWork, shard: str, identities: ModeIdentities) -> _Standing:
+def _read_standing(store: CompletionStore, work: ShardWork, shard: str, identities: ModeIdentities) -> Standing:
     final = store.scan()
     # Where each prompt stands: its key, or for a conversation that of its furthest turn.
     keys = work.frontier_keys(store.latest_records(digest=True))
     # Answers stopped as loops are the model's, not the fleet's: dropped and counted as waste,
     # they do not fail the shard (a loop share above max_failure_rate is normal for reasoning models).
     figures = stored_figures(store, shard, keys, identities.owns, done_anywhere=final.done)
-    return _Standing(final, keys, figures)
+    return Standing(final, keys, figures)
 
 
 def _effective_config(
@@ -294,7 +252,7 @@ def _effective_config(
 
 def _verdict(
     context: dg.AssetExecutionContext, store: CompletionStore, shard: str, settings: GenerationSettings,
-    standing: _Standing, aborted: str | None, checks: list[dg.AssetCheckResult], metadata: dict[str, Any],
+    standing: Standing, aborted: str | None, checks: list[dg.AssetCheckResult], metadata: dict[str, Any],
 ):
     """The materialization, or the failure that backfilling failed partitions picks up."""
     figures = standing.figures
