@@ -173,9 +173,13 @@ class EngineServer:
     slots: int
     api_key: str
     stream_interval: int = 1
-    port: int = field(default_factory=free_port)
+    #: None: a free port, chosen here.
+    port: int | None = None
     startup_s: float | None = field(default=None, init=False)
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
 
     @property
     def url(self) -> str:
