@@ -22,7 +22,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel
 
-from expansion_dag.config.schema import CONFIG_ENV, ConfigError, RunConfig, bundled_config_path
+from expansion_dag.config.schema import CONFIG_ENV, ConfigError, RunConfig, bundled_config_path, mask_urls
 
 
 def _flag(value: str) -> bool:
@@ -140,7 +140,10 @@ def _describe(error: Any, where: str, applied: Mapping[str, str]) -> str:
         return f"{where}: {key}: {_unknown_key_message(key, _known_keys(RunConfig, loc))}"
     source = f"${applied[key]} (overrides {key} of {where})" if key in applied else f"{where}: {key}"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{source}: {message} (got {error['input']!r})" if error["type"] != "missing" else f"{source}: {message}"
+    if error["type"] == "missing":
+        return f"{source}: {message}"
+    # What the user wrote, repeated: a URL's password in it is masked, as everywhere it is shown.
+    return mask_urls(f"{source}: {message} (got {error['input']!r})")
 
 
 def parse_config(document: Any, *, where: str, env: Mapping[str, str] | None = None) -> RunConfig:

@@ -309,7 +309,7 @@ class FleetConfig(_Section):
         for url in urls:
             parsed = urllib.parse.urlsplit(url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
-                raise ValueError(f"{url!r} is not an http(s) URL")
+                raise ValueError(f"{mask_url(url)!r} is not an http(s) URL")
         return [u.rstrip("/") for u in urls]
 
     @pydantic.model_validator(mode="after")
@@ -477,8 +477,17 @@ class RunConfig(_Section):
 
 
 def mask_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
+    """``url`` with its password, if it has one, as ``***``. Read as written, not parsed: a URL
+    that does not parse (a bad port, a stray bracket) is masked all the same."""
+    scheme, sep, rest = url.partition("://")
+    end = min([i for i in map(rest.find, "/?#") if i >= 0] or [len(rest)])
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not sep or not at or ":" not in userinfo:
         return url
-    netloc = f"{parts.username}:{MASK}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return f"{scheme}://{userinfo.partition(':')[0]}:{MASK}@{host}{rest[end:]}"
+
+
+def mask_urls(text: str) -> str:
+    """``text`` with the password of every URL in it masked (``mask_url``): for messages that quote
+    what a user wrote, such as pydantic's, which repeat its input."""
+    return re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+", lambda m: mask_url(m.group()), text)

@@ -59,11 +59,13 @@ from expansion_dag.core.tokenizer import (
 )
 from expansion_dag.core.urls import (
     as_upath,
+    auth_headers,
     default_local_dir,
     entry_name,
     is_local,
     listing,
     local_path,
+    server_url,
     upload,
     upload_after,
     url_credentials,
@@ -78,10 +80,10 @@ __all__ = [
     "ModeError", "ModeIdentities", "ModeMix", "OK", "OUTPUT_IDS", "PROMPT_IDS", "QueueFullError",
     "RETRYABLE_CONTENT", "RejectedError", "RequestError", "SamplingSettings", "ServerStartError",
     "ServerUnreachableError", "ShardAborted", "TURN_UNFINISHED", "TimeoutError_", "TransientError",
-    "UnfinishedError", "WeightsProbe", "as_upath", "bar_chart_png", "base_prompt_id", "borrowed_verdict",
-    "bundled_qwen3_path", "canary_verdict", "completion_key", "count_prompt_tokens", "count_tokens",
+    "UnfinishedError", "WeightsProbe", "as_upath", "auth_headers", "bar_chart_png", "base_prompt_id",
+    "borrowed_verdict", "bundled_qwen3_path", "canary_verdict", "completion_key", "count_prompt_tokens", "count_tokens",
     "default_local_dir", "describe", "entry_name", "error_from_exception", "free_port_block", "is_final",
     "is_local", "listing", "load_tokenizer", "local_path", "of_error", "pack", "parse_modes", "pid_alive",
-    "png_data_uri", "record_fields", "render_prompts", "unpack", "upload", "upload_after",
+    "png_data_uri", "record_fields", "render_prompts", "server_url", "unpack", "upload", "upload_after",
     "url_credentials", "without_credentials", "write_atomically"
 ]

@@ -5,11 +5,13 @@ Remote credentials and endpoints come from the filesystem's usual environment: f
 server, ``AWS_ENDPOINT_URL`` (read by botocore, so by s3fs).
 
 A URL that carries credentials (``http://user:password@host``) is named without them wherever it
-is kept or shown (``without_credentials``): records, logs, metadata.
+is kept or shown (``without_credentials``): records, logs, metadata. A server's are kept apart when
+it is first named (``server_url``) and sent with every request to it (``auth_headers``).
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import os
 import secrets
@@ -52,6 +54,32 @@ def url_credentials(url: str) -> tuple[str, str] | None:
     if parts.username is None and parts.password is None:
         return None
     return urllib.parse.unquote(parts.username or ""), urllib.parse.unquote(parts.password or "")
+
+
+#: The credentials of the servers configured as ``user:password@host``, by the URL without them
+#: that names each everywhere: kept in this process alone, never written down.
+_SERVER_CREDENTIALS: dict[str, tuple[str, str]] = {}
+
+
+def server_url(configured: str) -> str:
+    """A configured server URL as the project names it: without its credentials, which every
+    request to it sends from now on (``auth_headers``)."""
+    url = configured.rstrip("/")
+    named = without_credentials(url)
+    credentials = url_credentials(url)
+    if credentials is not None:
+        _SERVER_CREDENTIALS[named] = credentials
+    return named
+
+
+def auth_headers(url: str, api_key: str | None = None) -> dict[str, str]:
+    """The ``Authorization`` of a request to ``url`` (a server's URL, named without credentials,
+    or one under it): HTTP basic with the credentials its configured URL carried, else the API key
+    as a bearer token. One header holds one of them: a URL's credentials win (they are its proxy's)."""
+    for server, (user, password) in _SERVER_CREDENTIALS.items():
+        if url == server or url.startswith(server + "/"):
+            return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def is_local(path: UPath) -> bool:

@@ -13,7 +13,7 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from expansion_dag.config import FleetSettings
-from expansion_dag.core import FleetError, WeightsProbe, without_credentials
+from expansion_dag.core import FleetError, WeightsProbe, server_url
 from expansion_dag.servers import (
     FleetInfo,
     Launcher,
@@ -101,8 +101,8 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
         return self.launcher().urls
 
     def server_urls(self) -> list[str]:
-        """The servers as records, logs and metadata name them: without credentials."""
-        return [without_credentials(u) for u in self._configured_urls()]
+        """The servers as records, logs and metadata name them: without credentials (sent apart)."""
+        return [server_url(u) for u in self._configured_urls()]
 
     def provision(self, log: Any = None) -> FleetInfo:
         """Ensure every server runs and is ready, then probe them all."""

@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 
 import httpx
 
-from expansion_dag.core import FleetError, ServerStartError, pid_alive
+from expansion_dag.core import FleetError, ServerStartError, auth_headers, pid_alive
 from expansion_dag.servers.launching import log_filter
 from expansion_dag.servers.transport import tls_context
 
@@ -112,7 +112,9 @@ def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
     """``/health`` runs a real 1-token generation; a loaded server may answer 503 once, so ask twice."""
     for _ in range(attempts):
         try:
-            if httpx.get(url.rstrip("/") + "/health", timeout=timeout_s, verify=tls_context()).status_code == 200:
+            url = url.rstrip("/")
+            answer = httpx.get(url + "/health", headers=auth_headers(url), timeout=timeout_s, verify=tls_context())
+            if answer.status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
@@ -177,9 +179,8 @@ def wait_ready(
 
 
 def _get_json(url: str, path: str, api_key: str | None = None) -> object:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(url + path, headers=headers, timeout=5.0, verify=tls_context())
+        response = httpx.get(url + path, headers=auth_headers(url, api_key), timeout=5.0, verify=tls_context())
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

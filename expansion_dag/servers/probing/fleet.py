@@ -14,7 +14,8 @@
   (``ServerInfo.tool_choice``): SGLang says its ``--tool-call-parser``; vLLM says nothing, so the
   configured one is believed.
 - A server is named by its URL without credentials (``ServerInfo.url``: what records, logs and
-  metadata show); a ``user:password@`` in a configured URL is sent to the probe as basic auth.
+  metadata show); a ``user:password@`` in a configured URL is sent as basic auth with every request
+  to it (``core.server_url``), the probe's, the health checks' and the generation's alike.
 - Which weights the fleet serves is part of a completion's identity (``FleetInfo.identity``), from
   ``weights.py``: their names where known, and a probe of what they answer.
 """
@@ -32,8 +33,8 @@ from expansion_dag.core import (
     FleetMismatchError,
     ServerUnreachableError,
     WeightsProbe,
-    url_credentials,
-    without_credentials,
+    auth_headers,
+    server_url,
 )
 from expansion_dag.servers.dialects import Dialect
 from expansion_dag.servers.probing.facts import PROTECTED_PATH, ServerFacts, read_server_facts, serves_without_key
@@ -162,10 +163,8 @@ def probe_server(
     ``tool_call_parser``: the one the fleet is configured with; a server that reports its own
     (SGLang's ``/server_info``) is believed instead.
     """
-    credentials = url_credentials(url)
-    url = without_credentials(url.rstrip("/"))
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context(), auth=credentials) as client:
+    url = server_url(url)
+    with httpx.Client(timeout=timeout_s, headers=auth_headers(url, api_key), verify=tls_context()) as client:
         facts = read_server_facts(client, url, backend)
     if api_key and serves_without_key(url, timeout_s=timeout_s):
         raise FleetError(
@@ -253,7 +252,7 @@ def probe_fleet(
         except ServerUnreachableError:
             if not allow_unreachable:
                 raise
-            unreachable.append(without_credentials(url.rstrip("/")))
+            unreachable.append(server_url(url))
     if not probed:
         raise ServerUnreachableError(f"no server of the fleet answers: {', '.join(unreachable)}")
     servers = tuple(probed)

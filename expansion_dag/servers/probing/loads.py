@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from expansion_dag.core import auth_headers
 from expansion_dag.servers.dialects import Dialect
 from expansion_dag.servers.transport import HttpClient, tls_context
 
@@ -71,13 +72,12 @@ def read_throughputs(
 ) -> dict[str, float | None]:
     """Each server's output tokens a second now (``parse_gen_throughput``); None where it
     does not say or does not answer."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     found: dict[str, float | None] = {}
-    with httpx.Client(timeout=timeout_s, headers=headers, verify=tls_context()) as client:
+    with httpx.Client(timeout=timeout_s, verify=tls_context()) as client:
         for server in servers:
             path = server.dialect.loads_path
             try:
-                response = client.get(server.url + path) if path else None
+                response = client.get(server.url + path, headers=auth_headers(server.url, api_key)) if path else None
                 ok = response is not None and response.status_code == 200
                 found[server.url] = parse_gen_throughput(response.json(), server.dialect) if ok else None
             except (httpx.HTTPError, ValueError):

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pydantic_core
 
+from expansion_dag.core import auth_headers
 from expansion_dag.servers.transport.asyncio_network import asyncio_transport
 
 _JSON = (b"Content-Type", b"application/json")
@@ -44,15 +45,15 @@ class HttpClient:
     def __init__(self, transport: httpx.AsyncBaseTransport, *, timeout: httpx.Timeout, api_key: str | None = None):
         self._transport = transport
         self._extensions = {"timeout": timeout.as_dict()}
-        self._auth = [(b"Authorization", f"Bearer {api_key}".encode())] if api_key else []
+        self._api_key = api_key
         self._targets: dict[str, tuple[httpx.URL, list[tuple[bytes, bytes]]]] = {}
 
     def _target(self, url: str) -> tuple[httpx.URL, list[tuple[bytes, bytes]]]:
-        """``url`` parsed once per server, and the headers every POST to it carries."""
+        """``url`` parsed once per server, and its authorization (``core.auth_headers``)."""
         target = self._targets.get(url)
         if target is None:
-            parsed = httpx.URL(url)
-            target = self._targets[url] = (parsed, [(b"Host", parsed.netloc), _JSON, *self._auth])
+            auth = [(k.encode(), v.encode()) for k, v in auth_headers(url, self._api_key).items()]
+            target = self._targets[url] = (httpx.URL(url), auth)
         return target
 
     async def post(self, url: str, body: Mapping[str, Any]) -> httpx.Response:
@@ -64,14 +65,14 @@ class HttpClient:
         # What httpx's ``json=`` sends (compact UTF-8), by pydantic's Rust encoder: a sixth of
         # ``json.dumps``'s CPU on prompts with non-ASCII text.
         content = pydantic_core.to_json(body)
-        target, headers = self._target(url)
+        target, auth = self._target(url)
         # The body as a stream, with the headers httpx would add (Host, Content-Length) given here:
         # with ``content=``, httpx looks each one up in the headers and rebuilds them, CPU a plain
         # request can spare (BENCHMARKS.md, "Plain and streamed requests side by side").
         request = httpx.Request(
             "POST",
             target,
-            headers=[*headers, (b"Content-Length", b"%d" % len(content))],
+            headers=[(b"Host", target.netloc), _JSON, *auth, (b"Content-Length", b"%d" % len(content))],
             stream=httpx.ByteStream(content),
             extensions=self._extensions,
         )
@@ -79,9 +80,8 @@ class HttpClient:
 
     async def get(self, url: str, *, timeout_s: float) -> httpx.Response:
         """GET ``url`` within ``timeout_s``: the response, its body read."""
-        request = httpx.Request(
-            "GET", self._target(url)[0], headers=self._auth, extensions={"timeout": httpx.Timeout(timeout_s).as_dict()}
-        )
+        target, auth = self._target(url)
+        request = httpx.Request("GET", target, headers=auth, extensions={"timeout": httpx.Timeout(timeout_s).as_dict()})
         response = await self._transport.handle_async_request(request)
         try:
             await response.aread()
