@@ -28,6 +28,7 @@ is its own while its claim is alive, and no other builder removes it before.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -173,9 +174,14 @@ class Seen:
             version = data.get("version")
             return cls(found, None, data, f"written by another version of expansion_dag (lease version {version!r})")
         try:
-            return cls(found, Holder(**data), data, None)
+            holder = Holder(**data)
         except TypeError as exc:
             return cls(found, None, data, f"unexpected fields ({exc})")
+        # A field of another type ("started": "yesterday", written by hand) would fail whoever reads it.
+        wrong = [f"{f.name} {data[f.name]!r}" for f in dataclasses.fields(Holder) if not _of_type(data[f.name], f.type)]
+        if wrong:
+            return cls(found, None, data, f"fields of the wrong type: {', '.join(wrong)}")
+        return cls(found, holder, data, None)
 
     def who(self) -> str:
         """The holder, as a key: the same across its renewals."""
@@ -201,6 +207,13 @@ class Seen:
         if now - heartbeat > timeout:
             return f"its last heartbeat was {now - heartbeat:.0f} s ago, over its {timeout:g} s timeout"
         return None
+
+
+def _of_type(value: Any, annotation: str) -> bool:
+    """Whether a lease field's JSON value is of its ``Holder`` annotation's type (an int is a float)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, {"str": str, "int": int, "float": (int, float)}[annotation])
 
 
 def _readable_fields(text: str) -> dict[str, Any]:

@@ -284,3 +284,21 @@ def test_a_simulated_and_a_real_run_registering_together_never_both_pass(tmp_pat
         kinds = {i.kind for i in store.registry.known().values()}
         assert unexpected == [], attempt
         assert len(refused) >= 1 and len(kinds) <= 1 and not kinds & set(refused), attempt
+
+
+def test_a_lease_with_a_field_of_the_wrong_type_is_reported_and_taken_over_once_stale(tmp_path):
+    root = as_upath(str(tmp_path / "storage"))
+    edited = {**json.loads(foreign(heartbeat=time.time())), "started": "yesterday"}  # as edited by hand
+    put(root, json.dumps(edited).encode())
+    with pytest.raises(ShardBusy, match=r"an unreadable lease \(run_id 1c2f-other, host gpu-a, pid 4121, started "
+                                        r"yesterday\)"):
+        lease(root, "run-next", wait=False)[0].acquire()
+    # Its heartbeat still counts: once older than its timeout, the lease is taken over, and said.
+    path = conditional_file(root / LEASES / f"{SHARD}.json")
+    assert path.swap(json.dumps({**edited, "heartbeat": time.time() - 600}).encode(), path.read().version)
+    taking, said = lease(root, "run-next", timeout_s=60)
+    with taking:
+        assert held_by(root)["run_id"] == "run-next"
+    [report] = said.saying("cannot be read")
+    assert "fields of the wrong type: started 'yesterday'" in report
+    assert "its last heartbeat was 600 s ago" in said.saying("took over the lease")[0]
