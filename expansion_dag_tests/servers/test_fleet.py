@@ -1,7 +1,10 @@
 """Provisioning and probing, against the simulator over real sockets and real processes."""
 
 import dataclasses
+import http.server
+import json
 import sys
+import threading
 
 import httpx
 import pytest
@@ -24,7 +27,7 @@ from expansion_dag.servers.probing.fleet import _slots
 from expansion_dag.servers.launching.launcher import _slots_flag_value
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag_tests.contract.shapes import load_fixture
-from expansion_dag_tests.ports import free_ports
+from expansion_dag_tests.ports import free_port, free_ports
 
 
 def test_probe_reads_context_slots_model_and_version_from_the_server():
@@ -59,6 +62,35 @@ def test_a_fleet_whose_servers_disagree_on_context_length_is_refused_naming_them
     message = str(info.value)
     assert "context_length" in message
     assert fleet.urls[0] in message and fleet.urls[1] in message
+
+
+def test_a_server_info_whose_context_length_is_not_a_number_is_a_probe_error_naming_server_and_field():
+    # A real SGLang's recorded answers, served by a small server of its own, with one field spoiled.
+    spoiled = {**load_fixture("sglang", "server_info").body, "context_length": "abc"}
+    answers = {"/v1/models": load_fixture("sglang", "models").body, "/server_info": spoiled}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            payload = json.dumps(answers.get(self.path, {})).encode()
+            self.send_response(200 if self.path in answers else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(FleetError) as error:
+            probe_server(url, backend="sglang", stream_interval=1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert str(error.value) == f'{url}: /server_info says context_length "abc", not a number of tokens'
 
 
 def test_a_fleet_whose_servers_serve_different_models_is_refused():

@@ -50,7 +50,9 @@ def parse_server_facts(models: object, server_info: object | None, dialect: Dial
         raise FleetError(f"/v1/models: no served model with max_model_len in {quote(models, 300)}") from exc
     info: Mapping[str, Any] = server_info if isinstance(server_info, Mapping) else {}
     declared = info.get("context_length")
-    if declared is not None and int(declared) != context_length:
+    if declared is not None and (not isinstance(declared, int) or isinstance(declared, bool)):
+        raise FleetError(f"{dialect.server_info_path} says context_length {quote(declared, 80)}, not a number of tokens")
+    if declared is not None and declared != context_length:
         raise FleetMismatchError(
             f"/v1/models says max_model_len {context_length} but {dialect.server_info_path} says "
             f"context_length {declared}"
