@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import string
+import tempfile
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +40,7 @@ from expansion_dag.prompts.extractors import (
     conversation_problem,
     turn_problem,
 )
+from expansion_dag.prompts.local_files import blank_files, surrogate_error, surrogates_as_bytes
 from expansion_dag.prompts.selection import DEFAULT_SEED
 
 logger = logging.getLogger(__name__)
@@ -443,9 +445,16 @@ def _load_part(
     files = sorted(glob.glob(pattern))
     if not files:
         raise FileNotFoundError(f"no file matches {pattern}")
-    return datasets.load_dataset(
-        FORMATS[spec.format], data_files={split: files}, split=split, cache_dir=cache_dir
-    )
+    if blank := blank_files(files):
+        raise ValueError(f"{', '.join(blank)}: empty: give it rows, or remove it")
+    try:
+        return datasets.load_dataset(FORMATS[spec.format], data_files={split: files}, split=split, cache_dir=cache_dir)
+    except datasets.exceptions.DatasetGenerationError as exc:
+        if FORMATS[spec.format] != "json" or not surrogate_error(exc):
+            raise
+    with tempfile.TemporaryDirectory(prefix="expansion-source-") as folder:
+        copies = surrogates_as_bytes(files, Path(folder))
+        return datasets.load_dataset("json", data_files={split: copies}, split=split, cache_dir=cache_dir)
 
 
 def _describe_part(spec: SourceSpec, *, config: str | None, split: str) -> str:

@@ -171,6 +171,16 @@ def test_missing_and_corrupt_local_files_raise_source_load_error(tmp_path):
         load_source(corrupt, cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("content", ["", "\n \n"])
+def test_an_empty_local_file_is_an_error_naming_it(tmp_path, content):
+    (tmp_path / "full.jsonl").write_text('{"query": "fine"}\n', encoding="utf-8")
+    (tmp_path / "empty.jsonl").write_text(content, encoding="utf-8")
+    spec = SourceSpec(name="mine", extractor="codefeedback", local_path=str(tmp_path / "*.jsonl"))
+    with pytest.raises(SourceLoadError) as error:
+        load_source(spec, cache_dir=tmp_path / "cache")
+    assert str(error.value).endswith(f"ValueError: {tmp_path / 'empty.jsonl'}: empty: give it rows, or remove it")
+
+
 def two_config_source(tmp_path, a, b):
     """A local source whose configs ``a`` and ``b`` are the given JSON texts."""
     (tmp_path / "a.json").write_text(a)

@@ -388,6 +388,26 @@ def test_mistyped_rows_kept_as_json_by_datasets_are_quarantined(tmp_path):
     )
 
 
+def test_a_jsonl_row_with_a_lone_surrogate_is_quarantined_and_the_rest_of_its_file_kept(tmp_path):
+    # Python writes a lone surrogate as "\ud800" (json.dumps); Arrow refuses the whole file for it.
+    records = [
+        {"conversations": [{"from": "human", "value": "First question"}]},
+        {"conversations": [{"from": "human", "value": "Broken \ud800 text"}]},
+        {"conversations": [{"from": "human", "value": "Third question \U0001F600"}]},
+    ]
+    path = tmp_path / "chat.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    path.write_text(text, encoding="utf-8")
+    assert "\\ud800" in text and "\\ud83d\\ude00" in text  # a lone surrogate, and a valid pair beside it
+    spec = SourceSpec(name="chat", extractor="infinity_instruct", local_path=str(path))
+    result = extract(pl.from_arrow(load_source(spec, cache_dir=tmp_path / "cache").data.table), spec)
+    assert messages(result, 0) == [{"role": "user", "content": "First question"}]
+    assert messages(result, 2) == [{"role": "user", "content": "Third question \U0001F600"}]
+    assert result.quarantine.select("row_index", "reason", "detail").rows() == [
+        (1, "invalid_unicode", "conversations[0].value is not valid UTF-8"),
+    ]
+
+
 def test_turn_setting_decides_where_the_prompt_ends():
     conversation = sharegpt(
         ("gpt", "Welcome!"),
