@@ -220,8 +220,7 @@ def _publish(out_dir: Path, write: Callable[[Path], Manifest]) -> Manifest:
         manifest = write(staging)
         # On disk before the rename, so that a machine crash cannot leave a renamed set whose
         # files were still in the page cache.
-        for path in [*staging.iterdir(), staging]:
-            _fsync(path)
+        _fsync_folder(staging)
         _replace_dir(staging, out_dir)
         _fsync(out_dir.parent)
     except BaseException:
@@ -331,6 +330,12 @@ def _replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old)
     else:
         os.rename(new, target)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """A flat folder's files, then the folder itself, on disk."""
+    for path in [*folder.iterdir(), folder]:
+        _fsync(path)
 
 
 def _fsync(path: Path) -> None:

@@ -40,6 +40,8 @@ from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.core import Identity, ModeIdentities
 from expansion_dag.training.build import (
+    _fsync,
+    _fsync_folder,
     _identity,
     _publish,
     _ShardWriter,
@@ -181,12 +183,23 @@ def _prune(parts_dir: Path, keys: Sequence[str], segments: set[str], fingerprint
 
 def _done(part_dir: Path) -> dict[str, Any] | None:
     """A built part's record (``part.json``, written last), or None for a part never finished or
-    damaged since (a torn download, a disk that filled): such a part is built again, never read."""
+    damaged since (a torn download, a disk that filled, a crash that kept its record and lost its
+    files' data): such a part is built again, never read. Its files' sizes are checked, not their
+    digests: a reuse reads no file."""
     try:
         done = json.loads((part_dir / PART_DONE).read_text())
     except (OSError, ValueError):
         return None
-    return done if isinstance(done, dict) and isinstance(done.get("files"), list) else None
+    if not isinstance(done, dict) or not isinstance(done.get("files"), list) or not isinstance(done.get("bytes"), dict):
+        return None
+    return done if all(_size(part_dir / name) == size for name, size in done["bytes"].items()) else None
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def _build_state(
@@ -263,13 +276,16 @@ def _build_part(
     tally = _Tally(identities, known, BuildTrace())
     files, stats = _write_rows(part.records(), tokenizer, config, staging, tally)
     done = {"name": part.name, "size": part.size, "files": files, "stats": stats.to_dict(), "tally": tally.to_dict(),
-            "fingerprint": fingerprint}
+            "fingerprint": fingerprint, "bytes": {f["name"]: (staging / f["name"]).stat().st_size for f in files}}
     (staging / PART_DONE).write_text(json.dumps(done, sort_keys=True))
+    # On disk before the rename: after a machine crash, a part in place has its files, not empty ones.
+    _fsync_folder(staging)
     target = parts_dir / key
     if _done(target) is None:
         shutil.rmtree(target, ignore_errors=True)  # a part cut short by a crash
         try:
             os.rename(staging, target)
+            _fsync(parts_dir)
             return
         except OSError:
             if _done(target) is None:

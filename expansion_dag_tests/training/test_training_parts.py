@@ -147,6 +147,23 @@ def test_a_damaged_part_is_built_again_and_the_others_are_kept(qwen3, tmp_path):
     assert_same_set(tmp_path / "set", tmp_path / "one-pass")
 
 
+@pytest.mark.parametrize("lost", ["part-00000.parquet", "pretokenized.jsonl"])
+def test_a_part_whose_record_survived_a_crash_but_not_its_data_is_built_again(qwen3, tmp_path, lost):
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(i) for i in range(4)])
+    night(store, "shard-01", [record(i) for i in range(4, 8)])
+    in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    # What a machine crash leaves of a file whose data was still in the page cache: its name, no bytes.
+    [emptied, *_] = sorted((tmp_path / "parts").glob(f"*/{lost}"))
+    emptied.write_bytes(b"")
+    assert (emptied.parent / PART_DONE).exists()
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    assert manifest.parts == {"parts": 2, "built": 1, "reused": 1, "rebuilt_all_because": None}
+    assert emptied.stat().st_size > 0
+    in_one_pass(store, qwen3, tmp_path / "one-pass")
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+
+
 def shard_parts(root, shard, parts_dir):
     """What a Dagster run of one shard's ``training_set_parts`` does: that shard's parts alone."""
     parts, _ = CompletionStore(root).parts([shard])
