@@ -19,8 +19,10 @@ from expansion_dag.core.errors import (
     ShardAborted,
     TimeoutError_,
     TransientError,
+    UNWRITABLE,
     UnfinishedError,
     error_from_exception,
+    unwritable,
 )
 from expansion_dag.core.histogram import bar_chart_png, png_data_uri
 from expansion_dag.core.modes import (
@@ -80,10 +82,12 @@ __all__ = [
     "ModeError", "ModeIdentities", "ModeMix", "OK", "OUTPUT_IDS", "PROMPT_IDS", "QueueFullError",
     "RETRYABLE_CONTENT", "RejectedError", "RequestError", "SamplingSettings", "ServerStartError",
     "ServerUnreachableError", "ShardAborted", "TURN_UNFINISHED", "TimeoutError_", "TransientError",
-    "UnfinishedError", "WeightsProbe", "as_upath", "auth_headers", "bar_chart_png", "base_prompt_id",
-    "borrowed_verdict", "bundled_qwen3_path", "canary_verdict", "completion_key", "count_prompt_tokens", "count_tokens",
+    "UNWRITABLE", "UnfinishedError", "WeightsProbe", "as_upath", "auth_headers", "bar_chart_png",
+    "base_prompt_id", "borrowed_verdict", "bundled_qwen3_path", "canary_verdict", "completion_key",
+    "count_prompt_tokens", "count_tokens",
     "default_local_dir", "describe", "entry_name", "error_from_exception", "free_port_block", "is_final",
     "is_local", "listing", "load_tokenizer", "local_path", "of_error", "pack", "parse_modes", "pid_alive",
-    "png_data_uri", "record_fields", "render_prompts", "server_url", "unpack", "upload", "upload_after",
+    "png_data_uri", "record_fields", "render_prompts", "server_url", "unpack", "unwritable", "upload",
+    "upload_after",
     "url_credentials", "without_credentials", "write_atomically"
 ]

@@ -14,6 +14,8 @@ What a server's answer means (statuses, error texts, finish reasons) is read by
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 
 import httpx
@@ -173,3 +175,16 @@ def error_from_exception(exc: httpx.HTTPError) -> RequestError:
     if isinstance(exc, httpx.TransportError):
         return TransientError(message)
     return RejectedError(message)
+
+
+#: A folder that takes no more bytes: full, over its quota, read-only or not this user's.
+UNWRITABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES})
+
+
+def unwritable(exc: OSError, folder: str | os.PathLike[str], what: str, after: str) -> OSError:
+    """``exc`` as a user reads it: ``what`` could not be written where, why, and the fix; ``after``:
+    what a run started again does with what was written (the OS's own error names no folder)."""
+    return OSError(
+        exc.errno, f"{what} could not be written to {folder} ({exc.strerror or exc}): free space there or make it "
+        f"writable, then run again; {after}"
+    )

@@ -25,6 +25,7 @@ from typing import Any
 
 import pydantic_core
 
+from expansion_dag.core import unwritable
 from expansion_dag.store.lines import encode_line
 
 DEFAULT_SEGMENT_RECORDS = 1000
@@ -129,10 +130,8 @@ class SegmentWriter:
                 self._segment.write(line, self._fsync_interval_s)
             except OSError as exc:
                 self._drop_segment()
-                raise OSError(
-                    exc.errno, f"a completion could not be written to {self._folder} ({exc.strerror or exc}): free "
-                    "space there or make it writable, then run again; the completions written are kept and "
-                    "only the others are sent"
+                raise unwritable(
+                    exc, self._folder, "a completion", "the completions written are kept and only the others are sent"
                 ) from exc
             self.written += 1
             if self._publish is not None and self._segment.lines >= self._segment_records:

@@ -15,13 +15,14 @@ render (the round trip decodes sampled rows against it) and each prompt's outcom
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
-from expansion_dag.core import Identity, ModeIdentities
+from expansion_dag.core import UNWRITABLE, Identity, ModeIdentities, unwritable
 from expansion_dag.training.config import FORMATS, BuildTrace, TrainingSetConfig, mask_convention
 from expansion_dag.training.dataset_card import dataset_card
 from expansion_dag.training.exports import _JsonlOutputs
@@ -217,12 +218,13 @@ def _publish(out_dir: Path, write: Callable[[Path], Manifest]) -> Manifest:
     shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run of a recycled pid
     staging.mkdir()
     try:
-        manifest = write(staging)
-        # On disk before the rename, so that a machine crash cannot leave a renamed set whose
-        # files were still in the page cache.
-        _fsync_folder(staging)
-        _replace_dir(staging, out_dir)
-        _fsync(out_dir.parent)
+        with writing(out_dir.parent, "the training set", "the set published before stays the current one"):
+            manifest = write(staging)
+            # On disk before the rename, so that a machine crash cannot leave a renamed set whose
+            # files were still in the page cache.
+            _fsync_folder(staging)
+            _replace_dir(staging, out_dir)
+            _fsync(out_dir.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -330,6 +332,18 @@ def _replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old)
     else:
         os.rename(new, target)
+
+
+@contextlib.contextmanager
+def writing(folder: Path, what: str, after: str) -> Iterator[None]:
+    """A disk that is full or read-only under ``folder`` said as the store's writer says it: the
+    folder, why, and the fix (``core.unwritable``), never the OS's bare error."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise
+        raise unwritable(exc, folder, what, after) from exc
 
 
 def _fsync_folder(folder: Path) -> None:

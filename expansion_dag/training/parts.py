@@ -49,6 +49,7 @@ from expansion_dag.training.build import (
     _write_manifest,
     _write_rows,
     tokenizer_facts,
+    writing,
 )
 from expansion_dag.training.config import FORMATS, BuildTrace, TrainingSetConfig
 from expansion_dag.training.manifest import Manifest
@@ -157,7 +158,9 @@ def build_parts(
     why_all = _why_all(parts_dir, state)
     keys = [_part_key(part, state["fingerprint"]) for part in parts]
     todo = [(part, key) for part, key in zip(parts, keys) if _done(parts_dir / key) is None]
-    _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers, builder, state["fingerprint"])
+    with writing(parts_dir, "a part of the training set", "the parts built are kept and only the others are built"):
+        _build_parts(todo, tokenizer, config, identities, known or {}, parts_dir, workers, builder,
+                     state["fingerprint"])
     # Other builders may write it at the same time, each the same state: replaced whole, never torn.
     staged = parts_dir / f".{STATE_NAME}.tmp-{builder}"
     staged.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")

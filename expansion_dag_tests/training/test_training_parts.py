@@ -4,6 +4,8 @@ a single pass over the same records gives."""
 
 import json
 import multiprocessing
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pyarrow.parquet as pq
@@ -162,6 +164,41 @@ def test_a_part_whose_record_survived_a_crash_but_not_its_data_is_built_again(qw
     assert emptied.stat().st_size > 0
     in_one_pass(store, qwen3, tmp_path / "one-pass")
     assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+
+
+#: A build of the store at argv[1] into the folders argv[2] (the set) and argv[3] (its parts).
+BUILD = """
+import sys
+from expansion_dag.core import load_tokenizer
+from expansion_dag.store import CompletionStore
+from expansion_dag_tests.training.test_training_parts import in_parts
+try:
+    in_parts(CompletionStore(sys.argv[1]), load_tokenizer(), sys.argv[2], sys.argv[3])
+except OSError as exc:
+    sys.exit(str(exc))
+"""
+
+
+@pytest.mark.parametrize("full, what", [("parts", "a part of the training set"), ("set", "the training set")])
+def test_a_full_disk_is_named_with_its_fix(qwen3, tmp_path, full, what):
+    store = CompletionStore(tmp_path / "completions")
+    night(store, "shard-00", [record(i) for i in range(12)])
+    in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")  # the parts, where the set's disk is full
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    folders = {"set": tmp_path / "new-set", "parts": tmp_path / "parts", full: disk / full}
+    # A real filesystem of 8 KiB, a tmpfs in a mount namespace of the build's own (root or not).
+    mounted = 'mount -t tmpfs -o size=8k tmpfs "$0" && exec "$@"'
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mounted, str(disk), sys.executable, "-c",
+         BUILD, str(tmp_path / "completions"), str(folders["set"]), str(folders["parts"])],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = result.stderr.strip().splitlines()[-1]
+    where = disk / full if full == "parts" else disk
+    assert said.startswith(f"[Errno 28] {what} could not be written to {where} (") and "No space left on device" in said
+    assert "free space there or make it writable, then run again" in said
 
 
 def shard_parts(root, shard, parts_dir):
