@@ -103,7 +103,10 @@ def _get_json(client: httpx.Client, url: str, path: str) -> Any:
     except httpx.HTTPError as exc:
         raise ServerUnreachableError(f"{url}{path}: cannot reach the server ({type(exc).__name__}: {exc})") from exc
     if response.status_code == 401:
-        raise FleetError(f"{url}{path}: 401 Unauthorized: set the API key environment variable the fleet names")
+        raise FleetError(
+            f"{url}{path}: 401 Unauthorized: set the API key environment variable the fleet names (or, for a server "
+            "behind a proxy that asks for a password, the user:password@ of its URL)"
+        )
     if response.status_code == 404:
         raise _NotFound(f"{url}{path}: HTTP 404: {response.text[:300]}")
     if response.status_code != 200:
