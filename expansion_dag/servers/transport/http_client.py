@@ -25,6 +25,7 @@ from expansion_dag.core import auth_headers
 from expansion_dag.servers.transport.asyncio_network import asyncio_transport
 
 _JSON = (b"Content-Type", b"application/json")
+_Headers = list[tuple[bytes, bytes]]
 
 
 @functools.cache
@@ -46,14 +47,16 @@ class HttpClient:
         self._transport = transport
         self._extensions = {"timeout": timeout.as_dict()}
         self._api_key = api_key
-        self._targets: dict[str, tuple[httpx.URL, list[tuple[bytes, bytes]]]] = {}
+        self._targets: dict[str, tuple[httpx.URL, _Headers, _Headers]] = {}
 
-    def _target(self, url: str) -> tuple[httpx.URL, list[tuple[bytes, bytes]]]:
-        """``url`` parsed once per server, and its authorization (``core.auth_headers``)."""
+    def _target(self, url: str) -> tuple[httpx.URL, _Headers, _Headers]:
+        """``url`` parsed once per server, the headers every POST to it carries, and its
+        authorization (``core.auth_headers``: a URL's credentials, or the API key) alone."""
         target = self._targets.get(url)
         if target is None:
+            parsed = httpx.URL(url)
             auth = [(k.encode(), v.encode()) for k, v in auth_headers(url, self._api_key).items()]
-            target = self._targets[url] = (httpx.URL(url), auth)
+            target = self._targets[url] = (parsed, [(b"Host", parsed.netloc), _JSON, *auth], auth)
         return target
 
     async def post(self, url: str, body: Mapping[str, Any]) -> httpx.Response:
@@ -65,14 +68,14 @@ class HttpClient:
         # What httpx's ``json=`` sends (compact UTF-8), by pydantic's Rust encoder: a sixth of
         # ``json.dumps``'s CPU on prompts with non-ASCII text.
         content = pydantic_core.to_json(body)
-        target, auth = self._target(url)
+        target, headers, _ = self._target(url)
         # The body as a stream, with the headers httpx would add (Host, Content-Length) given here:
         # with ``content=``, httpx looks each one up in the headers and rebuilds them, CPU a plain
         # request can spare (BENCHMARKS.md, "Plain and streamed requests side by side").
         request = httpx.Request(
             "POST",
             target,
-            headers=[(b"Host", target.netloc), _JSON, *auth, (b"Content-Length", b"%d" % len(content))],
+            headers=[*headers, (b"Content-Length", b"%d" % len(content))],
             stream=httpx.ByteStream(content),
             extensions=self._extensions,
         )
@@ -80,7 +83,7 @@ class HttpClient:
 
     async def get(self, url: str, *, timeout_s: float) -> httpx.Response:
         """GET ``url`` within ``timeout_s``: the response, its body read."""
-        target, auth = self._target(url)
+        target, _, auth = self._target(url)
         request = httpx.Request("GET", target, headers=auth, extensions={"timeout": httpx.Timeout(timeout_s).as_dict()})
         response = await self._transport.handle_async_request(request)
         try:
