@@ -17,6 +17,14 @@ instructions sit), how far each word moves the answer's log-length from its sour
 mean. A prompt's features travel with its completion record (``length_features``), so later runs
 learn from the store without reading prompt texts again.
 
+What is left of a run (:func:`source_fits`, :func:`expected_beyond`): the time to finish counts
+the queued prompts at these same expectations, scaled per source for survivorship. The first
+answers to end are the short ones, so a mean of ended answers alone is low until the run is nearly
+over; the answers still running are at least as long as their tokens so far (right-censored), and
+a lognormal fitted by maximum likelihood (EM) to the ended lengths and those lower bounds, with the
+typed prior as ``prior_weight`` pseudo-answers, is not biased by the order answers end in. The
+ratio of its mean to that of the same fit on the ended answers alone scales a source's estimates.
+
 Pure: no I/O. ``learn`` takes store records (``CompletionStore.records``) and keeps those of one
 identity; the caller reads the store once.
 """
@@ -27,6 +35,7 @@ import dataclasses
 import itertools
 import math
 import re
+import statistics
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -46,14 +55,26 @@ def bucket_label(bucket: int) -> str:
     return f"<{_SMALLEST_BUCKET}" if bucket == 0 else f"{bucket}-{2 * bucket - 1}"
 
 
+#: Spread assumed around a typed prior (lognormal sigma of an answer's length): real answer lengths
+#: spread about this much (the reference run's sources: 0.8 to 1.3).
+PRIOR_SIGMA = 1.0
+_NORMAL = statistics.NormalDist()
+
+
 @dataclasses.dataclass
 class _Mean:
     n: int = 0
     total: int = 0
+    #: Sums of log1p(length) and of its square: a lognormal's sufficient statistics.
+    logs: float = 0.0
+    squares: float = 0.0
 
     def add(self, value: int) -> None:
         self.n += 1
         self.total += value
+        log = math.log1p(value)
+        self.logs += log
+        self.squares += log * log
 
     def shrunk(self, toward: float, weight: float) -> float:
         return (self.total + weight * toward) / (self.n + weight)
@@ -162,6 +183,18 @@ class AnswerLengths:
             return base
         return max(1, round(math.expm1(math.log1p(base) + self.words.residual(features))))
 
+    def source_answers(self, source: str) -> int:
+        known = self._sources.get(source)
+        return known.n if known is not None else 0
+
+    def survivorship(self, source: str, prior: int, running: Sequence[int]) -> tuple[float, float]:
+        """How much to scale ``source``'s estimates, its answers still ``running`` (tokens so far)
+        counted as lower bounds, and the spread (lognormal sigma) fitted with them."""
+        known = self._sources.get(source) or _Mean()
+        censored = _fit(known, running, prior, self._weight)
+        ended = _fit(known, (), prior, self._weight)
+        return _lognormal_mean(*censored) / _lognormal_mean(*ended), censored[1]
+
     def estimate(self, source: str, prompt_tokens: int, prior: int) -> Estimate:
         """The expected answer length of a prompt's source and length bucket; ``prior`` is the typed one for its source."""
         by_source = self._sources.get(source)
@@ -174,6 +207,56 @@ class AnswerLengths:
         return Estimate(tokens=round(cell.shrunk(source_mean, self._weight)), answers=cell.n, basis="source+bucket")
 
 
+def _lognormal_mean(mu: float, sigma: float) -> float:
+    return math.expm1(mu + sigma * sigma / 2)
+
+
+def _fit(ended: _Mean, bounds: Sequence[int], prior: int, weight: float, rounds: int = 40) -> tuple[float, float]:
+    """(mu, sigma) of log1p(length) by EM: ``ended`` lengths whole, ``bounds`` lengths at least
+    that long, and ``weight`` pseudo-answers of the prior (its mean ``prior``, sigma ``PRIOR_SIGMA``)."""
+    prior_mu = math.log1p(prior) - PRIOR_SIGMA**2 / 2
+    n = ended.n + weight
+    logs = ended.logs + weight * prior_mu
+    squares = ended.squares + weight * (PRIOR_SIGMA**2 + prior_mu**2)
+    lows = [math.log1p(b) for b in bounds if b > 0]  # a bound of 0 tokens says nothing
+    mu = logs / n
+    var = max(squares / n - mu * mu, 1e-4)
+    for _ in range(rounds if lows else 0):
+        sigma = math.sqrt(var)
+        sum_y = sum_y2 = 0.0
+        for low in lows:
+            z = (low - mu) / sigma
+            tail = max(1.0 - _NORMAL.cdf(z), 1e-12)
+            hazard = _NORMAL.pdf(z) / tail  # E[y | y > low] = mu + sigma * hazard
+            sum_y += mu + sigma * hazard
+            sum_y2 += mu * mu + var + sigma * (low + mu) * hazard
+        total = n + len(lows)
+        mu_next = (logs + sum_y) / total
+        var = max((squares + sum_y2) / total - mu_next * mu_next, 1e-4)
+        done = abs(mu_next - mu) < 1e-6
+        mu = mu_next
+        if done:
+            break
+    return mu, math.sqrt(var)
+
+
+def expected_beyond(mean: float, sigma: float, so_far: float, cap: int) -> float:
+    """Tokens still to come of an answer of lognormal length (``mean``, ``sigma``) that has made
+    ``so_far`` tokens and stops at ``cap`` at the latest: E[min(L, cap) | L > so_far] - so_far."""
+    if so_far >= cap:
+        return 0.0
+    mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
+    low = (math.log(so_far) - mu) / sigma if so_far > 0 else -math.inf
+    high = (math.log(cap) - mu) / sigma
+    tail = 1.0 - _NORMAL.cdf(low) if so_far > 0 else 1.0
+    if tail < 1e-9:  # far in its tail: the answer is about to end
+        return 0.0
+    # The lognormal's partial mean between so_far and cap, and the cap for what lies beyond it.
+    below = _NORMAL.cdf(low - sigma) if so_far > 0 else 0.0
+    within = mean * (_NORMAL.cdf(high - sigma) - below)
+    return max(0.0, (within + cap * (1.0 - _NORMAL.cdf(high))) / tail - so_far)
+
+
 def learn(
     records: Iterable[Mapping[str, Any]],
     owns: Callable[[Mapping[str, Any]], bool],
@@ -181,7 +264,8 @@ def learn(
 ) -> AnswerLengths:
     """Lengths of the completions among ``records`` that ``owns`` accepts (one identity's).
 
-    The prompt length is the project's own count (``local_prompt_tokens``), the one the queue's
+    A stopped loop (a failure record with ``streamed_tokens``) counts at its streamed length. The
+    prompt length is the project's own count (``local_prompt_tokens``), the one the queue's
     prompts carry, falling back to the server's; the words are the record's ``length_features``.
     """
     lengths = lengths or AnswerLengths()
@@ -189,7 +273,8 @@ def learn(
         if not owns(record):
             continue
         prompt_tokens = record.get("local_prompt_tokens", record.get("prompt_tokens"))
-        output_tokens = record.get("completion_tokens")
+        # A loop stopped early counts at the tokens it streamed: what its slot spent on it.
+        output_tokens = record.get("completion_tokens", record.get("streamed_tokens"))
         if isinstance(prompt_tokens, int) and isinstance(output_tokens, int):
             features = record.get("length_features") or ()
             lengths.observe(str(record.get("source")), prompt_tokens, output_tokens, features)
