@@ -17,13 +17,14 @@ instructions sit), how far each word moves the answer's log-length from its sour
 mean. A prompt's features travel with its completion record (``length_features``), so later runs
 learn from the store without reading prompt texts again.
 
-What is left of a run (:func:`source_fits`, :func:`expected_beyond`): the time to finish counts
-the queued prompts at these same expectations, scaled per source for survivorship. The first
-answers to end are the short ones, so a mean of ended answers alone is low until the run is nearly
-over; the answers still running are at least as long as their tokens so far (right-censored), and
-a lognormal fitted by maximum likelihood (EM) to the ended lengths and those lower bounds, with the
-typed prior as ``prior_weight`` pseudo-answers, is not biased by the order answers end in. The
-ratio of its mean to that of the same fit on the ended answers alone scales a source's estimates.
+What is left of a run (``AnswerLengths.survivorship``): the time to finish counts the queued
+prompts at these same expectations, scaled per source for survivorship. The first answers to end
+are the short ones, so a mean of ended answers alone is low until the run is nearly over; the
+answers still running are at least as long as their tokens so far (right-censored data), and a
+survival curve of the lengths (:class:`Survival`: Kaplan-Meier over the ended lengths and those
+lower bounds, a lognormal fitted to both past the longest, the typed prior as ``prior_weight``
+pseudo-answers) is not biased by the order answers end in. The ratio of its mean to the ended
+answers' scales a source's estimates, and it gives each running answer's expected rest.
 
 Pure: no I/O. ``learn`` takes store records (``CompletionStore.records``) and keeps those of one
 identity; the caller reads the store once.
@@ -31,6 +32,8 @@ identity; the caller reads the store once.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import itertools
 import math
@@ -68,10 +71,13 @@ class _Mean:
     #: Sums of log1p(length) and of its square: a lognormal's sufficient statistics.
     logs: float = 0.0
     squares: float = 0.0
+    #: How many answers had each length: the survival curve's steps.
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def add(self, value: int) -> None:
         self.n += 1
         self.total += value
+        self.counts[value] += 1
         log = math.log1p(value)
         self.logs += log
         self.squares += log * log
@@ -187,13 +193,14 @@ class AnswerLengths:
         known = self._sources.get(source)
         return known.n if known is not None else 0
 
-    def survivorship(self, source: str, prior: int, running: Sequence[int]) -> tuple[float, float]:
+    def survivorship(self, source: str, prior: int, running: Sequence[int], cap: int) -> tuple[float, Survival]:
         """How much to scale ``source``'s estimates, its answers still ``running`` (tokens so far)
-        counted as lower bounds, and the spread (lognormal sigma) fitted with them."""
+        counted as lower bounds, and the survival curve of its lengths that says so. Means are of
+        answers cut at ``cap``, as the learned ones are."""
         known = self._sources.get(source) or _Mean()
-        censored = _fit(known, running, prior, self._weight)
-        ended = _fit(known, (), prior, self._weight)
-        return _lognormal_mean(*censored) / _lognormal_mean(*ended), censored[1]
+        curve = Survival(_ProductLimit(known, running, prior, self._weight), prior, self._weight)
+        ended = (known.total + self._weight * curve.prior.area(cap)) / (known.n + self._weight)
+        return curve.area(cap) / max(ended, 1.0), curve
 
     def estimate(self, source: str, prompt_tokens: int, prior: int) -> Estimate:
         """The expected answer length of a prompt's source and length bucket; ``prior`` is the typed one for its source."""
@@ -207,8 +214,89 @@ class AnswerLengths:
         return Estimate(tokens=round(cell.shrunk(source_mean, self._weight)), answers=cell.n, basis="source+bucket")
 
 
-def _lognormal_mean(mu: float, sigma: float) -> float:
-    return math.expm1(mu + sigma * sigma / 2)
+@dataclasses.dataclass(frozen=True)
+class _Lognormal:
+    mean: float
+    sigma: float
+
+    def _z(self, t: float) -> float:
+        mu = math.log(max(self.mean, 1.0)) - self.sigma**2 / 2
+        return (math.log(t) - mu) / self.sigma
+
+    def survival(self, t: float) -> float:
+        return 1.0 if t <= 0 else 1.0 - _NORMAL.cdf(self._z(t))
+
+    def area(self, t: float) -> float:
+        """The integral of the survival from 0 to ``t``: E[min(L, t)]."""
+        if t <= 0:
+            return 0.0
+        z = self._z(t)
+        return self.mean * _NORMAL.cdf(z - self.sigma) + t * (1.0 - _NORMAL.cdf(z))
+
+
+class _ProductLimit:
+    """The product-limit (Kaplan-Meier) estimate of P(length > t) over ended lengths, running ones'
+    tokens so far as lower bounds; past the longest length it knows, a lognormal fitted to both (EM)."""
+
+    def __init__(self, ended: _Mean, bounds: Sequence[int], prior: int, weight: float):
+        bounds = sorted(b for b in bounds if b > 0)  # a bound of 0 tokens says nothing
+        self.seen = ended.n + len(bounds)
+        mu, sigma = _fit(ended, bounds, prior, weight)
+        self._tail = _Lognormal(math.exp(mu + sigma * sigma / 2), sigma)
+        # The steps: at each ended length, the share still longer, and the area under them from 0.
+        self._times, self._levels, self._areas = [0.0], [1.0], [0.0]
+        at_risk, level, below = self.seen, 1.0, 0  # below: bounds under the length, out of risk
+        for length in sorted(ended.counts):
+            while below < len(bounds) and bounds[below] < length:
+                below += 1
+            risk = at_risk - below
+            self._areas.append(self._areas[-1] + level * (length - self._times[-1]))
+            level *= 1.0 - ended.counts[length] / risk if risk > 0 else 0.0
+            self._times.append(float(length))
+            self._levels.append(level)
+            at_risk -= ended.counts[length]
+        self._last = max(self._times[-1], float(bounds[-1]) if bounds else 0.0)
+
+    def _at(self, t: float) -> tuple[float, float]:
+        i = bisect.bisect_right(self._times, t) - 1
+        level = self._levels[i]
+        if t <= self._last:
+            return level, self._areas[i] + level * (t - self._times[i])
+        # Past what it knows: the fitted tail, scaled to the level the curve reached.
+        known = self._areas[i] + level * (self._last - self._times[i])
+        scale = level / max(self._tail.survival(self._last), 1e-12)
+        return scale * self._tail.survival(t), known + scale * (self._tail.area(t) - self._tail.area(self._last))
+
+    def survival(self, t: float) -> float:
+        return self._at(t)[0]
+
+    def area(self, t: float) -> float:
+        return self._at(t)[1]
+
+
+class Survival:
+    """A source's answer lengths as a survival curve, P(length > t): its answers' product-limit
+    curve (:class:`_ProductLimit`) as many answers as it rests on, mixed with the typed prior (a
+    lognormal, sigma ``PRIOR_SIGMA``) as ``weight`` answers."""
+
+    def __init__(self, own: _ProductLimit, prior: int, weight: float):
+        self.prior = _Lognormal(prior, PRIOR_SIGMA)
+        self._parts = [(own.seen, own), (weight, self.prior)]
+
+    def survival(self, t: float) -> float:
+        return sum(w * part.survival(t) for w, part in self._parts) / sum(w for w, _ in self._parts)
+
+    def area(self, t: float) -> float:
+        """E[min(length, t)]."""
+        return sum(w * part.area(t) for w, part in self._parts) / sum(w for w, _ in self._parts)
+
+    def rest(self, so_far: float, cap: int) -> float:
+        """Tokens still to come of an answer at ``so_far`` tokens that stops at ``cap`` at the
+        latest: E[min(length, cap) | length > so_far] - so_far."""
+        longer = self.survival(so_far)
+        if so_far >= cap or longer < 1e-9:
+            return 0.0
+        return (self.area(cap) - self.area(so_far)) / longer
 
 
 def _fit(ended: _Mean, bounds: Sequence[int], prior: int, weight: float, rounds: int = 40) -> tuple[float, float]:
@@ -238,23 +326,6 @@ def _fit(ended: _Mean, bounds: Sequence[int], prior: int, weight: float, rounds:
         if done:
             break
     return mu, math.sqrt(var)
-
-
-def expected_beyond(mean: float, sigma: float, so_far: float, cap: int) -> float:
-    """Tokens still to come of an answer of lognormal length (``mean``, ``sigma``) that has made
-    ``so_far`` tokens and stops at ``cap`` at the latest: E[min(L, cap) | L > so_far] - so_far."""
-    if so_far >= cap:
-        return 0.0
-    mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
-    low = (math.log(so_far) - mu) / sigma if so_far > 0 else -math.inf
-    high = (math.log(cap) - mu) / sigma
-    tail = 1.0 - _NORMAL.cdf(low) if so_far > 0 else 1.0
-    if tail < 1e-9:  # far in its tail: the answer is about to end
-        return 0.0
-    # The lognormal's partial mean between so_far and cap, and the cap for what lies beyond it.
-    below = _NORMAL.cdf(low - sigma) if so_far > 0 else 0.0
-    within = mean * (_NORMAL.cdf(high - sigma) - below)
-    return max(0.0, (within + cap * (1.0 - _NORMAL.cdf(high))) / tail - so_far)
 
 
 def learn(

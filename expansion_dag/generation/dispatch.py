@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from expansion_dag.core import DEFAULT_MODE, SamplingSettings
-from expansion_dag.generation.answer_lengths import AnswerLengths, expected_beyond, prompt_bucket, prompt_features
+from expansion_dag.generation.answer_lengths import AnswerLengths, prompt_bucket, prompt_features
 from expansion_dag.generation.speed import Stream
 
 #: The queue is re-ordered when this many answers have returned, then at each doubling: estimates
@@ -222,9 +222,12 @@ class PromptQueue:
             tokens = min(item.max_tokens, stream_rate * (now - since)) if stream_rate and since is not None else 0.0
             so_far[key] = tokens
             bounds[item.source].append(int(tokens))
-        samples = {cell.sample.source: cell.sample for cell in self._cells.values() if cell.sample is not None}
-        samples |= {item.source: item for item, _ in self._running.values()}
-        fits = {s: self.lengths.survivorship(s, item.expected_output_tokens, bounds[s]) for s, item in samples.items()}
+        priors: dict[str, int] = {}
+        caps: dict[str, int] = collections.defaultdict(int)  # a source's highest: its means uncut
+        for item in [cell.sample for cell in self._cells.values() if cell.sample] + [i for i, _ in self._running.values()]:
+            priors[item.source] = item.expected_output_tokens
+            caps[item.source] = max(caps[item.source], item.max_tokens)
+        fits = {s: self.lengths.survivorship(s, prior, bounds[s], caps[s]) for s, prior in priors.items()}
 
         def mean(item: WorkItem) -> float:
             """The cell's expected answer, scaled for survivorship, not yet capped."""
@@ -234,12 +237,13 @@ class PromptQueue:
         for cell in self._cells.values():
             if cell.prompts and cell.sample is not None:
                 cap, each = cell.sample.max_tokens, mean(cell.sample)
+                # The learned lengths are of answers as capped: the cap bounds, it does not cut again.
                 queued += min(cell.prompts * cap, cell.shift * each) + cell.later * min(cap, each)
         running = 0.0
         for key, (item, _) in self._running.items():
             each = mean(item)
             later = item.turn.turns - item.turn.turn if item.turn is not None else 0
-            rest = expected_beyond(self._shift.get(key, 1.0) * each, fits[item.source][1], so_far[key], item.max_tokens)
+            rest = fits[item.source][1].rest(so_far[key], item.max_tokens)
             running += rest + later * min(item.max_tokens, each)
         return WorkLeft(queued + running, running, len(self._items), len(self._running), self.lengths.answers)
 
