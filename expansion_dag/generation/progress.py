@@ -253,6 +253,7 @@ def speed_line(figures: Mapping[str, ShardProgress | None]) -> str | None:
         f"speed: {fleet.tokens_per_s:,.0f} output tokens/s per server{label} measured on {fleet.servers} "
         f"server(s) [{shard}: {first.speed_basis}]: time to finish {_duration(fleet.finish_s)}, "
         f"{fleet.gpu_hours:,.2f} GPU-hours for this run's prompts; {check}"
+        + (f"; {shard}'s tokens left: {first.tokens_left_basis}" if first.tokens_left_basis else "")
     )
 
 

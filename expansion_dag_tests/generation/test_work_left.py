@@ -14,9 +14,23 @@ from pathlib import Path
 
 import pytest
 
-from expansion_dag.generation import AnswerLengths, PromptQueue, SpeedMeter, Turn, WorkItem
+from expansion_dag.generation import (
+    AnswerLengths,
+    Progress,
+    PromptQueue,
+    Server,
+    SpeedMeter,
+    Turn,
+    WorkItem,
+    generate_shard,
+)
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import default_engine, default_sampling
 
 DATA = Path(__file__).parents[1] / "data" / "real_model_answers.jsonl.gz"
+MODEL = SimServerConfig().model_name
+SAMPLING = default_sampling()
 
 
 def item(i: int, source: str, prior: int, cap: int = 100_000, turn: Turn | None = None) -> WorkItem:
@@ -118,3 +132,24 @@ def test_the_cap_bounds_the_rest_of_a_running_answer_and_later_turns_count():
     # turns at about 4,000 each: ~11,000, never the 2 x 4,000 of two fresh answers alone.
     assert 9_000 < left.tokens < 13_500
     assert "learned from 50 answers" in left.basis()
+
+
+def test_a_runs_progress_carries_the_work_left_from_its_queue_to_zero_at_its_end(tmp_path):
+    sim = SimServerConfig(port=0, max_running_requests=4, ttft_s=0.0, token_latency_s=0.0005, output_sigma=1.0,
+                          output_median_tokens=200)
+    config = default_engine(canary=False, progress_interval_s=0.05)
+    items = [
+        WorkItem(key=SAMPLING.key(f"p{i}", MODEL), prompt_id=f"p{i}", source="chat",
+                 messages=[{"role": "user", "content": f"Question {i}."}], prompt_tokens=20, max_tokens=2000,
+                 expected_output_tokens=1000)
+        for i in range(60)
+    ]
+    reports: list[Progress] = []
+    with SimulatedFleet([sim]) as fleet, CompletionStore(tmp_path).writer("shard-00") as writer:
+        generate_shard(items, [Server(fleet.urls[0], 4)], writer=writer, model=MODEL, sampling=SAMPLING,
+                       config=config, on_progress=reports.append)
+    midway = [p.work for p in reports if p.work is not None and p.work.running and p.work.learned]
+    assert midway, "no report while answers ran"
+    assert midway[0].queued + midway[0].running <= 60 and "learned from" in midway[0].basis()
+    last = reports[-1].work
+    assert last is not None and (last.tokens, last.queued, last.running, last.learned) == (0, 0, 0, 60)
