@@ -211,41 +211,14 @@ class PromptQueue:
             self._queued(item, +1)
 
     def work_left(self, stream_rate: float | None, now: float) -> WorkLeft:
-        """The output tokens still to come: each queued prompt's expected answer (and its
-        conversation's later turns), and each running answer's expected rest past its tokens so far
-        (``stream_rate`` tokens a second since it began to decode; None: not measured yet, so 0),
-        every source's expectations scaled for survivorship (``AnswerLengths.survivorship``)."""
-        so_far: dict[str, float] = {}
-        bounds: dict[str, list[int]] = collections.defaultdict(list)
-        for key, (item, stream) in self._running.items():
+        """The output tokens still to come (:func:`work_left`); ``stream_rate``: tokens a second a
+        stream decodes (None: not measured yet)."""
+        running = []
+        for item, stream in self._running.values():
             since = stream.decoding_since if stream is not None else None
-            tokens = min(item.max_tokens, stream_rate * (now - since)) if stream_rate and since is not None else 0.0
-            so_far[key] = tokens
-            bounds[item.source].append(int(tokens))
-        priors: dict[str, int] = {}
-        caps: dict[str, int] = collections.defaultdict(int)  # a source's highest: its means uncut
-        for item in [cell.sample for cell in self._cells.values() if cell.sample] + [i for i, _ in self._running.values()]:
-            priors[item.source] = item.expected_output_tokens
-            caps[item.source] = max(caps[item.source], item.max_tokens)
-        fits = {s: self.lengths.survivorship(s, prior, bounds[s], caps[s]) for s, prior in priors.items()}
-
-        def mean(item: WorkItem) -> float:
-            """The cell's expected answer, scaled for survivorship, not yet capped."""
-            return fits[item.source][0] * self.lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens).tokens
-
-        queued = 0.0
-        for cell in self._cells.values():
-            if cell.prompts and cell.sample is not None:
-                cap, each = cell.sample.max_tokens, mean(cell.sample)
-                # The learned lengths are of answers as capped: the cap bounds, it does not cut again.
-                queued += min(cell.prompts * cap, cell.shift * each) + cell.later * min(cap, each)
-        running = 0.0
-        for key, (item, _) in self._running.items():
-            each = mean(item)
-            later = item.turn.turns - item.turn.turn if item.turn is not None else 0
-            rest = fits[item.source][1].rest(so_far[key], item.max_tokens)
-            running += rest + later * min(item.max_tokens, each)
-        return WorkLeft(queued + running, running, len(self._items), len(self._running), self.lengths.answers)
+            so_far = min(item.max_tokens, stream_rate * (now - since)) if stream_rate and since is not None else 0.0
+            running.append((item, so_far))
+        return work_left(self.lengths, self._cells.values(), running, queued=len(self._items))
 
     def take(self, *, shortest: bool = False) -> WorkItem:
         """The longest expected work (``shortest``: the other end, for a canary)."""
@@ -272,6 +245,48 @@ class PromptQueue:
                 self._items = collections.deque(sorted(self._items, key=self._order))
                 self._count_cells()
                 self.reorders += 1
+
+
+def work_left(lengths: AnswerLengths, cells: Iterable[_Cell], running: list[tuple[WorkItem, float]], *, queued: int) -> WorkLeft:
+    """The output tokens still to come: each queued prompt's expected answer (and its
+    conversation's later turns), each running answer's expected rest past its tokens so far, every
+    source's expectations scaled for survivorship (``AnswerLengths.survivorship``).
+
+    A source no answer has reached yet has its configured prior, scaled by what the sources with
+    answers say of theirs: priors wrong by 2x for the sources seen are likely so for the rest.
+    """
+    cells = [cell for cell in cells if cell.prompts and cell.sample is not None]
+    bounds: dict[str, list[int]] = collections.defaultdict(list)
+    for item, so_far in running:
+        bounds[item.source].append(int(so_far))
+    priors: dict[str, int] = {}
+    caps: dict[str, int] = collections.defaultdict(int)  # a source's highest: its means uncut
+    for item in [cell.sample for cell in cells if cell.sample] + [item for item, _ in running]:
+        priors[item.source] = item.expected_output_tokens
+        caps[item.source] = max(caps[item.source], item.max_tokens)
+    fits = {s: lengths.survivorship(s, prior, bounds[s], caps[s]) for s, prior in priors.items()}
+    seen = {s: lengths.source_answers(s) for s in priors}
+    configured = sum(n * fits[s][1].prior.area(caps[s]) for s, n in seen.items())
+    if configured > 0:
+        scale = sum(n * fits[s][1].area(caps[s]) for s, n in seen.items()) / configured
+        priors = {s: max(1, round(prior * scale)) for s, prior in priors.items()}
+        fits = {s: lengths.survivorship(s, prior, bounds[s], caps[s]) for s, prior in priors.items()}
+
+    def mean(item: WorkItem) -> float:
+        """The cell's expected answer, scaled for survivorship, not yet capped."""
+        return fits[item.source][0] * lengths.estimate(item.source, item.prompt_tokens, priors[item.source]).tokens
+
+    total = 0.0
+    for cell in cells:
+        assert cell.sample is not None
+        cap, each = cell.sample.max_tokens, mean(cell.sample)
+        # The learned lengths are of answers as capped: the cap bounds, it does not cut again.
+        total += min(cell.prompts * cap, cell.shift * each) + cell.later * min(cap, each)
+    rest = 0.0
+    for item, so_far in running:
+        later = item.turn.turns - item.turn.turn if item.turn is not None else 0
+        rest += fits[item.source][1].rest(so_far, item.max_tokens) + later * min(item.max_tokens, mean(item))
+    return WorkLeft(total + rest, rest, queued, len(running), lengths.answers)
 
 
 def claim_share(idle: int, borrowers: int, rank: int, turn: int = 0) -> int:
