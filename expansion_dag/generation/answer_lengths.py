@@ -38,7 +38,6 @@ import dataclasses
 import itertools
 import math
 import re
-import statistics
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -61,7 +60,15 @@ def bucket_label(bucket: int) -> str:
 #: Spread assumed around a typed prior (lognormal sigma of an answer's length): real answer lengths
 #: spread about this much (the reference run's sources: 0.8 to 1.3).
 PRIOR_SIGMA = 1.0
-_NORMAL = statistics.NormalDist()
+
+
+def _cdf(x: float) -> float:
+    """The standard normal's CDF."""
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def _pdf(x: float) -> float:
+    return math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
 
 
 @dataclasses.dataclass
@@ -77,7 +84,8 @@ class _Mean:
     def add(self, value: int) -> None:
         self.n += 1
         self.total += value
-        self.counts[value] += 1
+        # On a grid 1% apart past 100 tokens: a few hundred steps for the survival curve, not thousands.
+        self.counts[value if value <= 100 else round(math.exp(round(math.log(value) * 100) / 100))] += 1
         log = math.log1p(value)
         self.logs += log
         self.squares += log * log
@@ -193,12 +201,16 @@ class AnswerLengths:
         known = self._sources.get(source)
         return known.n if known is not None else 0
 
-    def survivorship(self, source: str, prior: int, running: Sequence[int], cap: int) -> tuple[float, Survival]:
+    def survivorship(
+        self, source: str, prior: int, running: Sequence[int], cap: int, again: Survival | None = None
+    ) -> tuple[float, Survival]:
         """How much to scale ``source``'s estimates, its answers still ``running`` (tokens so far)
         counted as lower bounds, and the survival curve of its lengths that says so. Means are of
-        answers cut at ``cap``, as the learned ones are."""
+        answers cut at ``cap``, as the learned ones are. ``again``: the curve of the same answers
+        with another prior, whose answers' part is kept."""
         known = self._sources.get(source) or _Mean()
-        curve = Survival(_ProductLimit(known, running, prior, self._weight), prior, self._weight)
+        own = again.own if again is not None else _ProductLimit(known, running, prior, self._weight)
+        curve = Survival(own, prior, self._weight)
         ended = (known.total + self._weight * curve.prior.area(cap)) / (known.n + self._weight)
         return curve.area(cap) / max(ended, 1.0), curve
 
@@ -224,14 +236,14 @@ class _Lognormal:
         return (math.log(t) - mu) / self.sigma
 
     def survival(self, t: float) -> float:
-        return 1.0 if t <= 0 else 1.0 - _NORMAL.cdf(self._z(t))
+        return 1.0 if t <= 0 else 1.0 - _cdf(self._z(t))
 
     def area(self, t: float) -> float:
         """The integral of the survival from 0 to ``t``: E[min(L, t)]."""
         if t <= 0:
             return 0.0
         z = self._z(t)
-        return self.mean * _NORMAL.cdf(z - self.sigma) + t * (1.0 - _NORMAL.cdf(z))
+        return self.mean * _cdf(z - self.sigma) + t * (1.0 - _cdf(z))
 
 
 class _ProductLimit:
@@ -280,6 +292,7 @@ class Survival:
     lognormal, sigma ``PRIOR_SIGMA``) as ``weight`` answers."""
 
     def __init__(self, own: _ProductLimit, prior: int, weight: float):
+        self.own = own
         self.prior = _Lognormal(prior, PRIOR_SIGMA)
         self._parts = [(own.seen, own), (weight, self.prior)]
 
@@ -314,8 +327,8 @@ def _fit(ended: _Mean, bounds: Sequence[int], prior: int, weight: float, rounds:
         sum_y = sum_y2 = 0.0
         for low in lows:
             z = (low - mu) / sigma
-            tail = max(1.0 - _NORMAL.cdf(z), 1e-12)
-            hazard = _NORMAL.pdf(z) / tail  # E[y | y > low] = mu + sigma * hazard
+            tail = max(1.0 - _cdf(z), 1e-12)
+            hazard = _pdf(z) / tail  # E[y | y > low] = mu + sigma * hazard
             sum_y += mu + sigma * hazard
             sum_y2 += mu * mu + var + sigma * (low + mu) * hazard
         total = n + len(lows)

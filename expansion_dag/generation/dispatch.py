@@ -270,7 +270,7 @@ def work_left(lengths: AnswerLengths, cells: Iterable[_Cell], running: list[tupl
     if configured > 0:
         scale = sum(n * fits[s][1].area(caps[s]) for s, n in seen.items()) / configured
         priors = {s: max(1, round(prior * scale)) for s, prior in priors.items()}
-        fits = {s: lengths.survivorship(s, prior, bounds[s], caps[s]) for s, prior in priors.items()}
+        fits = {s: lengths.survivorship(s, prior, bounds[s], caps[s], again=fits[s][1]) for s, prior in priors.items()}
 
     def mean(item: WorkItem) -> float:
         """The cell's expected answer, scaled for survivorship, not yet capped."""

@@ -98,3 +98,13 @@ def test_a_busy_sglang_server_says_its_throughput_in_v1_loads():
     body = json.loads((FIXTURES / "loads.json").read_text())["body"]
     assert parse_gen_throughput(body, SGLANG) == pytest.approx(2950.4)
     assert parse_gen_throughput({"loads": []}, SGLANG) is None
+
+
+def test_a_loop_stopped_early_counts_in_the_plan_at_the_tokens_it_streamed():
+    observed = answers([100] * 20)
+    list(observed.reading([{"status": "failed", "error": "degenerate", "source": "alpaca", "streamed_tokens": 2200}] * 5))
+    plan = plan_of(prompts(10), observed)
+    [source] = plan.sources
+    assert source.basis == "learned from 25 answers in the store"
+    # 20 answers of 100 tokens and 5 loops cut at 500 (the prompts' cap) of their 2,200.
+    assert plan.output_tokens == pytest.approx(10 * (20 * 100 + 5 * 500) / 25, rel=0.01)
