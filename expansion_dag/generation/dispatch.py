@@ -247,7 +247,9 @@ class PromptQueue:
                 self.reorders += 1
 
 
-def work_left(lengths: AnswerLengths, cells: Iterable[_Cell], running: list[tuple[WorkItem, float]], *, queued: int) -> WorkLeft:
+def work_left(
+    lengths: AnswerLengths, cells: Iterable[_Cell], running: list[tuple[WorkItem, float]], *, queued: int
+) -> WorkLeft:
     """The output tokens still to come: each queued prompt's expected answer (and its
     conversation's later turns), each running answer's expected rest past its tokens so far, every
     source's expectations scaled for survivorship (``AnswerLengths.survivorship``).
