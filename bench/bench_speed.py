@@ -1,5 +1,6 @@
 """The run's own speed against its time (issue 44): the time to finish a run prints in its first
-minute, against when it ended, on a real model served by a real engine (a CPU engine here).
+minute, against when it ended, on a real model served by a real engine (a CPU engine here); and
+(issue 50) the end it foretold at 10%, 25% and 50% of its prompts.
 
 What it runs is the CLI, as a user does: ``expansion-dag plan`` then ``expansion-dag run``, attached
 (``backend: vllm``, one shard) to a server you start, on a catalog of ``--per-source`` prompts of
@@ -80,7 +81,20 @@ def recorded(work: Path) -> dict:
     first = min(measured, key=lambda o: o["elapsed_s"])
     elapsed = metadata["elapsed_s"]
     old_end = first["elapsed_s"] + first["eta_s"]
+    # The end said (time to finish from the tokens left, issue 50) at a tenth, a quarter and half of
+    # the prompts, beside the prompts' rate's: from the first observation past each share.
+    foretold = {}
+    for share in (0.10, 0.25, 0.50):
+        past = [o for o in measured if o["finish_s"] is not None and o["done"] >= share * o["total"]]
+        if past:
+            o = min(past, key=lambda o: o["elapsed_s"])
+            end, rate_end = o["elapsed_s"] + o["finish_s"], o["elapsed_s"] + (o["eta_s"] or 0.0)
+            foretold[f"{share:.0%}"] = {
+                "at_s": o["elapsed_s"], "end_said_s": round(end, 1), "error": round(end / elapsed - 1, 4),
+                "rate_error": round(rate_end / elapsed - 1, 4), "tokens_left_basis": o.get("tokens_left_basis"),
+            }
     return {
+        "foretold": foretold,
         "said_at_s": first["elapsed_s"],
         "speed_said": first["speed_tokens_per_s"],
         "speed_obvious_then": first["output_tokens_per_s"],
@@ -118,6 +132,9 @@ def main() -> None:
     for key in ("plan_time_line", "said_at_s", "speed_said", "speed_obvious_then", "speed_over_run", "end_said_s",
                 "end_old_eta_s", "ended_s", "error", "error_old_eta", "tokens_planned", "tokens_made"):
         print(f"{key}: {document[key]}")
+    for share, row in document["foretold"].items():
+        print(f"at {share} of the prompts ({row['at_s']} s): end said {row['end_said_s']} s, error {row['error']:+.1%}"
+              f" (prompts' rate: {row['rate_error']:+.1%})")
     print(f"result: {harness.write_result('speed', document)}")
 
 

@@ -14,7 +14,7 @@ from expansion_dag.generation.answer_lengths import (
 from expansion_dag.generation.answer_yield import AnswerYield, YieldGate
 from expansion_dag.generation.borrowing import OWNER_NOT_STARTED
 from expansion_dag.generation.conversations import Ended, TurnPlanner, turn_id
-from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, claim_share
+from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, WorkLeft, claim_share
 from expansion_dag.generation.engine import WRITE_QUEUE, ShardRun, generate_shard
 from expansion_dag.generation.engine_config import EngineConfig, Server
 from expansion_dag.generation.plan import (
@@ -46,6 +46,7 @@ __all__ = [
     "MIN_OBSERVED", "OWNER_NOT_STARTED", "ObservationThrottle", "Observed", "Plan", "Progress",
     "ProgressDisplay", "PromptQueue", "Server", "ServerStats", "ShardFigures", "ShardPlan", "ShardProgress",
     "ShardReport", "ShardRun", "ShardWork", "Speed", "SpeedMeter", "Throughput", "Turn", "TurnPlanner",
+    "WorkLeft",
     "WRITE_QUEUE", "WorkItem", "YieldGate", "bucket_label", "cell_estimates", "claim_share", "ended_record",
     "expected_per_prompt", "generate_shard", "learn", "make_plan", "outlook", "prompt_bucket",
     "prompt_features", "prompt_keys", "quiet_third_party", "render_table", "retry_summary",

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from expansion_dag.core import DEFAULT_MODE, SamplingSettings
-from expansion_dag.generation.answer_lengths import AnswerLengths, prompt_features
+from expansion_dag.generation.answer_lengths import AnswerLengths, prompt_bucket, prompt_features
+from expansion_dag.generation.speed import Stream
 
 #: The queue is re-ordered when this many answers have returned, then at each doubling: estimates
 #: move most while they rest on few answers, and a sort of the queue costs CPU.
@@ -69,6 +70,42 @@ class WorkItem:
     turn: Turn | None = None
 
 
+@dataclass
+class _Cell:
+    """The queued prompts of one source and prompt bucket, summed for the time to finish."""
+
+    prompts: int = 0
+    #: Their expectations over their cell's when they were ordered: what their words (and caps) add.
+    shift: float = 0.0
+    #: Conversation turns after theirs.
+    later: int = 0
+    #: One of them (its prompt tokens, prior and cap stand for the cell's).
+    sample: WorkItem | None = None
+
+    def add(self, item: WorkItem, shift: float, sign: int) -> None:
+        self.prompts += sign
+        self.shift += sign * shift
+        self.later += sign * (item.turn.turns - item.turn.turn if item.turn is not None else 0)
+        self.sample = self.sample or item
+
+
+@dataclass(frozen=True)
+class WorkLeft:
+    """Output tokens still to come of a shard's prompts, from what the run has learned."""
+
+    tokens: float
+    #: Of them, the rest of the answers still running (past their tokens so far).
+    running_tokens: float
+    queued: int
+    running: int
+    #: Answers the expectations rest on (the store's and this run's); 0: the typed priors alone.
+    learned: int
+
+    def basis(self) -> str:
+        rests = f"learned from {self.learned:,} answers" if self.learned else "configured (no answers yet)"
+        return f"{rests}; {self.queued:,} queued, {self.running:,} running at least their tokens so far"
+
+
 class PromptQueue:
     """A shard's prompts still to send, longest expected remaining work first (:meth:`remaining`)."""
 
@@ -79,7 +116,13 @@ class PromptQueue:
         self._features = {item.key: prompt_features(item.messages) for item in items}
         #: Each item's expectation when the queue was last ordered: what put it where it was taken.
         self._ordered_on: dict[str, int] = {}
+        #: Each item's expectation over its cell's then (``_Cell.shift``), and the queued cells' sums.
+        self._shift: dict[str, float] = {}
+        self._cells: dict[tuple[str, int], _Cell] = {}
+        #: Items sent and not settled, with their stream once sent (``decoding``).
+        self._running: dict[str, tuple[WorkItem, Stream | None]] = {}
         self._items = collections.deque(sorted(items, key=self._order))
+        self._count_cells()
         self._returned = 0
         self._next_reorder = FIRST_REORDER
         self.reorders = 0
@@ -103,14 +146,21 @@ class PromptQueue:
         """``item`` is being sent; a turn before its conversation's last may bring the next."""
         if item.turn is not None and not item.turn.last:
             self._open += 1
+        self._running[item.key] = (item, None)
+
+    def decoding(self, item: WorkItem, stream: Stream) -> None:
+        """``item`` went out as ``stream``: its tokens so far are counted from when it decodes."""
+        self._running[item.key] = (item, stream)
 
     def settled(self, item: WorkItem, following: WorkItem | None = None) -> None:
         """``item``'s outcome is known; ``following`` is its conversation's next turn, first in line:
         a conversation finishes soon after it starts, so its turns do not wait behind the whole queue."""
+        self._running.pop(item.key, None)
         if following is not None:
             self._features[following.key] = prompt_features(following.messages)
-            self._ordered_on[following.key] = self.expected(following)
+            self._order(following)
             self._items.appendleft(following)
+            self._queued(following, +1)
             self.drained.clear()
         if item.turn is not None and not item.turn.last:
             self._open -= 1
@@ -144,12 +194,36 @@ class PromptQueue:
         return expected + (item.turn.turns - item.turn.turn) * min(item.max_tokens, later)
 
     def _order(self, item: WorkItem) -> tuple[int, str]:
-        self._ordered_on[item.key] = self.expected(item)
+        expected = self._ordered_on[item.key] = self.expected(item)
+        cell = self.lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens).tokens
+        self._shift[item.key] = expected / max(cell, 1)
         return (-self.remaining(item), item.prompt_id)
+
+    def _cell(self, item: WorkItem) -> _Cell:
+        return self._cells.setdefault((item.source, prompt_bucket(item.prompt_tokens)), _Cell())
+
+    def _queued(self, item: WorkItem, sign: int) -> None:
+        self._cell(item).add(item, self._shift[item.key], sign)
+
+    def _count_cells(self) -> None:
+        self._cells = {}
+        for item in self._items:
+            self._queued(item, +1)
+
+    def work_left(self, stream_rate: float | None, now: float) -> WorkLeft:
+        """The output tokens still to come (:func:`work_left`); ``stream_rate``: tokens a second a
+        stream decodes (None: not measured yet)."""
+        running = []
+        for item, stream in self._running.values():
+            since = stream.decoding_since if stream is not None else None
+            so_far = min(item.max_tokens, stream_rate * (now - since)) if stream_rate and since is not None else 0.0
+            running.append((item, so_far))
+        return work_left(self.lengths, self._cells.values(), running, queued=len(self._items))
 
     def take(self, *, shortest: bool = False) -> WorkItem:
         """The longest expected work (``shortest``: the other end, for a canary)."""
         item = self._items.pop() if shortest else self._items.popleft()
+        self._queued(item, -1)
         if not self._items:
             self.drained.set()
         return item
@@ -157,6 +231,7 @@ class PromptQueue:
     def put_back(self, item: WorkItem) -> None:
         """A prompt that could not be sent where it went: first in line again."""
         self._items.appendleft(item)
+        self._queued(item, +1)
         self.drained.clear()
 
     def learn(self, item: WorkItem, output_tokens: int) -> None:
@@ -168,7 +243,52 @@ class PromptQueue:
             self._next_reorder *= 2
             if self._items:
                 self._items = collections.deque(sorted(self._items, key=self._order))
+                self._count_cells()
                 self.reorders += 1
+
+
+def work_left(
+    lengths: AnswerLengths, cells: Iterable[_Cell], running: list[tuple[WorkItem, float]], *, queued: int
+) -> WorkLeft:
+    """The output tokens still to come: each queued prompt's expected answer (and its
+    conversation's later turns), each running answer's expected rest past its tokens so far, every
+    source's expectations scaled for survivorship (``AnswerLengths.survivorship``).
+
+    A source no answer has reached yet has its configured prior, scaled by what the sources with
+    answers say of theirs: priors wrong by 2x for the sources seen are likely so for the rest.
+    """
+    cells = [cell for cell in cells if cell.prompts and cell.sample is not None]
+    bounds: dict[str, list[int]] = collections.defaultdict(list)
+    for item, so_far in running:
+        bounds[item.source].append(int(so_far))
+    priors: dict[str, int] = {}
+    caps: dict[str, int] = collections.defaultdict(int)  # a source's highest: its means uncut
+    for item in [cell.sample for cell in cells if cell.sample] + [item for item, _ in running]:
+        priors[item.source] = item.expected_output_tokens
+        caps[item.source] = max(caps[item.source], item.max_tokens)
+    fits = {s: lengths.survivorship(s, prior, bounds[s], caps[s]) for s, prior in priors.items()}
+    seen = {s: lengths.source_answers(s) for s in priors}
+    configured = sum(n * fits[s][1].prior.area(caps[s]) for s, n in seen.items())
+    if configured > 0:
+        scale = sum(n * fits[s][1].area(caps[s]) for s, n in seen.items()) / configured
+        priors = {s: max(1, round(prior * scale)) for s, prior in priors.items()}
+        fits = {s: lengths.survivorship(s, prior, bounds[s], caps[s], again=fits[s][1]) for s, prior in priors.items()}
+
+    def mean(item: WorkItem) -> float:
+        """The cell's expected answer, scaled for survivorship, not yet capped."""
+        return fits[item.source][0] * lengths.estimate(item.source, item.prompt_tokens, priors[item.source]).tokens
+
+    total = 0.0
+    for cell in cells:
+        assert cell.sample is not None
+        cap, each = cell.sample.max_tokens, mean(cell.sample)
+        # The learned lengths are of answers as capped: the cap bounds, it does not cut again.
+        total += min(cell.prompts * cap, cell.shift * each) + cell.later * min(cap, each)
+    rest = 0.0
+    for item, so_far in running:
+        later = item.turn.turns - item.turn.turn if item.turn is not None else 0
+        rest += fits[item.source][1].rest(so_far, item.max_tokens) + later * min(item.max_tokens, mean(item))
+    return WorkLeft(total + rest, rest, queued, len(running), lengths.answers)
 
 
 def claim_share(idle: int, borrowers: int, rank: int, turn: int = 0) -> int:

@@ -60,7 +60,16 @@ from expansion_dag.generation.dispatch import PromptQueue, WorkItem
 from expansion_dag.generation.engine_config import EngineConfig, Server
 from expansion_dag.generation.recorder import Judge, Recorder
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
-from expansion_dag.servers import Answer, HttpClient, OffLoop, chat_request, generate, make_client, run_ticked
+from expansion_dag.servers import (
+    Answer,
+    DegenerateError,
+    HttpClient,
+    OffLoop,
+    chat_request,
+    generate,
+    make_client,
+    run_ticked,
+)
 from expansion_dag.store import SegmentWriter
 
 __all__ = ["ShardRun", "WorkItem", "WRITE_QUEUE", "generate_shard"]
@@ -129,6 +138,7 @@ class Sender:
         )
         started = time.monotonic()
         stream = stats.started(started, streamed=self._thresholds is not None)
+        self._queue.decoding(item, stream)  # its tokens so far count in the time to finish
 
         def output() -> None:
             stream.output(time.monotonic())  # it decodes from here: the run's speed (generation.speed)
@@ -165,6 +175,8 @@ class Sender:
             self._queue.learn(item, exchange.answer.completion_tokens)
         elif not borrowed or of_error(error) == CONTENT:
             await self._recorder.failure(item, server.url, error, exchange, latency)
+            if isinstance(error, DegenerateError):  # a stopped loop spent its streamed tokens
+                self._queue.learn(item, error.tokens)
         return error, exchange.answer if error is None else None
 
     def _count_retry(self, kind: str) -> None:
@@ -400,7 +412,7 @@ class ShardRun:
                     task.cancel()
 
     def progress(self) -> Progress:
-        return self.report.progress(time.monotonic() - self._start)
+        return self.report.progress(time.monotonic() - self._start, queue=self.queue)
 
 
 @contextlib.asynccontextmanager

@@ -29,11 +29,9 @@ import numpy as np
 import polars as pl
 
 from expansion_dag.core import OK
+from expansion_dag.generation.answer_lengths import PRIOR_SIGMA
 from expansion_dag.generation.speed import MIN_ANSWERS, PLAN_MARGIN
 
-#: Spread assumed around a configured estimate (lognormal sigma): real answer lengths spread about
-#: this much (the reference run's sources: 0.8 to 1.3).
-PRIOR_SIGMA = 1.0
 #: Answers of a source the store must hold before its figures come from them.
 MIN_OBSERVED = 20
 _PRIOR_POINTS = 400
@@ -62,8 +60,9 @@ class Observed:
     def reading(self, records: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
         """The records passed through, each complete answer of the identity noted."""
         for record in records:
-            tokens = record.get("completion_tokens")
-            if record.get("status") == OK and isinstance(tokens, int) and self._owns(record):
+            # A loop stopped early counts at the tokens it streamed: what its slot spent on it.
+            tokens = record.get("completion_tokens") if record.get("status") == OK else record.get("streamed_tokens")
+            if isinstance(tokens, int) and self._owns(record):
                 (self.cut if record.get("finish_reason") == "length" else self.natural)[str(record["source"])].append(tokens)
             yield record
 
@@ -101,14 +100,14 @@ def _prior(mean_tokens: int) -> _Lengths:
     mu = math.log(mean_tokens) - PRIOR_SIGMA**2 / 2  # the configured figure is the mean
     normal = statistics.NormalDist()
     sample = [math.exp(mu + PRIOR_SIGMA * normal.inv_cdf((i + 0.5) / _PRIOR_POINTS)) for i in range(_PRIOR_POINTS)]
-    return _Lengths(np.array(sample), np.array([]), f"estimate: configured {mean_tokens:,} tokens, spread assumed")
+    return _Lengths(np.array(sample), np.array([]), f"configured: {mean_tokens:,} tokens, spread assumed")
 
 
 def source_lengths(observed: Observed, source: str, prior_tokens: int) -> _Lengths:
     if observed.answers(source) >= MIN_OBSERVED:
         return _Lengths(
             np.array(observed.natural.get(source, []), dtype=float), np.array(observed.cut.get(source, []), dtype=float),
-            f"store: {observed.answers(source):,} answers",
+            f"learned from {observed.answers(source):,} answers in the store",
         )
     return _prior(prior_tokens)
 

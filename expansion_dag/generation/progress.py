@@ -46,6 +46,10 @@ class ShardProgress:
     #: The plan's throughput per server (None: it had none), which the measurement checks.
     plan_tokens_per_s: float | None = None
     simulated: bool | None = None
+    #: Output tokens still to come, learned from the answers (``PromptQueue.work_left``), and what
+    #: that rests on (``learned from 1,930 answers; ...`` or ``configured``).
+    tokens_left: float | None = None
+    tokens_left_basis: str | None = None
 
     @classmethod
     def from_engine(cls, progress: Progress, plan: ShardPlan | None = None) -> ShardProgress:
@@ -59,6 +63,8 @@ class ShardProgress:
             eta_s=None if progress.eta_s is None else round(progress.eta_s, 1),
             elapsed_s=round(progress.elapsed_s, 1),
             answer_yield=progress.answer_yield,
+            **({"tokens_left": round(progress.work.tokens), "tokens_left_basis": progress.work.basis()}
+               if progress.work is not None else {}),
             **(_speed_fields(progress, plan) if plan is not None else {}),
         )
 
@@ -76,7 +82,8 @@ def _speed_fields(progress: Progress, plan: ShardPlan) -> dict[str, Any]:
     if speed is None:
         return fields | {"speed_basis": "measuring: slots not full yet"}
     ahead = outlook(speed, plan, answered_tokens=progress.answered_tokens, answers=progress.done - progress.failed,
-                    left=progress.total - progress.done)
+                    left=progress.total - progress.done,
+                    tokens_left=progress.work.tokens if progress.work is not None else None)
     if ahead is None:
         return fields | {"speed_basis": f"measuring: {speed.answers} of {speed.needed} answers since the slots filled"}
     return fields | {
@@ -141,17 +148,27 @@ def _cells(shard: str, state: str, p: ShardProgress | None) -> list[str]:
         share,
         f"{p.requests_per_s:,.2f}/s",
         f"{p.output_tokens_per_s:,.0f}",
-        _duration(_eta(p)) if state == "running" else "-",
+        _eta_cell(p) if state == "running" else "-",
         f"{p.failed:,}",
         f"{p.retries:,}",
         p.answer_yield or "-",  # observations written before the yield was counted have none
     ]
 
 
-def _eta(p: ShardProgress) -> float | None:
-    # From the measured speed once there is one: early answers are the short ones, so a rate of
-    # answers says the run ends too soon.
-    return p.finish_s if p.finish_s is not None else p.eta_s
+#: The time to finish and the prompts' rate disagreeing by more than this factor are both shown.
+RATE_DISAGREES = 2.0
+
+
+def _eta_cell(p: ShardProgress) -> str:
+    # From the measured speed and the tokens left once there are both: early answers are the short
+    # ones, so a rate of answers says the run ends too soon. Where the prompts' rate says otherwise
+    # by a wide margin, the reader sees both.
+    if p.finish_s is None or p.eta_s is None:
+        return _duration(p.finish_s if p.finish_s is not None else p.eta_s)
+    low, high = sorted((p.finish_s, p.eta_s))
+    if high > RATE_DISAGREES * max(low, 1.0):
+        return f"{_duration(p.finish_s)} (prompts' rate: {_duration(p.eta_s)})"
+    return _duration(p.finish_s)
 
 
 HEADER = ["shard", "state", "done", "rate", "tok/s", "ETA", "failed", "retries", "yield"]
@@ -236,6 +253,7 @@ def speed_line(figures: Mapping[str, ShardProgress | None]) -> str | None:
         f"speed: {fleet.tokens_per_s:,.0f} output tokens/s per server{label} measured on {fleet.servers} "
         f"server(s) [{shard}: {first.speed_basis}]: time to finish {_duration(fleet.finish_s)}, "
         f"{fleet.gpu_hours:,.2f} GPU-hours for this run's prompts; {check}"
+        + (f"; {shard}'s tokens left: {first.tokens_left_basis}" if first.tokens_left_basis else "")
     )
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from expansion_dag.generation.answer_yield import AnswerYield
+from expansion_dag.generation.dispatch import PromptQueue, WorkLeft
 from expansion_dag.generation.speed import MIN_ANSWERS, Speed, SpeedMeter, Stream
 
 
@@ -151,9 +152,13 @@ class ShardReport:
         needed = max(1, min(MIN_ANSWERS, self.total - self.failed))
         return Speed.combined([s.meter.sample(now, needed) for s in self.servers.values()], needed)
 
-    def progress(self, elapsed_s: float, now: float | None = None) -> Progress:
-        """The figures at ``elapsed_s`` into the run; ``now``: the clock the servers' times are on."""
+    def progress(self, elapsed_s: float, now: float | None = None, queue: PromptQueue | None = None) -> Progress:
+        """The figures at ``elapsed_s`` into the run; ``now``: the clock the servers' times are on;
+        ``queue``: the prompts still to send, whose expected answers make the tokens left."""
         rate = self.done / elapsed_s if elapsed_s > 0 else 0.0
+        now = time.monotonic() if now is None else now
+        speed = self.speed(now)
+        stream_rate = speed.tokens_per_s / speed.streams if speed is not None and speed.streams > 0 else None
         return Progress(
             done=self.done,
             total=self.total,
@@ -167,8 +172,9 @@ class ShardReport:
             failed=self.failed,
             retries=dict(self.retries_by_kind),
             answer_yield=self.answer_yield.summary() if self.answer_yield.judged else "",
-            speed=self.speed(time.monotonic() if now is None else now),
+            speed=speed,
             answered_tokens=self.output_tokens,
+            work=queue.work_left(stream_rate, now) if queue is not None else None,
         )
 
     def utilization(self) -> float:
@@ -196,6 +202,8 @@ class Progress:
     speed: Speed | None = None
     #: Output tokens of the answers so far.
     answered_tokens: int = 0
+    #: The output tokens still to come, learned from the answers (None: no queue to ask).
+    work: WorkLeft | None = None
 
     def __str__(self) -> str:
         eta = "unknown" if self.eta_s is None else f"{self.eta_s:,.0f} s"

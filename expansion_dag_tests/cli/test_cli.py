@@ -94,6 +94,8 @@ def test_the_demo_plans_with_no_throughput_then_measures_its_speed_and_says_when
     assert speeds, lines
     assert all("(simulator: not a GPU figure) measured on 2 server(s) [shard-0" in line for line in speeds)
     assert ": time to finish " in speeds[-1] and "GPU-hours for this run's prompts; the plan had no throughput" in speeds[-1]
+    # The tokens left rest on what the answers taught, and say so.
+    assert "'s tokens left: learned from " in speeds[-1] and " running at least their tokens so far" in speeds[-1]
     [said] = [line for line in lines if line.startswith("speed: said at ")]
     assert ", the shards would end at " in said and "; they ended at " in said
 

@@ -32,7 +32,7 @@ def test_the_plan_of_an_attached_fleet_prints_prompts_tokens_cut_share_disk_and_
     for source in SOURCES:
         assert f"  {source}: " in out
     # The bundled estimate is 1,024 tokens an answer; a cap of 512 cuts about a third of them.
-    assert "[estimate: configured 1,024 tokens, spread assumed]" in out and "% cut at the cap" in out
+    assert "[configured: 1,024 tokens, spread assumed]" in out and "% cut at the cap" in out
     assert "  disk: store +" in out
     assert "wall on 2 server(s) at 2,500 output tokens/s each [setting: generation.plan_output_tokens_per_s; decode only]" in out
 

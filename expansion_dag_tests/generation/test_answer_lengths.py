@@ -50,3 +50,15 @@ def test_learning_from_store_records_keeps_one_identity_and_its_own_prompt_count
     assert lengths.estimate("a", 100, prior=900).basis == "source+bucket"
     assert lengths.estimate("a", 100, prior=900).tokens == 900
     assert lengths.estimate("b", 20, prior=30).answers == 1
+
+
+def test_a_loop_stopped_early_counts_at_the_tokens_it_streamed():
+    records = [
+        {"key": "k1", "source": "a", "local_prompt_tokens": 10, "status": "ok", "completion_tokens": 100},
+        {"key": "k2", "source": "a", "local_prompt_tokens": 10, "status": "failed", "error": "degenerate",
+         "streamed_tokens": 1900},
+        {"key": "k3", "source": "a", "local_prompt_tokens": 10, "status": "failed", "error": "timeout"},
+    ]
+    lengths = learn(records, owns=lambda r: True)
+    # Its slot spent 1,900 tokens on it: the source's answers cost 1,000 on average, not 100.
+    assert lengths.answers == 2 and lengths.estimate("a", 10, prior=1000).tokens == 1000

@@ -37,7 +37,7 @@ def test_the_stores_answers_say_what_a_prompt_will_cost_and_how_often_it_is_cut(
     # Answers of 1..1000 tokens; prompts budgeted 500: half are cut, the rest average 250.
     plan = plan_of(prompts(10), answers(list(range(1, 1001))))
     [source] = plan.sources
-    assert source.basis == "store: 1,000 answers"
+    assert source.basis == "learned from 1,000 answers in the store"
     assert source.truncated_share == pytest.approx(0.501, abs=0.001)
     assert plan.output_tokens == pytest.approx(10 * (0.499 * 250 + 0.501 * 500), rel=0.01)
     assert plan.rows == 5  # cut answers are left out of the training set
@@ -56,11 +56,11 @@ def test_an_answer_cut_at_a_lower_cap_says_nothing_about_a_higher_one():
 def test_without_the_stores_answers_the_configured_estimate_is_used_and_said():
     plan = plan_of(prompts(100, source="new"), answers([50] * MIN_OBSERVED, source="alpaca"))
     [source] = plan.sources
-    assert source.basis.startswith("estimate: configured 300 tokens")
+    assert source.basis.startswith("configured: 300 tokens")
     # A mean of 300 spread lognormally (median 182), cut at 500: about 230 out, some cut.
     assert 200 < plan.output_tokens / 100 < 260 and 0.05 < source.truncated_share < 0.2
     text = "\n".join(plan.lines())
-    assert "[estimate: configured 300 tokens, spread assumed]" in text and "(simulator)" in text
+    assert "[configured: 300 tokens, spread assumed]" in text and "(simulator)" in text
 
 
 @pytest.mark.parametrize(
@@ -98,3 +98,13 @@ def test_a_busy_sglang_server_says_its_throughput_in_v1_loads():
     body = json.loads((FIXTURES / "loads.json").read_text())["body"]
     assert parse_gen_throughput(body, SGLANG) == pytest.approx(2950.4)
     assert parse_gen_throughput({"loads": []}, SGLANG) is None
+
+
+def test_a_loop_stopped_early_counts_in_the_plan_at_the_tokens_it_streamed():
+    observed = answers([100] * 20)
+    list(observed.reading([{"status": "failed", "error": "degenerate", "source": "alpaca", "streamed_tokens": 2200}] * 5))
+    plan = plan_of(prompts(10), observed)
+    [source] = plan.sources
+    assert source.basis == "learned from 25 answers in the store"
+    # 20 answers of 100 tokens and 5 loops cut at 500 (the prompts' cap) of their 2,200.
+    assert plan.output_tokens == pytest.approx(10 * (20 * 100 + 5 * 500) / 25, rel=0.01)

@@ -13,6 +13,7 @@ from expansion_dag.generation import (
     ShardPlan,
     ShardProgress,
     Speed,
+    WorkLeft,
     quiet_third_party,
     render_table,
     retry_summary,
@@ -138,6 +139,30 @@ def test_a_shard_reports_its_time_to_finish_and_gpu_hours_at_its_measured_speed(
     assert ShardProgress.from_metadata(p.as_metadata()) == p
     # The ETA column says the time to finish, not the rate of the short first answers (30 s).
     assert render_table({"shard-00": "running"}, {"shard-00": p})[1].split()[6] == "2m55s"
+
+
+def test_the_time_to_finish_and_gpu_hours_rest_on_the_work_left_the_answers_taught_not_on_the_plan():
+    # The plan said 400,000 tokens; the answers so far say 150,000 are left (20,000 of them the rest
+    # of the answers running).
+    work = WorkLeft(tokens=150_000.0, running_tokens=20_000.0, queued=290, running=70, learned=1_930)
+    engine = Progress(done=40, total=400, elapsed_s=60.0, output_tokens_per_s=900.0, in_flight={}, eta_s=30.0,
+                      speed=SPEED, answered_tokens=20_000, work=work)
+    p = ShardProgress.from_engine(engine, ShardPlan(400_000.0, None, False))
+    assert p.finish_s == 75.0  # 150,000 tokens at 2,000 tokens/s
+    # This run's prompts: 20,000 answered, 30,000 decoding, 150,000 left.
+    assert p.gpu_hours == round(200_000 / 2000 / 3600, 4)
+    assert p.tokens_left == 150_000
+    assert p.tokens_left_basis == "learned from 1,930 answers; 290 queued, 70 running at least their tokens so far"
+    assert ShardProgress.from_metadata(p.as_metadata()) == p
+
+
+def test_an_eta_the_prompts_rate_contradicts_by_over_twice_is_shown_beside_it():
+    # 16 prompts left at 0.46 prompts/s: 35 s by the rate; the tokens left say 28 minutes.
+    p = ShardProgress(done=256, total=272, failed=0, retries=0, requests_per_s=0.46, output_tokens_per_s=125.0,
+                      eta_s=35.0, elapsed_s=560.0, finish_s=1705.0)
+    assert render_table({"shard-00": "running"}, {"shard-00": p})[1].split()[6:9] == ["28m25s", "(prompts'", "rate:"]
+    agreeing = ShardProgress(**{**p.as_metadata(), "finish_s": 50.0})
+    assert render_table({"shard-00": "running"}, {"shard-00": agreeing})[1].split()[6:8] == ["0m50s", "0"]
 
 
 def test_until_the_speed_is_defensible_the_shard_says_what_it_waits_for():

@@ -121,6 +121,7 @@ def plan_against_actual(
         "speed_first_tokens_per_s_per_server": first_speed.speed_tokens_per_s,
         "speed_first_wall_estimate_s": round(said_wall, 1),
         "speed_first_wall_estimate_error": round(said_wall / report.elapsed_s - 1, 4) if report.elapsed_s else 0.0,
+        "speed_first_gpu_hours": first_speed.gpu_hours,
     } if first_speed is not None and said_wall is not None else {}
     return {
         "plan_against_actual": dg.MetadataValue.md(
@@ -129,4 +130,6 @@ def plan_against_actual(
         "plan_output_tokens_per_answer": round(planned_per_answer, 1),
         "actual_output_tokens_per_answer": round(actual_per_answer, 1),
         **speed,
+        # The GPU-hours the shard's own servers took, beside what its first measured speed said.
+        "gpu_hours": round(report.elapsed_s * servers / 3600, 4),
     }

@@ -48,6 +48,17 @@ def test_a_healthy_runs_yield_in_the_metadata_is_what_the_training_set_takes(tmp
         assert 0 <= said <= s["elapsed_s"].value + 0.06 and s["speed_first_tokens_per_s_per_server"].value > 0
         estimate, error = s["speed_first_wall_estimate_s"].value, s["speed_first_wall_estimate_error"].value
         assert estimate == pytest.approx(s["elapsed_s"].value * (1 + error), abs=0.1)  # figures to 0.1 s
+        # GPU-hours: the shard's own server's time, beside what the first measured speed said.
+        assert s["gpu_hours"].value == pytest.approx(s["elapsed_s"].value / 3600, abs=1e-4)
+        assert "speed_first_gpu_hours" in s  # a tiny run: 0.0000 hours to four places
+    # While it ran, each shard's observations carried the tokens left, learned from its answers.
+    for key in SHARD_KEYS:
+        observed = [e.asset_observation_data.asset_observation.metadata for e in results[key].all_events
+                    if e.event_type == dg.DagsterEventType.ASSET_OBSERVATION]
+        bases = [o["tokens_left_basis"].value for o in observed if "tokens_left_basis" in o]
+        bases = [b for b in bases if b]
+        assert any(b.startswith("learned from ") for b in bases), bases
+        assert observed[-1]["tokens_left"].value == 0
 
 
 def test_a_fleet_answering_without_reasoning_fails_its_shards_at_the_gate_and_keeps_the_answers(tmp_path, instance):
