@@ -44,7 +44,8 @@ copy), ``<segment>.digest`` holds the same lines with each record cut to ``DIGES
 texts. A shard run reads every record of the store to learn answer lengths and those of its folder
 for its checks; from the digests that costs a small fraction of parsing each completion again, each
 night, as the store grows. A digest is derived data: it covers a prefix of its append-only
-segment, is extended on read, and rebuilt when missing.
+segment, is extended on read, and rebuilt when missing or when the bytes it covers are no longer
+those it read (their CRC): a digest never holds a line a scan quarantines.
 
 A key is the completion identity (``completion_key``): the prompt plus everything that shapes the
 answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
