@@ -480,7 +480,11 @@ def _retry_outcomes_option(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="expansion-dag", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="expansion-dag", description=__doc__.splitlines()[0],
+        epilog=f"An error a user can cause ends as one 'expansion-dag: ...' line, exit 2; --debug (any command) "
+        f"or ${DEBUG_ENV}=1 shows its traceback.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = f"run configuration YAML (default: ${CONFIG_ENV}, else the bundled demo file)"
     run_parser = sub.add_parser("run", help="materialize every asset and every shard")
