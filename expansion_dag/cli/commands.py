@@ -9,7 +9,7 @@ While the shards run, their progress is one live table (one line per interval wh
 not a terminal). Servers the run launched are stopped at the end, on failure, on Ctrl-C and on
 SIGTERM, unless ``--keep-fleet``. An error a user can cause (the configuration, its variables, the
 catalog, the fleet, the storage, a busy shard) ends the command as one ``expansion-dag: ...`` line,
-exit 2 (``expansion_dag.cli.preflight``); ``--debug`` or ``$EXPANSION_DEBUG=1`` shows its traceback.
+exit 2 (``expansion_dag.cli.user_errors``); ``--debug`` or ``$EXPANSION_DEBUG=1`` shows its traceback.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from expansion_dag.cli.preflight import (
+from expansion_dag.cli.user_errors import (
     DEBUG_ENV,
     USER_ERRORS,
     check_before_run,
     check_storage,
+    debugging,
+    hide_stack_traces,
     one_line,
     step_cause,
 )
@@ -116,6 +118,7 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
 def _shard_main(key: str, out: Connection) -> None:
     """One shard's run in its own process, as the daemon launches one run per partition."""
     quiet_third_party()
+    hide_stack_traces()
     # SIGTERM ends the run as Ctrl-C does, as Dagster's own run workers map it: the shard's lease
     # is released and the run recorded as ended.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -512,10 +515,13 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--debug", action="store_true",
                              help=f"show the traceback of an error a user can cause (also ${DEBUG_ENV}=1)")
     args = parser.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the shards' processes too
+    hide_stack_traces()
     try:
         return args.func(args)
     except USER_ERRORS as exc:
-        if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        if debugging():
             raise
         print(f"expansion-dag: {one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return 2

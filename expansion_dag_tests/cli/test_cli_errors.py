@@ -1,6 +1,7 @@
 """Every error a user can cause ends `expansion-dag` as one `expansion-dag: ...` line, no traceback,
 exit 2, before anything runs (issue 49, item 2); `--debug` or `$EXPANSION_DEBUG=1` shows the
-traceback. A step that fails all the same is summarized by its cause (issue 56, item 6)."""
+traceback. A step that fails all the same is summarized by its cause (issue 56, item 6), its stack
+frames left to the Dagster UI and --debug."""
 
 import logging
 import subprocess
@@ -101,3 +102,8 @@ def test_a_failed_step_is_summarized_by_its_cause(tmp_path):
     assert summary.endswith(f"FAILED raw_mine: SourceLoadError: source 'mine': cannot load local files {missing} "
                             f"(parquet): FileNotFoundError: no file matches {missing}")
     assert "DagsterExecutionStepExecutionError" not in summary
+    # Dagster's lines of the failure keep its messages, not its frames (the UI keeps those), unless --debug.
+    assert "SourceLoadError: source 'mine'" in result.stderr
+    assert 'File "' not in result.stderr and "(stack traces: this run's events in the Dagster UI" in result.stderr
+    debugged = expansion_dag(tmp_path, "run", "--debug", EXPANSION_CATALOG=catalog, EXPANSION_STORAGE=tmp_path / "storage")
+    assert debugged.returncode == 1 and 'File "' in debugged.stderr

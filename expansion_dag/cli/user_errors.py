@@ -1,4 +1,4 @@
-"""What ``expansion-dag`` checks before it starts anything, and the errors a user can cause.
+"""The errors a user can cause, told as one line, and what ``expansion-dag`` checks before it starts.
 
 Each check stands for an error a run would otherwise meet later, in a step or a resource, after
 servers were launched and under Dagster's stack traces: a storage root that cannot be written, an
@@ -6,6 +6,10 @@ attached fleet that does not answer, a shard being generated elsewhere while the
 says not to wait (``storage.when_shard_busy: fail``). The run configuration, its ``EXPANSION_*``
 overrides and the catalog are checked as they are loaded (``ConfigError``, ``CatalogError``). Each
 of these errors ends the command as one ``expansion-dag: ...`` line, exit 2 (``main``).
+
+A step that fails all the same is summarized by its cause (``step_cause``), and Dagster's console
+lines of it keep the error's messages without their stack frames (``hide_stack_traces``): the
+frames stay in the run's events, in the UI. ``--debug`` or ``$EXPANSION_DEBUG=1`` keeps them all.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from expansion_dag.config import ConfigError
 from expansion_dag.core import FleetError, as_upath, is_local, local_path
@@ -60,6 +64,44 @@ def step_cause(error: StepError) -> str:
         text = error.message
     # A step's own ``Failure`` says everything in its description; another error is named.
     return one_line(text if name in ("Failure", "") else f"{name}: {text}")
+
+
+def debugging() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def hide_stack_traces() -> None:
+    """Dagster's console lines of a failure in this process without stack frames, unless debugging.
+
+    Dagster makes its console logger of the current logger class, for each run: the class is where a
+    filter reaches it.
+    """
+    if debugging():
+        return
+    base = logging.getLoggerClass()
+
+    class WithoutStacks(base):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.addFilter(_without_stacks)
+
+    logging.setLoggerClass(WithoutStacks)
+
+
+def _without_stacks(record: logging.LogRecord) -> bool:
+    if isinstance(record.msg, str) and f"\n{_STACK}\n" in record.msg:
+        lines, skipping = [], False
+        for line in record.msg.splitlines():
+            if line == _STACK:
+                skipping = True
+            elif not (skipping and (line.startswith(" ") or not line)):
+                skipping = False
+                lines.append(line)
+        record.msg = "\n".join([*lines, "(stack traces: this run's events in the Dagster UI, or --debug)"])
+    return True
+
+
+_STACK = "Stack Trace:"  # how Dagster heads an error's frames
 
 
 def check_before_run(storage: StorageResource, fleet: FleetResource, shards: list[str]) -> None:
