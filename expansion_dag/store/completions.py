@@ -63,6 +63,7 @@ import hashlib
 import json
 import os
 import secrets
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -423,17 +424,20 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
 
     A segment is only ever appended to, so its digest stays true of the bytes it covers (its first
     line: how many, and their CRC) and is extended by the lines written since: each line's JSON is
-    parsed once, not on every read. The covered bytes are checked against their CRC on every read
-    (one pass of zlib's CRC, no JSON): a line garbled since it was digested (a bad sector, a stray
-    write of the same length) rebuilds the digest, so no reader takes as done a line the scan
-    quarantines. A line not yet whole is left for the next read. Where the digest cannot be written
-    (a read-only store), it is recomputed in memory.
+    parsed once, not on every read. The covered bytes are checked against their CRC (one pass of
+    zlib's CRC, no JSON; once per process while the file's inode, size and time stay the same): a
+    line garbled since it was digested (a bad sector, a stray write of the same length) rebuilds the
+    digest, so no reader takes as done a line the scan quarantines. A line not yet whole is left for
+    the next read. Where the digest cannot be written (a read-only store), it is recomputed in memory.
     """
     cache = path.with_name(path.name + _DIGEST_SUFFIX)
     covered, crc, lines = _read_digest(cache)
     with open(path, "rb") as fh:
-        if covered and _crc_of(fh, covered) != crc:  # not the bytes digested (garbled, or another file)
-            covered, crc, lines = 0, 0, []
+        found = os.fstat(fh.fileno())
+        stat = (found.st_ino, found.st_size, found.st_mtime_ns)
+        checked = _CHECKED.get(path) == (*stat, covered, crc)
+        if covered and not checked and _crc_of(fh, covered) != crc:
+            covered, crc, lines = 0, 0, []  # not the bytes digested (garbled, or another file)
         fh.seek(covered)
         start, fresh = covered, []
         for raw in fh:
@@ -452,6 +456,8 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
                 small = {f: record[f] for f in DIGEST_FIELDS if f in record}
                 fresh.append((line[0], line[1], pydantic_core.to_json(small)))
     lines += fresh
+    if time.time_ns() - found.st_mtime_ns > _SETTLED_NS:  # a later write shows in its time (racy-git's rule)
+        _CHECKED[path] = (*stat, covered, crc)
     if covered != start:
         try:
             with write_atomically(as_upath(cache)) as staged:
@@ -460,6 +466,14 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
         except OSError:
             pass  # a store this process may read but not write: the digest is not kept
     return lines
+
+
+#: Per segment, the file (inode, size, modification time) and the digest's covered bytes and CRC this
+#: process last checked: a shard run reads the digests three times, and checks each segment's bytes once.
+_CHECKED: dict[Path, tuple[int, ...]] = {}
+#: How old a file's modification time must be for a check to stand while it stays the same: a write in
+#: the same tick of the file system's clock would leave it unchanged (far above a tick, or clocks' skew).
+_SETTLED_NS = 5_000_000_000
 
 
 def _crc_of(fh: BinaryIO, size: int) -> int | None:

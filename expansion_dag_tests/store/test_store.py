@@ -146,6 +146,20 @@ def test_a_digest_is_read_instead_of_the_segment_and_extended_as_the_segment_gro
     assert store.scan("shard-00").bad_lines == {"checksum": 1}
 
 
+def test_a_settled_segment_checked_once_is_checked_again_once_written(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("a", completion_tokens=100))
+        w.append(ok("b", completion_tokens=200))
+        path = w.path
+    hour_ago = os.stat(path).st_mtime - 3600
+    os.utime(path, (hour_ago, hour_ago))  # a segment of an earlier night: its check stands while it is unchanged
+    for _ in range(2):
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100, 200]
+    path.write_bytes(path.read_bytes().replace(b":100", b":101"))  # garbled in place, same length
+    assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [200]
+
+
 def test_a_damaged_digest_is_rebuilt_from_its_segment(tmp_path):
     store = CompletionStore(tmp_path)
     with store.writer("shard-00") as w:
