@@ -1,9 +1,9 @@
 """A line damaged anywhere in a finished segment (issue 49, item 1): its prompt is due again in the
 same run, the shard finishes, and the training set has every row again, once.
 
-The store is a finished one (every prompt answered, the training set built); then one way of damage
-at a time is done to lines of shard-00's segment, away from its end, as a bad sector, a stray write
-or a bad copy leaves them. What a user counts: the run asks those prompts (and only those) once, the
+The store is a finished one (every prompt answered, the training set built); then each way of
+damage is done to a line of shard-00's segment, from its first line to well before its end, as a
+bad sector, a stray write or a bad copy leaves them. What a user counts: the run asks those prompts (and only those) once, the
 shard and the training set succeed, every prompt is a row once, and the bad lines are quarantined
 with why.
 """
@@ -12,7 +12,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import dagster as dg
 import pyarrow.parquet as pq
 
 from expansion_dag.defs import SHARD_KEYS
