@@ -7,7 +7,9 @@ unset, with this repository's ``dagster.yaml``), so ``dagster dev`` shows them a
 configuration is ``--config FILE``, else ``$EXPANSION_CONFIG``, else the bundled demo file.
 While the shards run, their progress is one live table (one line per interval when the output is
 not a terminal). Servers the run launched are stopped at the end, on failure, on Ctrl-C and on
-SIGTERM, unless ``--keep-fleet``.
+SIGTERM, unless ``--keep-fleet``. An error a user can cause (the configuration, its variables, the
+catalog, the fleet, the storage, a busy shard) ends the command as one ``expansion-dag: ...`` line,
+exit 2 (``expansion_dag.cli.user_errors``); ``--debug`` or ``$EXPANSION_DEBUG=1`` shows its traceback.
 """
 
 from __future__ import annotations
@@ -25,13 +27,23 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from expansion_dag.cli.user_errors import (
+    DEBUG_ENV,
+    USER_ERRORS,
+    check_before_run,
+    check_storage,
+    debugging,
+    hide_stack_traces,
+    one_line,
+    step_cause,
+)
 from expansion_dag.config import (
     CONFIG_ENV,
     SIMULATOR_LAUNCH_COMMAND,
-    ConfigError,
     RunConfig,
     current_config,
     load_config,
+    storage_settings,
 )
 from expansion_dag.generation import ProgressDisplay, ShardProgress, quiet_third_party, retry_summary
 
@@ -96,7 +108,7 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
             run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
         )
     failures = [
-        f"{e.step_key}: {e.event_specific_data.error.message.strip().splitlines()[0]}"  # type: ignore[union-attr]
+        f"{e.step_key}: {step_cause(e.event_specific_data.error)}"  # type: ignore[union-attr]
         for e in result.all_events
         if e.is_step_failure and e.event_specific_data is not None
     ]
@@ -106,6 +118,7 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
 def _shard_main(key: str, out: Connection) -> None:
     """One shard's run in its own process, as the daemon launches one run per partition."""
     quiet_third_party()
+    hide_stack_traces()
     # SIGTERM ends the run as Ctrl-C does, as Dagster's own run workers map it: the shard's lease
     # is released and the run recorded as ended.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -241,6 +254,7 @@ def run_expansion(
     run_config = current_config()
     print(f"Dagster instance: {home}\nrun configuration: {run_config.source} (digest {run_config.digest()})",
           flush=True)  # fmt: skip
+    _check_before_run()
     try:
         with _Signals().active() as signals:
             try:
@@ -250,6 +264,13 @@ def run_expansion(
     except Interrupted as exc:
         print(f"interrupted by {exc}; finished completions are kept", flush=True)
         return 128 + exc.signum
+
+
+def _check_before_run() -> None:
+    from expansion_dag.definitions import defs
+    from expansion_dag.defs import SHARD_KEYS
+
+    check_before_run(defs.resources["storage"], defs.resources["fleet"], SHARD_KEYS)
 
 
 def _run_all(signals: _Signals, stage: Stage) -> int:
@@ -287,6 +308,7 @@ def _run_all(signals: _Signals, stage: Stage) -> int:
 def plan(args: argparse.Namespace) -> int:
     """Prepare (sources, prompts, budgets; nothing generated) and print what the run will send, cost and yield."""
     use_config(args.config)
+    check_storage(storage_settings(current_config())["root"])
     prepare_dagster_home()
     quiet_third_party()
     try:
@@ -461,7 +483,11 @@ def _retry_outcomes_option(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="expansion-dag", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="expansion-dag", description=__doc__.splitlines()[0],
+        epilog=f"An error a user can cause ends as one 'expansion-dag: ...' line, exit 2; --debug (any command) "
+        f"or ${DEBUG_ENV}=1 shows its traceback.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = f"run configuration YAML (default: ${CONFIG_ENV}, else the bundled demo file)"
     run_parser = sub.add_parser("run", help="materialize every asset and every shard")
@@ -485,11 +511,19 @@ def main(argv: list[str] | None = None) -> int:
     fleet_parser.add_argument("action", choices=["start", "status", "stop"])
     fleet_parser.add_argument("--config", help=config_help)
     fleet_parser.set_defaults(func=fleet)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true",
+                             help=f"show the traceback of an error a user can cause (also ${DEBUG_ENV}=1)")
     args = parser.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the shards' processes too
+    hide_stack_traces()
     try:
         return args.func(args)
-    except ConfigError as exc:
-        print(f"expansion-dag: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        if debugging():
+            raise
+        print(f"expansion-dag: {one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return 2
 
 

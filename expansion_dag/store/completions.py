@@ -44,7 +44,8 @@ copy), ``<segment>.digest`` holds the same lines with each record cut to ``DIGES
 texts. A shard run reads every record of the store to learn answer lengths and those of its folder
 for its checks; from the digests that costs a small fraction of parsing each completion again, each
 night, as the store grows. A digest is derived data: it covers a prefix of its append-only
-segment, is extended on read, and rebuilt when missing.
+segment, is extended on read, and rebuilt when missing or when the bytes it covers are no longer
+those it read (their CRC): a digest never holds a line a scan quarantines.
 
 A key is the completion identity (``completion_key``): the prompt plus everything that shapes the
 answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
@@ -62,10 +63,12 @@ import hashlib
 import json
 import os
 import secrets
+import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pydantic_core
 
@@ -116,6 +119,9 @@ class SegmentPart:
     #: Keys whose completion an earlier segment holds: a second answer, never taken twice.
     taken: frozenset[str]
     digest: bool = False  # records cut to ``DIGEST_FIELDS``
+    #: Offsets of its lines that are not whole: a segment garbled in place keeps its name and size,
+    #: and a part built before is not of the records it holds now.
+    set_aside: tuple[int, ...] = ()
 
     def records(self) -> Iterator[dict[str, Any]]:
         """The segment's completions in file order, each key's first once, less ``taken``."""
@@ -312,7 +318,8 @@ def _parts(segments: Iterable[tuple[str, Path]], digest: bool) -> tuple[list[Seg
         first: set[str] = set()  # keys this segment answers first
         taken: set[str] = set()
         size = path.stat().st_size
-        for key, status, payload in _digest(path) if digest else _whole_lines(path):
+        bad: list[_BadLine] = []
+        for key, status, payload in _digest(path) if digest else _whole_lines(path, bad):
             if status == _OK_BYTES and key not in done:
                 done.add(key)
                 first.add(key)
@@ -321,7 +328,8 @@ def _parts(segments: Iterable[tuple[str, Path]], digest: bool) -> tuple[list[Seg
                 taken.add(key)
             elif status == _FAILED_BYTES and key not in done:
                 failures[key] = payload
-        parts.append(SegmentPart(f"{shard}/{path.name}", path, size, frozenset(taken), digest))
+        set_aside = tuple(offset for offset, _, _ in bad)
+        parts.append(SegmentPart(f"{shard}/{path.name}", path, size, frozenset(taken), digest, set_aside))
     return parts, [r for r in map(_parsed, failures.values()) if r is not None]
 
 
@@ -407,29 +415,37 @@ DIGEST_FIELDS = (
 _DIGEST_SUFFIX = ".digest"
 #: Written in a digest's first line: a digest cut to other fields, or of lines read by another rule, is
 #: rebuilt, not read.
-_DIGEST_VERSION = hashlib.sha256(",".join(("crc32-lines", *DIGEST_FIELDS)).encode()).hexdigest()[:8].encode()
+_DIGEST_RULES = ("crc32-lines", "object-bounds", "crc32-covered")
+_DIGEST_VERSION = hashlib.sha256(",".join((*_DIGEST_RULES, *DIGEST_FIELDS)).encode()).hexdigest()[:8].encode()
 
 
 def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
     """The segment's lines with each record cut to ``DIGEST_FIELDS``, kept beside the segment's local file.
 
     A segment is only ever appended to, so its digest stays true of the bytes it covers (its first
-    line) and is extended by the lines written since: each line's JSON is parsed once, not on
-    every read. A line not yet whole is left for the next read. Where the digest cannot be written
-    (a read-only store), it is recomputed in memory.
+    line: how many, and their CRC) and is extended by the lines written since: each line's JSON is
+    parsed once, not on every read. The covered bytes are checked against their CRC (one pass of
+    zlib's CRC, no JSON; once per process while the file's inode, size and time stay the same): a
+    line garbled since it was digested (a bad sector, a stray write of the same length) rebuilds the
+    digest, so no reader takes as done a line the scan quarantines. A line not yet whole is left for
+    the next read. Where the digest cannot be written (a read-only store), it is recomputed in memory.
     """
     cache = path.with_name(path.name + _DIGEST_SUFFIX)
-    covered, lines = _read_digest(cache)
-    if covered > path.stat().st_size:  # not this segment's digest (a file replaced under its name)
-        covered, lines = 0, []
-    start, fresh = covered, []
+    covered, crc, lines = _read_digest(cache)
     with open(path, "rb") as fh:
+        found = os.fstat(fh.fileno())
+        stat = (found.st_ino, found.st_size, found.st_mtime_ns)
+        checked = _CHECKED.get(path) == (*stat, covered, crc)
+        if covered and not checked and _crc_of(fh, covered) != crc:
+            covered, crc, lines = 0, 0, []  # not the bytes digested (garbled, or another file)
         fh.seek(covered)
+        start, fresh = covered, []
         for raw in fh:
             line = decode_line(raw)
             if line == "unfinished":
                 break  # the last line, still being written or torn: left for the next read
             covered += len(raw)
+            crc = zlib.crc32(raw, crc)
             if isinstance(line, str):
                 continue  # not whole: covered, never kept
             try:
@@ -440,30 +456,54 @@ def _digest(path: Path) -> list[tuple[str, bytes, bytes]]:
                 small = {f: record[f] for f in DIGEST_FIELDS if f in record}
                 fresh.append((line[0], line[1], pydantic_core.to_json(small)))
     lines += fresh
+    if time.time_ns() - found.st_mtime_ns > _SETTLED_NS:  # a later write shows in its time (racy-git's rule)
+        _CHECKED[path] = (*stat, covered, crc)
     if covered != start:
         try:
             with write_atomically(as_upath(cache)) as staged:
                 body = b"".join(encode_line(k, st.decode(), pl) for k, st, pl in lines)
-                staged.write_bytes(b"%d %s\n" % (covered, _DIGEST_VERSION) + body)
+                staged.write_bytes(b"%d %08x %s\n" % (covered, crc, _DIGEST_VERSION) + body)
         except OSError:
             pass  # a store this process may read but not write: the digest is not kept
     return lines
 
 
-def _read_digest(cache: Path) -> tuple[int, list[tuple[str, bytes, bytes]]]:
-    """(bytes of the segment covered, lines) of a digest file; (0, []) when absent, unreadable or
-    of other fields (a digest is written whole, so a line not whole means it was damaged: it is rebuilt)."""
+#: Per segment, the file (inode, size, modification time) and the digest's covered bytes and CRC this
+#: process last checked: a shard run reads the digests three times, and checks each segment's bytes once.
+_CHECKED: dict[Path, tuple[int, ...]] = {}
+#: How old a file's modification time must be for a check to stand while it stays the same: a write in
+#: the same tick of the file system's clock would leave it unchanged (far above a tick, or clocks' skew).
+_SETTLED_NS = 5_000_000_000
+
+
+def _crc_of(fh: BinaryIO, size: int) -> int | None:
+    """The CRC of the file's first ``size`` bytes; None when it is shorter."""
+    fh.seek(0)
+    crc = 0
+    while size:
+        chunk = fh.read(min(size, 1 << 20))
+        if not chunk:
+            return None
+        crc = zlib.crc32(chunk, crc)
+        size -= len(chunk)
+    return crc
+
+
+def _read_digest(cache: Path) -> tuple[int, int, list[tuple[str, bytes, bytes]]]:
+    """(bytes of the segment covered, their CRC, lines) of a digest file; (0, 0, []) when absent,
+    unreadable or of other fields (a digest is written whole, so a line not whole means it was
+    damaged: it is rebuilt)."""
     try:
         with open(cache, "rb") as fh:
-            covered_text, version = fh.readline().split()
+            covered_text, crc_text, version = fh.readline().split()
             if version != _DIGEST_VERSION:
-                return 0, []
-            covered = int(covered_text)
+                return 0, 0, []
+            covered, crc = int(covered_text), int(crc_text, 16)
             lines = [decode_line(raw) for raw in fh]
     except (OSError, ValueError):
-        return 0, []
+        return 0, 0, []
     whole = [line for line in lines if not isinstance(line, str)]
-    return (covered, whole) if len(whole) == len(lines) else (0, [])
+    return (covered, crc, whole) if len(whole) == len(lines) else (0, 0, [])
 
 
 def _parsed(payload: bytes) -> dict[str, Any] | None:

@@ -4,8 +4,9 @@
 A line is ``<key>\\t<status>\\t<length>:<crc32>\\t<json>\\n``: ``length`` the bytes of ``json`` in
 decimal, ``crc32`` (8 hex digits) that of ``<key>\\t<status>\\t<json>``. The key and status stay
 first, so a scan reads them without parsing JSON; the checksum costs one pass of zlib's CRC over
-the line. A line is whole when it ends in a newline and its length and checksum match; else it is
-bad, for one of ``BAD_LINE_REASONS``.
+the line. A line is whole when it ends in a newline, its length and checksum match and its JSON has an
+object's bounds (``{`` to ``}``: a writer's bug or a forged line, checksummed yet cut, is not read
+as an answer); else it is bad, for one of ``BAD_LINE_REASONS``.
 
 Lines of stores written before the checksum (``<key>\\t<status>\\t<json>\\n``, the JSON always an
 object, so its field starts with ``{``) are read under the rule they were written under: whole
@@ -20,7 +21,8 @@ import zlib
 #: Why a line is not whole: ``unfinished``, no newline (a write cut short: a kill, a full disk);
 #: ``fields``, fewer than three fields; ``prefix``, a length and checksum that do not read as such;
 #: ``length``, a JSON of another length than its prefix says (bytes lost or joined); ``checksum``,
-#: its bytes are not those written; ``json``, a line without a checksum whose JSON does not parse.
+#: its bytes are not those written; ``json``, a line without a checksum whose JSON does not parse, or
+#: a checksummed line whose JSON is not an object's bounds.
 BAD_LINE_REASONS = ("unfinished", "fields", "prefix", "length", "checksum", "json")
 
 
@@ -55,4 +57,6 @@ def decode_line(raw: bytes) -> tuple[str, bytes, bytes] | str:
         return "length"
     if zlib.crc32(payload, zlib.crc32(raw[: len(key) + len(status) + 2])) != expected_crc:
         return "checksum"
+    if not (payload.startswith(b"{") and payload.endswith(b"}")):
+        return "json"
     return key.decode(), status, payload

@@ -4,11 +4,12 @@ The expensive step of a build is rendering and tokenizing each record; a nightly
 night's records to a store of many nights. So the set is made of parts, each built from a fixed set
 of records (one segment of the store, ``SegmentPart``) and kept in ``parts_dir``: its Parquet rows,
 its trainers' JSONL lines and its counts (``part.json``, written last). A build takes every part
-whose records (segment name and size, and the keys an earlier segment already answered) and whose
-build (the training configuration, tokenizer, identities and this folder's code: ``fingerprint``)
-are unchanged as they are, builds the others, in ``workers`` processes where asked, and assembles
-the set: the parts' Parquet files linked in order, their JSONL lines concatenated, their counts
-added. A changed build rebuilds every part, and the manifest's ``parts`` says which happened.
+whose records (segment name and size, the keys an earlier segment already answered, its lines set
+aside as not whole) and whose build (the training configuration, tokenizer, identities and this
+folder's code: ``fingerprint``) are unchanged as they are, builds the others, in ``workers``
+processes where asked, and assembles the set: the parts' Parquet files linked in order, their JSONL
+lines concatenated, their counts added. A changed build rebuilds every part, and the manifest's
+``parts`` says which happened.
 
 The rows are those a single pass over the same records gives (``build_training_set``), in the same
 order; the Parquet files split at part boundaries.
@@ -68,6 +69,7 @@ class Part(Protocol):
     name: str
     size: int
     taken: frozenset[str]
+    set_aside: tuple[int, ...]
 
     def records(self) -> Iterator[dict[str, Any]]: ...
 
@@ -242,7 +244,7 @@ def _why_all(parts_dir: Path, state: Mapping[str, Any]) -> str | None:
 
 
 def _part_key(part: Part, fingerprint: str) -> str:
-    described = json.dumps([fingerprint, part.name, part.size, sorted(part.taken)])
+    described = json.dumps([fingerprint, part.name, part.size, sorted(part.taken), part.set_aside])
     return hashlib.sha256(described.encode()).hexdigest()[:24]
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from expansion_dag.core import FAILED, OK, Identity, completion_key
-from expansion_dag.store import DIGEST_FIELDS, CompletionStore, MixedStoreError
+from expansion_dag.store import DIGEST_FIELDS, CompletionStore, MixedStoreError, decode_line, encode_line
 from expansion_dag_tests.helpers import wait_for
 
 
@@ -124,20 +124,40 @@ def test_a_digest_is_read_instead_of_the_segment_and_extended_as_the_segment_gro
     with store.writer("shard-00") as w:
         w.append(ok("a", completion_tokens=100))
         assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100]
-        # The covered bytes change under the digest (same length): the digest, not the segment, is read.
-        w.path.write_bytes(w.path.read_bytes().replace(b":100", b":999"))
+        # The digest, not the segment's JSON, is read: a digest that says otherwise (whole) is believed.
+        digest = w.path.with_name(w.path.name + ".digest")
+        head, line = digest.read_bytes().split(b"\n", 1)
+        key, status, payload = decode_line(line)
+        digest.write_bytes(head + b"\n" + encode_line(key, status.decode(), payload.replace(b":100", b":999")))
         w.append(ok("b", completion_tokens=200))
         with open(w.path, "ab") as fh:  # a line still being written is left for the next read
             fh.write(b'c\tok\t{"key":"c","completion_tokens":3')
-        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100, 200]
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [999, 200]
         with open(w.path, "ab") as fh:
             fh.write(b"00}\n")
-        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100, 200, 300]
-        # A digest that covers more than its segment holds is not this segment's: rebuilt from it,
-        # where the changed line no longer matches its checksum.
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [999, 200, 300]
+        # The covered bytes change under the digest (same length, as a bad sector leaves them): the
+        # digest is rebuilt from the segment, where the changed line no longer matches its checksum.
+        w.path.write_bytes(w.path.read_bytes().replace(b":100", b":101"))
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [200, 300]
+        # A digest that covers more than its segment holds is not this segment's: rebuilt from it.
         w.path.write_bytes(w.path.read_bytes().split(b"\n")[0] + b"\n")  # its first line alone
     assert list(store.latest_records(digest=True)) == []
     assert store.scan("shard-00").bad_lines == {"checksum": 1}
+
+
+def test_a_settled_segment_checked_once_is_checked_again_once_written(tmp_path):
+    store = CompletionStore(tmp_path)
+    with store.writer("shard-00") as w:
+        w.append(ok("a", completion_tokens=100))
+        w.append(ok("b", completion_tokens=200))
+        path = w.path
+    hour_ago = os.stat(path).st_mtime - 3600
+    os.utime(path, (hour_ago, hour_ago))  # a segment of an earlier night: its check stands while it is unchanged
+    for _ in range(2):
+        assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [100, 200]
+    path.write_bytes(path.read_bytes().replace(b":100", b":101"))  # garbled in place, same length
+    assert [r["completion_tokens"] for r in store.latest_records(digest=True)] == [200]
 
 
 def test_a_damaged_digest_is_rebuilt_from_its_segment(tmp_path):
