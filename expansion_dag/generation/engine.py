@@ -44,6 +44,7 @@ from expansion_dag.core import (
     CANARY_PROMPTS,
     CONTENT,
     Breaker,
+    ContextMismatchError,
     QueueFullError,
     RequestError,
     SamplingSettings,
@@ -60,7 +61,7 @@ from expansion_dag.generation.dispatch import PromptQueue, WorkItem
 from expansion_dag.generation.engine_config import EngineConfig, Server
 from expansion_dag.generation.recorder import Judge, Recorder
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
-from expansion_dag.servers import Answer, HttpClient, OffLoop, chat_request, generate, make_client, run_ticked
+from expansion_dag.servers import Answer, Deadline, HttpClient, OffLoop, chat_request, generate, make_client, run_ticked
 from expansion_dag.store import SegmentWriter
 
 __all__ = ["ShardRun", "WorkItem", "WRITE_QUEUE", "generate_shard"]
@@ -82,24 +83,26 @@ class Sender:
         self._planner = planner
         self._policies = {borrowed: config.retry_policy(borrowed=borrowed) for borrowed in (False, True)}
         self._thresholds = config.loop_thresholds()
+        self._first_output_s, self._slack = config.first_output_timeout_s, config.deadline_slack
         self._queue = queue
         self._recorder = recorder
         self.report = recorder.report
 
     async def send(
         self, client: HttpClient, item: WorkItem, server: Server, *, borrowed: bool = False,
-        on_output: Callable[[], None] | None = None,
+        on_output: Callable[[], None] | None = None, canary: bool = False,
     ) -> RequestError | None:
         """Send one prompt and record its outcome; return the error if any.
 
         On a ``borrowed`` server there is one attempt, and only a content outcome is recorded: any
         other failure leaves the prompt this shard's, to send to its own server. ``on_output``: called
-        once a streamed answer's first text arrives.
+        once a streamed answer's first text arrives. A ``canary`` waits for that text only
+        ``first_output_timeout_s``.
         """
         self._queue.opened(item)
         following: WorkItem | None = None
         try:
-            error, answer = await self._exchange(client, item, server, borrowed, on_output)
+            error, answer = await self._exchange(client, item, server, borrowed, on_output, canary)
             if answer is not None and self._planner is not None:
                 planned = self._planner.next_item(item, answer.content, answer.finish_reason, answer.tool_calls)
                 if isinstance(planned, Ended):
@@ -112,9 +115,17 @@ class Sender:
         return error
 
     async def _exchange(
-        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool, on_output: Callable[[], None] | None
+        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool, on_output: Callable[[], None] | None,
+        canary: bool,
     ) -> tuple[RequestError | None, Answer | None]:
         stats = self.report.servers.get(server.url) or self.report.helpers[server.url]
+        # Scaled to the answer it may be, at the speed this server's streams decode with its slots
+        # full (none until measured: then only the per-read timeout bounds it).
+        rate = stats.meter.stream_rate
+        deadline = Deadline(
+            first_output_s=self._first_output_s if canary else None,
+            total_s=None if rate is None else self._first_output_s + self._slack * item.max_tokens / rate,
+        )
         request = chat_request(
             self._model,
             item.messages,
@@ -146,6 +157,9 @@ class Sender:
                 thresholds=self._thresholds,
                 stream_interval=server.stream_interval,
                 on_output=output,
+                identity=server.identity,
+                deadline=deadline,
+                context_length=server.context_length,
             )
         finally:
             stats.finished(time.monotonic(), stream)
@@ -192,7 +206,7 @@ async def send_canary(
 
         async def ask(item: WorkItem) -> RequestError | None:
             async with client() as http:
-                return await send(http, item, server, on_output=answering.set)
+                return await send(http, item, server, on_output=answering.set, canary=True)
 
         canary = asyncio.create_task(ask(queue.take(shortest=True)))
         output = asyncio.create_task(answering.wait())
@@ -391,6 +405,8 @@ class ShardRun:
 
     def _judge(self, server: Server, error: RequestError | None) -> None:
         reason = self._breaker.record(error)
+        if isinstance(error, ContextMismatchError):  # the probe was wrong: so is every prompt's budget
+            reason = f"{describe(error)}. Re-run once the server serves the context it reports"
         reason = f"{server.url}: {reason}" if reason else self.report.answer_yield.gate(self._config.yield_gate)
         if reason and not self.report.aborted:
             self.report.aborted = reason

@@ -72,7 +72,8 @@ def _spec(name: str, description: str) -> dg.AssetCheckSpec:
     partitions_def=shard_partitions,
     check_specs=[
         _spec(CHECK_FAILURE_RATE, "Failed prompts (answers stopped as loops aside) stay under settings.max_failure_rate."),
-        _spec(CHECK_CONTEXT_REJECTIONS, "No request was rejected for exceeding the context length."),
+        _spec(CHECK_CONTEXT_REJECTIONS, "No prompt was lost to the context: refused over it, cut by a cap the "
+              "server forced, or sent to a server whose context is not the probed one."),
         _spec(CHECK_TRUNCATION, "Answers cut at max_tokens stay under settings.max_truncation_rate (warning)."),
         _spec(CHECK_DRIFT, "The server counts prompt tokens as this project does (warning)."),
         _spec(CHECK_CONFIG, "Fleet and generation settings match this shard's previous run (warning)."),
@@ -146,7 +147,8 @@ def _choose_server(
 
 def _engine_server(server: ServerInfo) -> Server:
     return Server(url=server.url, slots=server.slots, dialect=server.dialect, stream_interval=server.stream_interval,
-                  tool_choice=server.tool_choice)  # fmt: skip
+                  tool_choice=server.tool_choice, context_length=server.context_length,
+                  identity=server.identity)  # fmt: skip
 
 
 def _helpers(fleet: FleetResource, settings: GenerationSettings, url: str) -> list[Server]:
