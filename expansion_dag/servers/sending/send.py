@@ -140,7 +140,7 @@ async def send_chat(
         if not scope.expired():
             raise
         what = "no text" if waiting else "no end of the answer"
-        raise DeadlineError(f"{what} within {bound_s:,.0f} s of the request", status=None) from exc
+        raise DeadlineError(f"{what} within {bound_s:g} s of the request", status=None) from exc
 
 
 async def _send(
