@@ -97,6 +97,12 @@ class GenerationConfig(BaseModel):
         "each request's allowance for waiting and prefill within its deadline (comments and keep-alives count "
         "for nothing).",
     )
+    weights_reprobe_s: float = Field(
+        default=1800.0,
+        ge=0,
+        description="How often a shard's run asks its server the weights' probe again; an answer other than at "
+        "the run's start (its first tokens) stops the shard. 0: never.",
+    )
     deadline_slack: float = Field(
         default=4.0,
         ge=1,

@@ -49,6 +49,7 @@ from expansion_dag.core import (
     RequestError,
     SamplingSettings,
     ShardAborted,
+    WeightsProbe,
     borrowed_verdict,
     canary_verdict,
     describe,
@@ -58,10 +59,20 @@ from expansion_dag.generation.answer_lengths import AnswerLengths
 from expansion_dag.generation.borrowing import Borrowing
 from expansion_dag.generation.conversations import Ended, TurnPlanner
 from expansion_dag.generation.dispatch import PromptQueue, WorkItem
-from expansion_dag.generation.engine_config import EngineConfig, Server
+from expansion_dag.generation.engine_config import EngineConfig, Server, WeightsWatch
 from expansion_dag.generation.recorder import Judge, Recorder
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
-from expansion_dag.servers import Answer, Deadline, HttpClient, OffLoop, chat_request, generate, make_client, run_ticked
+from expansion_dag.servers import (
+    Answer,
+    Deadline,
+    HttpClient,
+    OffLoop,
+    chat_request,
+    generate,
+    make_client,
+    reprobe_difference,
+    run_ticked,
+)
 from expansion_dag.store import SegmentWriter
 
 __all__ = ["ShardRun", "WorkItem", "WRITE_QUEUE", "generate_shard"]
@@ -245,6 +256,7 @@ class ShardRun:
         planner: TurnPlanner | None = None,
         judge: Judge | None = None,
         write_queue: int = WRITE_QUEUE,
+        weights: WeightsWatch | None = None,
     ):
         if not servers:
             raise ValueError("a shard needs at least one server")
@@ -255,6 +267,7 @@ class ShardRun:
         self._transport = transport
         self._config = config
         self._on_progress = on_progress
+        self._weights = weights
         self._breaker = Breaker(config.breaker_window, config.breaker_failure_fraction)
         self.report = ShardReport(
             total=len(self.queue),
@@ -282,7 +295,10 @@ class ShardRun:
         for stats in self._all_stats():
             stats._since = self._start
         try:
-            async with _off_the_loop(self._off_loop, self._on_progress, self._config.progress_interval_s, self.progress):
+            async with (
+                _off_the_loop(self._off_loop, self._on_progress, self._config.progress_interval_s, self.progress),
+                _watching(self._weights, self._abort),
+            ):
                 if self._config.canary:
                     await self._canaries()
                 await self._run_workers()
@@ -407,7 +423,9 @@ class ShardRun:
         reason = self._breaker.record(error)
         if isinstance(error, ContextMismatchError):  # the probe was wrong: so is every prompt's budget
             reason = f"{describe(error)}. Re-run once the server serves the context it reports"
-        reason = f"{server.url}: {reason}" if reason else self.report.answer_yield.gate(self._config.yield_gate)
+        self._abort(f"{server.url}: {reason}" if reason else self.report.answer_yield.gate(self._config.yield_gate))
+
+    def _abort(self, reason: str | None) -> None:
         if reason and not self.report.aborted:
             self.report.aborted = reason
             # Stop the other workers now: their requests would fail, or be wasted, the same way.
@@ -417,6 +435,31 @@ class ShardRun:
 
     def progress(self) -> Progress:
         return self.report.progress(time.monotonic() - self._start)
+
+
+@contextlib.asynccontextmanager
+async def _watching(watch: WeightsWatch | None, abort: Callable[[str], None]) -> AsyncIterator[None]:
+    """``watch_weights`` while the block runs (with a ``watch``)."""
+    task = asyncio.create_task(watch_weights(watch, abort)) if watch is not None else None
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def watch_weights(watch: WeightsWatch, abort: Callable[[str], None]) -> None:
+    """Asks the weights' probe again every ``watch.every_s`` until cancelled; ``abort`` the shard
+    once it answers otherwise."""
+    while True:
+        await asyncio.sleep(watch.every_s)
+        probe = await watch.probe()
+        difference = reprobe_difference(watch.expected, probe) if isinstance(probe, WeightsProbe) else None
+        if difference is not None:
+            abort(f"{watch.url}: the weights probe, asked again, answers otherwise than at the run's start "
+                  f"({difference}): the server now serves other weights")
+            return
 
 
 @contextlib.asynccontextmanager
@@ -468,7 +511,8 @@ def generate_shard(items: Iterable[WorkItem], servers: Sequence[Server], **optio
     conversation's next turn when an answer arrives (``expansion_dag.generation.conversations``). ``judge``:
     the training set's verdict on each answer (``training_set.AnswerJudge``), counted in the report's
     ``answer_yield`` and gated by ``config.yield_gate``. ``write_queue``: answers queued for the
-    writer thread at most (see the module's docstring).
+    writer thread at most (see the module's docstring). ``weights``: the weights' probe asked again
+    on a schedule (:class:`WeightsWatch`).
     """
 
     async def main() -> ShardReport:

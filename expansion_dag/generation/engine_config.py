@@ -4,8 +4,10 @@ it gives up (``EngineConfig``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from expansion_dag.core import RequestError, WeightsProbe
 from expansion_dag.generation.answer_yield import YieldGate
 from expansion_dag.servers import SGLANG, AnswerIdentity, Dialect, LoopThresholds, RetryPolicy
 
@@ -131,3 +133,15 @@ class Server:
     context_length: int | None = None
     #: What its answers must say of themselves (``AnswerIdentity``); None: not checked.
     identity: AnswerIdentity | None = None
+
+
+@dataclass(frozen=True)
+class WeightsWatch:
+    """The weights' probe asked again while a run goes: of the server at ``url``, every ``every_s``
+    (``probe``); an answer other than the run's first (``expected``, as ``reprobe_difference`` reads
+    it) stops the shard. A probe that fails says nothing of the weights: the breaker judges the server."""
+
+    url: str
+    expected: WeightsProbe
+    probe: Callable[[], Awaitable[WeightsProbe | RequestError]]
+    every_s: float

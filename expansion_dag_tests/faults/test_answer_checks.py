@@ -7,6 +7,7 @@ again. The model's own outcomes (stop, length) stay final.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import http.server
 import json
@@ -19,10 +20,19 @@ from typing import Any
 import pytest
 
 from expansion_dag.core import OversizedError, ShardAborted, is_final
-from expansion_dag.defs.assets.completions import CHECK_CONTEXT_REJECTIONS, stored_checks
+from expansion_dag.defs.assets import CHECK_CONTEXT_REJECTIONS, stored_checks
 from expansion_dag.defs.resources import GenerationSettings
 from expansion_dag.generation import Server, WorkItem, generate_shard, shard_figures
-from expansion_dag.servers import SGLANG, VLLM, AnswerIdentity, ChatStream, ServerInfo
+from expansion_dag.generation import WeightsWatch
+from expansion_dag.servers import (
+    PROBE_MESSAGES,
+    SGLANG,
+    VLLM,
+    AnswerIdentity,
+    ChatStream,
+    ServerInfo,
+    probe_weights,
+)
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.helpers import default_engine, default_sampling
 from expansion_dag_tests.ports import free_ports
@@ -50,6 +60,9 @@ class FaultServer(http.server.ThreadingHTTPServer):
         #: Seconds between an answer's first text and the rest: a speed the client can measure.
         self.pause = 0.0
         self.closing = threading.Event()
+        #: What the weights answer the weights' probe, and how often it was asked.
+        self.probe_answer = "A keeper counts the ships"
+        self.probes = 0
 
 
 def chunk(content: str | None = None, *, finish: str | None = None, model: str = MODEL) -> dict[str, Any]:
@@ -75,7 +88,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         found = re.search(r"\[fault:([a-z0-9-]+)\]", prompt) if self.server.faulty else None
         fault = found.group(1) if found else None
         try:
-            if fault is None:
+            if prompt == PROBE_MESSAGES[0]["content"]:
+                self.server.probes += 1
+                self.answer(request, self.server.probe_answer)
+            elif fault is None:
                 self.answer(request, f"An answer to: {prompt}")
             else:
                 getattr(self, "fault_" + fault.replace("-", "_"))(request)
@@ -298,6 +314,32 @@ def test_an_answer_of_another_model_is_the_servers_bad_response_never_a_row(
     assert failure["outcome"] == "server"
     assert ("evil/other-model" if dialect is VLLM else "weights \"v2\", not 'default'") in failure["message"]
     rerun_on_a_sound_server(server, store, items, target, stop_degenerate=streamed)
+
+
+@pytest.mark.parametrize("switched", [False, True], ids=["same-weights", "other-weights"])
+def test_a_long_run_asks_the_weights_probe_again_and_stops_when_the_weights_changed(
+    tmp_path, fault_server, switched
+):
+    server, url = fault_server
+    server.pause = 0.05  # four answers a worker: the run lasts several probe intervals
+    info = ServerInfo(url=url, backend="sglang", model=MODEL, model_path=MODEL, context_length=CONTEXT, slots=2,
+                      slots_source="server", max_req_input_len=None, version="0.5.23", simulator=False,
+                      dialect=SGLANG)
+    expected = asyncio.run(probe_weights(info, None))  # the run's start
+    if switched:  # a fine-tune copied over the model's folder, the server restarted under the same name
+        server.probe_answer = "Lanterns turn over the sea"
+    watch = WeightsWatch(url, expected, lambda: probe_weights(info, None), every_s=0.05)
+    store = CompletionStore(tmp_path)
+    items = work(16, {})
+    with store.writer("shard-00") as writer:
+        run_shard = lambda: generate_shard(items, [Server(url, 2)], writer=writer, model=MODEL,  # noqa: E731
+                                           sampling=default_sampling(), config=engine(), weights=watch)
+        if switched:
+            with pytest.raises(ShardAborted, match="the weights probe, asked again, answers otherwise"):
+                run_shard()
+        else:
+            assert run_shard().ok == len(items)
+    assert server.probes >= 2  # the start's, and at least one while the run went
 
 
 def test_what_an_answer_must_say_of_itself_is_each_servers_own():
