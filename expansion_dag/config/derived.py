@@ -98,6 +98,8 @@ def engine_config(generation: GenerationConfig, **changes: Any) -> EngineConfig:
     derived = dict(
         request_timeout_s=g.request_timeout_s,
         max_attempts=g.max_attempts,
+        first_output_timeout_s=g.first_output_timeout_s,
+        deadline_slack=g.deadline_slack,
         # Each wait doubles from the first, up to BACKOFF_MAX_S, with up to the first wait of jitter.
         backoff_initial_s=g.backoff_initial_s,
         backoff_max_s=max(g.backoff_initial_s, BACKOFF_MAX_S),

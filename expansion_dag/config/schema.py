@@ -90,6 +90,25 @@ class GenerationConfig(BaseModel):
     mode_seed: int = Field(default=0, description="Seed of each prompt's draw among the modes.")
     request_timeout_s: float = Field(default=1800.0, gt=0)
     max_attempts: int = Field(default=5, ge=1)
+    first_output_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long the canary (streamed) waits for its first text before its server fails it; also "
+        "each request's allowance for waiting and prefill within its deadline (comments and keep-alives count "
+        "for nothing).",
+    )
+    weights_reprobe_s: float = Field(
+        default=1800.0,
+        ge=0,
+        description="How often a shard's run asks its server the weights' probe again; an answer other than at "
+        "the run's start (its first tokens) stops the shard. 0: never.",
+    )
+    deadline_slack: float = Field(
+        default=4.0,
+        ge=1,
+        description="Once a server's speed is measured, a request's deadline is first_output_timeout_s plus this "
+        "many times its max_tokens at the measured per-stream speed; past it the request fails as the server's.",
+    )
     backoff_initial_s: float = Field(
         default=1.0,
         ge=0,

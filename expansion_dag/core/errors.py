@@ -144,11 +144,49 @@ class ContextLengthError(RejectedError):
         self.input_too_long = input_too_long
 
 
+class ContextCappedError(ContextLengthError):
+    """An answer cut at a ``max_tokens`` the server forced (the retry after a context-length 400,
+    with the server's own prompt count) ended at ``length``: it is not the answer the budget asked
+    for, so it is not final; a re-run asks again."""
+
+    kind = "context_capped"
+
+
+class ContextMismatchError(RequestError):
+    """A context-length 400 that names another context than the probe found: the server is not the
+    one probed (or lied to the probe), so every budget for it is wrong. The shard stops."""
+
+    kind = "context_mismatch"
+    outcome = "server"
+
+
+class DeadlineError(RequestError):
+    """The answer's first text, or its end, did not come by its deadline (comments and keep-alives
+    do not count). Not retried on that server: another try would hold the slot as long again."""
+
+    kind = "deadline"
+    outcome = "server"
+
+
 class BadResponseError(RequestError):
     """A 200 whose body is not a chat completion."""
 
     kind = "bad_response"
     outcome = "server"
+
+
+class OtherModelError(BadResponseError):
+    """An answer that names another model (vLLM's ``model``) or other weights (SGLang's
+    ``metadata.weight_version``) than the server's: a router sending part of the traffic elsewhere."""
+
+    kind = "other_model"
+
+
+class OversizedError(BadResponseError):
+    """An answer with more text than its tokens could make: a stream past its ``max_tokens``
+    (stopped there), or a usage that understates the text."""
+
+    kind = "oversized"
 
 
 class UnfinishedError(TransientError):

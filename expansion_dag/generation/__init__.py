@@ -16,7 +16,7 @@ from expansion_dag.generation.borrowing import OWNER_NOT_STARTED
 from expansion_dag.generation.conversations import Ended, TurnPlanner, turn_id
 from expansion_dag.generation.dispatch import PromptQueue, Turn, WorkItem, WorkLeft, claim_share
 from expansion_dag.generation.engine import WRITE_QUEUE, ShardRun, generate_shard
-from expansion_dag.generation.engine_config import EngineConfig, Server
+from expansion_dag.generation.engine_config import EngineConfig, Server, WeightsWatch
 from expansion_dag.generation.plan import (
     MIN_OBSERVED,
     Observed,
@@ -50,5 +50,6 @@ __all__ = [
     "WRITE_QUEUE", "WorkItem", "YieldGate", "bucket_label", "cell_estimates", "claim_share", "ended_record",
     "expected_per_prompt", "generate_shard", "learn", "make_plan", "outlook", "prompt_bucket",
     "prompt_features", "prompt_keys", "quiet_third_party", "render_table", "retry_summary",
-    "shard_figures", "silence_retry_logging", "spearman", "speed_line", "turn_id"
+    "shard_figures", "silence_retry_logging", "spearman", "speed_line", "turn_id",
+    "WeightsWatch",
 ]

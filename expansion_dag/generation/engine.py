@@ -44,10 +44,12 @@ from expansion_dag.core import (
     CANARY_PROMPTS,
     CONTENT,
     Breaker,
+    ContextMismatchError,
     QueueFullError,
     RequestError,
     SamplingSettings,
     ShardAborted,
+    WeightsProbe,
     borrowed_verdict,
     canary_verdict,
     describe,
@@ -57,17 +59,19 @@ from expansion_dag.generation.answer_lengths import AnswerLengths
 from expansion_dag.generation.borrowing import Borrowing
 from expansion_dag.generation.conversations import Ended, TurnPlanner
 from expansion_dag.generation.dispatch import PromptQueue, WorkItem
-from expansion_dag.generation.engine_config import EngineConfig, Server
+from expansion_dag.generation.engine_config import EngineConfig, Server, WeightsWatch
 from expansion_dag.generation.recorder import Judge, Recorder
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
 from expansion_dag.servers import (
     Answer,
+    Deadline,
     DegenerateError,
     HttpClient,
     OffLoop,
     chat_request,
     generate,
     make_client,
+    reprobe_difference,
     run_ticked,
 )
 from expansion_dag.store import SegmentWriter
@@ -91,24 +95,26 @@ class Sender:
         self._planner = planner
         self._policies = {borrowed: config.retry_policy(borrowed=borrowed) for borrowed in (False, True)}
         self._thresholds = config.loop_thresholds()
+        self._first_output_s, self._slack = config.first_output_timeout_s, config.deadline_slack
         self._queue = queue
         self._recorder = recorder
         self.report = recorder.report
 
     async def send(
         self, client: HttpClient, item: WorkItem, server: Server, *, borrowed: bool = False,
-        on_output: Callable[[], None] | None = None,
+        on_output: Callable[[], None] | None = None, canary: bool = False,
     ) -> RequestError | None:
         """Send one prompt and record its outcome; return the error if any.
 
         On a ``borrowed`` server there is one attempt, and only a content outcome is recorded: any
         other failure leaves the prompt this shard's, to send to its own server. ``on_output``: called
-        once a streamed answer's first text arrives.
+        once a streamed answer's first text arrives. A ``canary`` waits for that text only
+        ``first_output_timeout_s``.
         """
         self._queue.opened(item)
         following: WorkItem | None = None
         try:
-            error, answer = await self._exchange(client, item, server, borrowed, on_output)
+            error, answer = await self._exchange(client, item, server, borrowed, on_output, canary)
             if answer is not None and self._planner is not None:
                 planned = self._planner.next_item(item, answer.content, answer.finish_reason, answer.tool_calls)
                 if isinstance(planned, Ended):
@@ -121,9 +127,17 @@ class Sender:
         return error
 
     async def _exchange(
-        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool, on_output: Callable[[], None] | None
+        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool, on_output: Callable[[], None] | None,
+        canary: bool,
     ) -> tuple[RequestError | None, Answer | None]:
         stats = self.report.servers.get(server.url) or self.report.helpers[server.url]
+        # Scaled to the answer it may be, at the speed this server's streams decode with its slots
+        # full (none until measured: then only the per-read timeout bounds it).
+        rate = stats.meter.stream_rate
+        deadline = Deadline(
+            first_output_s=self._first_output_s if canary else None,
+            total_s=None if rate is None else self._first_output_s + self._slack * item.max_tokens / rate,
+        )
         request = chat_request(
             self._model,
             item.messages,
@@ -156,6 +170,9 @@ class Sender:
                 thresholds=self._thresholds,
                 stream_interval=server.stream_interval,
                 on_output=output,
+                identity=server.identity,
+                deadline=deadline,
+                context_length=server.context_length,
             )
         finally:
             stats.finished(time.monotonic(), stream)
@@ -204,7 +221,7 @@ async def send_canary(
 
         async def ask(item: WorkItem) -> RequestError | None:
             async with client() as http:
-                return await send(http, item, server, on_output=answering.set)
+                return await send(http, item, server, on_output=answering.set, canary=True)
 
         canary = asyncio.create_task(ask(queue.take(shortest=True)))
         output = asyncio.create_task(answering.wait())
@@ -243,6 +260,7 @@ class ShardRun:
         planner: TurnPlanner | None = None,
         judge: Judge | None = None,
         write_queue: int = WRITE_QUEUE,
+        weights: WeightsWatch | None = None,
     ):
         if not servers:
             raise ValueError("a shard needs at least one server")
@@ -253,6 +271,7 @@ class ShardRun:
         self._transport = transport
         self._config = config
         self._on_progress = on_progress
+        self._weights = weights
         self._breaker = Breaker(config.breaker_window, config.breaker_failure_fraction)
         self.report = ShardReport(
             total=len(self.queue),
@@ -280,7 +299,10 @@ class ShardRun:
         for stats in self._all_stats():
             stats._since = self._start
         try:
-            async with _off_the_loop(self._off_loop, self._on_progress, self._config.progress_interval_s, self.progress):
+            async with (
+                _off_the_loop(self._off_loop, self._on_progress, self._config.progress_interval_s, self.progress),
+                _watching(self._weights, self._abort),
+            ):
                 if self._config.canary:
                     await self._canaries()
                 await self._run_workers()
@@ -403,7 +425,11 @@ class ShardRun:
 
     def _judge(self, server: Server, error: RequestError | None) -> None:
         reason = self._breaker.record(error)
-        reason = f"{server.url}: {reason}" if reason else self.report.answer_yield.gate(self._config.yield_gate)
+        if isinstance(error, ContextMismatchError):  # the probe was wrong: so is every prompt's budget
+            reason = f"{describe(error)}. Re-run once the server serves the context it reports"
+        self._abort(f"{server.url}: {reason}" if reason else self.report.answer_yield.gate(self._config.yield_gate))
+
+    def _abort(self, reason: str | None) -> None:
         if reason and not self.report.aborted:
             self.report.aborted = reason
             # Stop the other workers now: their requests would fail, or be wasted, the same way.
@@ -413,6 +439,31 @@ class ShardRun:
 
     def progress(self) -> Progress:
         return self.report.progress(time.monotonic() - self._start, queue=self.queue)
+
+
+@contextlib.asynccontextmanager
+async def _watching(watch: WeightsWatch | None, abort: Callable[[str], None]) -> AsyncIterator[None]:
+    """``watch_weights`` while the block runs (with a ``watch``)."""
+    task = asyncio.create_task(watch_weights(watch, abort)) if watch is not None else None
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def watch_weights(watch: WeightsWatch, abort: Callable[[str], None]) -> None:
+    """Asks the weights' probe again every ``watch.every_s`` until cancelled; ``abort`` the shard
+    once it answers otherwise."""
+    while True:
+        await asyncio.sleep(watch.every_s)
+        probe = await watch.probe()
+        difference = reprobe_difference(watch.expected, probe) if isinstance(probe, WeightsProbe) else None
+        if difference is not None:
+            abort(f"{watch.url}: the weights probe, asked again, answers otherwise than at the run's start "
+                  f"({difference}): the server now serves other weights")
+            return
 
 
 @contextlib.asynccontextmanager
@@ -464,7 +515,8 @@ def generate_shard(items: Iterable[WorkItem], servers: Sequence[Server], **optio
     conversation's next turn when an answer arrives (``expansion_dag.generation.conversations``). ``judge``:
     the training set's verdict on each answer (``training_set.AnswerJudge``), counted in the report's
     ``answer_yield`` and gated by ``config.yield_gate``. ``write_queue``: answers queued for the
-    writer thread at most (see the module's docstring).
+    writer thread at most (see the module's docstring). ``weights``: the weights' probe asked again
+    on a schedule (:class:`WeightsWatch`).
     """
 
     async def main() -> ShardReport:

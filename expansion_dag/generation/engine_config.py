@@ -4,10 +4,12 @@ it gives up (``EngineConfig``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from expansion_dag.core import RequestError, WeightsProbe
 from expansion_dag.generation.answer_yield import YieldGate
-from expansion_dag.servers import SGLANG, Dialect, LoopThresholds, RetryPolicy
+from expansion_dag.servers import SGLANG, AnswerIdentity, Dialect, LoopThresholds, RetryPolicy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +28,11 @@ class EngineConfig:
     #: A long generation on a loaded server takes minutes; this bounds a hung request.
     request_timeout_s: float
     max_attempts: int
+    #: The canary's bound on its first streamed text, and each request's allowance for its wait
+    #: and prefill within its deadline: ``first_output_timeout_s + deadline_slack * max_tokens /
+    #: measured per-stream speed`` (``Deadline``), set once the server's speed is measured.
+    first_output_timeout_s: float
+    deadline_slack: float
     backoff_initial_s: float
     backoff_max_s: float
     backoff_jitter_s: float
@@ -121,3 +128,20 @@ class Server:
     stream_interval: int = 1
     #: What requests with tools ask for (the probe's ``ServerInfo.tool_choice``).
     tool_choice: str = "auto"
+    #: The probed context (``ServerInfo.context_length``): a context-length 400 naming another stops
+    #: the shard (``ContextMismatchError``). None: not checked.
+    context_length: int | None = None
+    #: What its answers must say of themselves (``AnswerIdentity``); None: not checked.
+    identity: AnswerIdentity | None = None
+
+
+@dataclass(frozen=True)
+class WeightsWatch:
+    """The weights' probe asked again while a run goes: of the server at ``url``, every ``every_s``
+    (``probe``); an answer other than the run's first (``expected``, as ``reprobe_difference`` reads
+    it) stops the shard. A probe that fails says nothing of the weights: the breaker judges the server."""
+
+    url: str
+    expected: WeightsProbe
+    probe: Callable[[], Awaitable[WeightsProbe | RequestError]]
+    every_s: float

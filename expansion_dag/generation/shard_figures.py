@@ -11,11 +11,12 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from expansion_dag.core import ENDINGS, FAILED, OK
+from expansion_dag.core import ENDINGS, FAILED, OK, ContextCappedError, ContextMismatchError
 
 #: A failure kind that is the model's doing (a stopped loop), not the fleet's: not a failed prompt.
 DEGENERATE = "degenerate"
 CONTEXT_LENGTH = "context_length"
+CONTEXT_KINDS = (CONTEXT_LENGTH, ContextCappedError.kind, ContextMismatchError.kind)
 
 
 @dataclass
@@ -46,7 +47,9 @@ class ShardFigures:
 
     @property
     def context_length_failures(self) -> int:
-        return self.failures_by_kind[CONTEXT_LENGTH]
+        """Prompts the context lost: refused, cut by a cap the server forced, or sent to a server
+        whose context is not the probed one."""
+        return sum(self.failures_by_kind[kind] for kind in CONTEXT_KINDS)
 
     @property
     def drifted(self) -> int:

@@ -128,6 +128,14 @@ class SpeedMeter:
         self._answer_tokens += max(tokens - 1, 0) if stream.streamed else tokens
         self._answer_decoding_s += stream.ended - since
 
+    @property
+    def stream_rate(self) -> float | None:
+        """Tokens a second one stream decodes at with the slots full; None until ``MIN_ANSWERS``
+        answers say it (the requests' deadlines scale with it: ``engine.Sender``)."""
+        if self._answers < MIN_ANSWERS or self._answer_decoding_s <= 0:
+            return None
+        return self._answer_tokens / self._answer_decoding_s
+
     def _in_window(self, stream: Stream, now: float) -> float:
         since = stream.decoding_since
         if self.full_since is None or since is None:

@@ -44,13 +44,15 @@ from expansion_dag.servers.probing import (
     probe_fleet,
     probe_fleet_weights,
     probe_server,
+    probe_weights,
     read_idle_slots,
     read_server_facts,
     read_throughputs,
+    reprobe_difference,
     serves_without_key,
     weights_label,
 )
-from expansion_dag.servers.sending import Exchange, RetryPolicy, generate, send_chat
+from expansion_dag.servers.sending import Deadline, Exchange, RetryPolicy, generate, send_chat
 from expansion_dag.servers.transport import (
     AsyncioBackend,
     AsyncioStream,
@@ -65,6 +67,7 @@ from expansion_dag.servers.transport import (
 )
 from expansion_dag.servers.wire import (
     Answer,
+    AnswerIdentity,
     ChatChunk,
     ChatRequest,
     ChatStream,
@@ -97,4 +100,5 @@ __all__ = [
     "probe_server", "read_idle_slots", "read_server_facts", "read_throughputs", "request_tools", "run_ticked",
     "send_chat", "serves_without_key", "template_tools", "tls_context", "tool_call_flags", "tool_choice_for",
     "wait_ready", "weights_label",
+    "AnswerIdentity", "Deadline", "probe_weights", "reprobe_difference",
 ]

@@ -36,8 +36,8 @@ CHAT = [
 ]
 COMPLETION = (
     '{"choices":[{"index":0,"message":{"role":"assistant","content":"Grüße, %s"},"finish_reason":"stop"}],'
-    '"usage":{"prompt_tokens":3,"completion_tokens":2}}' % ("x" * 70_000)
-).encode()  # past one socket read
+    '"usage":{"prompt_tokens":3,"completion_tokens":9000}}' % ("x" * 70_000)
+).encode()  # past one socket read (a usage that could hold that text)
 
 
 def watch_connections(loop: asyncio.AbstractEventLoop) -> list[asyncio.Transport]:
@@ -190,7 +190,8 @@ def test_the_workers_client_sends_the_headers_servers_route_and_frame_by_and_rea
     }
     assert json.loads(server.body) == request.body()
     assert server.connections == 1
-    assert [(a.content, a.finish_reason, a.completion_tokens) for a in answers] == [("Grüße, " + "x" * 70_000, "stop", 2)] * 2
+    whole = ("Grüße, " + "x" * 70_000, "stop", 9000)
+    assert [(a.content, a.finish_reason, a.completion_tokens) for a in answers] == [whole] * 2
 
 
 def test_a_body_left_unread_closes_its_connection_and_another_server_gets_its_own():

@@ -83,7 +83,8 @@ def test_a_looping_stream_raises_degenerate_with_its_text():
     assert error.reasoning.startswith("Let me think. Wait, I should check")
     assert error.chunks < 60  # stopped long before the 201 pieces were read
     # Without thresholds nothing is judged: the same stream is just an answer.
-    assert parse_chat_stream(stream_of(VLLM, [], pieces).splitlines(), VLLM).completion_tokens == 7
+    whole = stream_of(VLLM, [], pieces, usage={"prompt_tokens": 12, "completion_tokens": 1400})
+    assert parse_chat_stream(whole.splitlines(), VLLM).completion_tokens == 1400
 
 
 def send(handler, request, dialect=SGLANG, thresholds=None):

@@ -18,7 +18,7 @@ from typing import Any
 import dagster as dg
 import polars as pl
 
-from expansion_dag.core import ModeIdentities, ShardAborted
+from expansion_dag.core import ModeIdentities, ShardAborted, WeightsProbe
 from expansion_dag.defs import resource_fields, run_configuration_file, shard_index, shard_partitions
 from expansion_dag.defs.assets.blocking_checks import record_verdicts
 from expansion_dag.defs.assets.completion_metadata import shard_metadata
@@ -32,13 +32,14 @@ from expansion_dag.generation import (
     ShardFigures,
     ShardReport,
     ShardWork,
+    WeightsWatch,
     cell_estimates,
     ended_record,
     generate_shard,
     learn,
     shard_figures,
 )
-from expansion_dag.servers import ServerInfo
+from expansion_dag.servers import ServerInfo, probe_weights
 from expansion_dag.store import CompletionStore, ShardLease
 from expansion_dag.training import AnswerJudge
 
@@ -72,7 +73,8 @@ def _spec(name: str, description: str) -> dg.AssetCheckSpec:
     partitions_def=shard_partitions,
     check_specs=[
         _spec(CHECK_FAILURE_RATE, "Failed prompts (answers stopped as loops aside) stay under settings.max_failure_rate."),
-        _spec(CHECK_CONTEXT_REJECTIONS, "No request was rejected for exceeding the context length."),
+        _spec(CHECK_CONTEXT_REJECTIONS, "No prompt was lost to the context: refused over it, cut by a cap the "
+              "server forced, or sent to a server whose context is not the probed one."),
         _spec(CHECK_TRUNCATION, "Answers cut at max_tokens stay under settings.max_truncation_rate (warning)."),
         _spec(CHECK_DRIFT, "The server counts prompt tokens as this project does (warning)."),
         _spec(CHECK_CONFIG, "Fleet and generation settings match this shard's previous run (warning)."),
@@ -105,11 +107,12 @@ def _generate(
     target = _choose_server(context, fleet, settings, shard)
     helpers = _helpers(fleet, settings, target.url)
     identities, work = _identities_and_work(context, shard_prompts, fleet, settings, target.url)
+    weights = _weights_watch(fleet, settings, target.url, identities.identities[0].probe)  # one probe, every mode
     store = storage.completion_store()
     todo = _scan_store(context, store, work, identities, target)
     expected = ShardExpectation(todo.items, todo.observed, settings, context.instance, simulated=fleet.info.simulated)
     report, aborted, progress = _run_engine(
-        context, store, lease, work, identities, todo, target, helpers, fleet, settings, expected
+        context, store, lease, work, identities, todo, target, helpers, fleet, settings, expected, weights
     )
     standing = _read_standing(store, work, shard, identities)
     effective = _effective_config(fleet, settings, storage, target.url)
@@ -146,7 +149,8 @@ def _choose_server(
 
 def _engine_server(server: ServerInfo) -> Server:
     return Server(url=server.url, slots=server.slots, dialect=server.dialect, stream_interval=server.stream_interval,
-                  tool_choice=server.tool_choice)  # fmt: skip
+                  tool_choice=server.tool_choice, context_length=server.context_length,
+                  identity=server.identity)  # fmt: skip
 
 
 def _helpers(fleet: FleetResource, settings: GenerationSettings, url: str) -> list[Server]:
@@ -171,6 +175,16 @@ def _identities_and_work(
         planner=settings.turn_planner(int(shard_prompts["context_length"][0]), identities) if has_conversations else None,
     )
     return identities, work
+
+
+def _weights_watch(
+    fleet: FleetResource, settings: GenerationSettings, url: str, probe: WeightsProbe | None
+) -> WeightsWatch | None:
+    """The weights' probe of the run's start, asked again every ``weights_reprobe_s`` while it goes."""
+    if probe is None or not settings.weights_reprobe_s:
+        return None
+    server, api_key = fleet.info.server(url), fleet.api_key()
+    return WeightsWatch(url, probe, lambda: probe_weights(server, api_key), settings.weights_reprobe_s)
 
 
 def _scan_store(
@@ -200,7 +214,7 @@ def _scan_store(
 def _run_engine(
     context: dg.AssetExecutionContext, store: CompletionStore, lease: ShardLease, work: ShardWork,
     identities: ModeIdentities, todo: Todo, target: Target, helpers: list[Server], fleet: FleetResource,
-    settings: GenerationSettings, expected: ShardExpectation,
+    settings: GenerationSettings, expected: ShardExpectation, weights: WeightsWatch | None,
 ) -> tuple[ShardReport, str | None, ShardProgressReporter]:
     """The shard's prompts through the engine, every answer written under the lease; the report,
     and why the engine stopped the shard early (None: it did not)."""
@@ -216,7 +230,7 @@ def _run_engine(
                 todo.items, [_engine_server(target.server)], writer=writer, model=info.model,
                 sampling=settings.sampling(), config=settings.engine_config(), helpers=helpers,
                 fleet_urls=[s.url for s in info.servers], api_key=fleet.api_key(), lengths=todo.lengths,
-                on_progress=progress, planner=work.planner,
+                on_progress=progress, planner=work.planner, weights=weights,
                 # The training set's own rules, on each answer as it arrives: the yield and its gate.
                 judge=AnswerJudge(settings.load_tokenizer(), settings.training_set_config(info.context_length), identities),
             )

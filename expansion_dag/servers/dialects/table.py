@@ -59,6 +59,9 @@ class Dialect:
     #: (SGLang from 0.5.20), ``"vllm"`` (``return_token_ids``), None: it cannot, so it is not asked
     #: and its answers carry none (see :func:`chat_request` and :func:`parse_chat_completion`).
     token_ids: str | None
+    #: Each answer's ``model`` names the served model (vLLM's ``model_name``), so an answer from
+    #: another model says so; SGLang echoes the request's, which proves nothing (``AnswerIdentity``).
+    answers_name_model: bool
 
     @property
     def has_loads(self) -> bool:
@@ -81,6 +84,7 @@ SGLANG = Dialect(
     # ``serving_chat`` passes to the template as is (read from the 0.5.23 wheel only).
     tool_template_extras=(("defer_loading", None),),
     token_ids="sglext",
+    answers_name_model=False,
 )
 VLLM = Dialect(
     name="vllm",
@@ -98,6 +102,7 @@ VLLM = Dialect(
     tool_template_extras=(),
     # Any vLLM is asked: one older than the field ignores it (``OpenAIBaseModel``: extra "allow").
     token_ids="vllm",
+    answers_name_model=True,
 )
 #: Newest first within a backend: :func:`dialect_for` takes the first row the version reaches.
 DIALECTS: tuple[Dialect, ...] = (

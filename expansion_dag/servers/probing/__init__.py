@@ -30,6 +30,8 @@ from expansion_dag.servers.probing.weights import (
     folder_weights,
     hub_commit,
     probe_fleet_weights,
+    probe_weights,
+    reprobe_difference,
     weights_label,
 )
 
@@ -38,4 +40,5 @@ __all__ = [
     "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo", "files_digest", "folder_weights", "hub_commit",
     "parse_gen_throughput", "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_fleet_weights",
     "probe_server", "read_idle_slots", "read_server_facts", "read_throughputs", "serves_without_key", "weights_label",
+    "probe_weights", "reprobe_difference",
 ]

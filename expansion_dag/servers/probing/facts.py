@@ -73,11 +73,11 @@ def parse_server_facts(models: object, server_info: object | None, dialect: Dial
 
 
 #: What SGLang reports for weights whose version nobody set (``ServerArgs.weight_version``).
-_UNSET_WEIGHT_VERSION = "default"
+UNSET_WEIGHT_VERSION = "default"
 
 
 def _weight_version(value: object) -> str | None:
-    return str(value) if value not in (None, "", _UNSET_WEIGHT_VERSION) else None
+    return str(value) if value not in (None, "", UNSET_WEIGHT_VERSION) else None
 
 
 def _slots(info: Mapping[str, Any]) -> int | None:

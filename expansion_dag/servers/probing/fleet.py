@@ -37,9 +37,15 @@ from expansion_dag.core import (
     server_url,
 )
 from expansion_dag.servers.dialects import Dialect
-from expansion_dag.servers.probing.facts import PROTECTED_PATH, ServerFacts, read_server_facts, serves_without_key
+from expansion_dag.servers.probing.facts import (
+    PROTECTED_PATH,
+    UNSET_WEIGHT_VERSION,
+    ServerFacts,
+    read_server_facts,
+    serves_without_key,
+)
 from expansion_dag.servers.transport import tls_context
-from expansion_dag.servers.wire import tool_choice_for
+from expansion_dag.servers.wire import AnswerIdentity, tool_choice_for
 
 Backend = Literal["sglang", "vllm"]
 
@@ -83,6 +89,14 @@ class ServerInfo:
     def tool_choice(self) -> str:
         """The ``tool_choice`` of this server's requests with tools (``tool_choice_for``)."""
         return tool_choice_for(self.dialect, self.tool_call_parser)
+
+    @property
+    def identity(self) -> AnswerIdentity:
+        """What its answers must say of themselves: vLLM's served name; SGLang's weights' version,
+        as its answers carry it ("default" when none was set)."""
+        if self.dialect.answers_name_model:
+            return AnswerIdentity(model=self.model)
+        return AnswerIdentity(weight_version=self.weight_version or UNSET_WEIGHT_VERSION)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "dialect": self.dialect.name}

@@ -47,6 +47,8 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 #: greedily (temperature 0, seed 0), one request at a time.
 PROBE_MESSAGES = ({"role": "user", "content": "Write four short lines about a lighthouse keeper who counts ships."},)
 PROBE_TOKENS = 32
+#: The probe's tokens compared while a run goes (:func:`reprobe_difference`).
+REPROBE_TOKENS = 8
 PROBE_SAMPLING = SamplingSettings(
     temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, seed=0, max_output_tokens=PROBE_TOKENS
 )
@@ -174,10 +176,26 @@ def probe_fleet_weights(fleet: FleetInfo, *, api_key: str | None) -> FleetInfo:
 
 async def _probe_all(servers: tuple[ServerInfo, ...], api_key: str | None) -> list[WeightsProbe | RequestError]:
     # One request at a time: the probe is alone on each server as far as this client goes.
-    return [await _probe(server, api_key) for server in servers]
+    return [await probe_weights(server, api_key) for server in servers]
 
 
-async def _probe(server: ServerInfo, api_key: str | None) -> WeightsProbe | RequestError:
+def reprobe_difference(before: WeightsProbe, now: WeightsProbe) -> str | None:
+    """Where a probe taken during a run answers otherwise than the run's first, in its first
+    ``REPROBE_TOKENS`` tokens (characters ``4 x`` as many without ids); None: the same weights.
+
+    Sent beside a full batch, a greedy answer is no longer sent alone: the batch changes the float
+    sums as another engine build does, and a near-tie late in the answer can flip. Other weights
+    answer otherwise from the first tokens.
+    """
+    def head(probe: WeightsProbe) -> WeightsProbe:
+        ids = None if probe.ids is None else probe.ids[:REPROBE_TOKENS]
+        return replace(probe, text=probe.text[: 4 * REPROBE_TOKENS], ids=ids)
+
+    return head(before).difference(head(now))
+
+
+async def probe_weights(server: ServerInfo, api_key: str | None) -> WeightsProbe | RequestError:
+    """``server``'s answer to the probe, or the error that says why there is none."""
     max_tokens = max(1, min(PROBE_TOKENS, server.context_length // 2))
     request = chat_request(
         server.model, PROBE_MESSAGES, max_tokens, PROBE_SAMPLING, token_ids=server.dialect.token_ids

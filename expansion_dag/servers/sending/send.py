@@ -9,6 +9,7 @@ returns an :class:`Exchange`. A content outcome (a loop, a finished answer) is n
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -19,7 +20,10 @@ import stamina
 
 from expansion_dag.core import (
     BadResponseError,
+    ContextCappedError,
     ContextLengthError,
+    ContextMismatchError,
+    DeadlineError,
     QueueFullError,
     RequestError,
     TransientError,
@@ -30,12 +34,14 @@ from expansion_dag.servers.loops import LoopThresholds
 from expansion_dag.servers.transport import HttpClient, read_body
 from expansion_dag.servers.wire import (
     Answer,
+    AnswerIdentity,
     ChatRequest,
     ChatStream,
     as_text,
     error_from_status,
     finish_error,
     parse_chat_completion,
+    wire_limit,
 )
 
 
@@ -59,6 +65,19 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
+class Deadline:
+    """How long one attempt may take, from its send (None: no bound but the per-read timeout).
+
+    Only what the answer says counts: SSE comments and keep-alives move neither bound.
+    """
+
+    #: Until a streamed answer's first text (the canary's: a server that accepts and says nothing).
+    first_output_s: float | None = None
+    #: Until the answer's end.
+    total_s: float | None = None
+
+
+@dataclass(frozen=True)
 class Exchange:
     """What became of one prompt on one server: an answer or the last error, never both."""
 
@@ -78,6 +97,8 @@ async def send_chat(
     *,
     stream_interval: int,
     on_output: Callable[[], None] | None = None,
+    identity: AnswerIdentity | None = None,
+    deadline: Deadline | None = None,
 ) -> Answer:
     """One attempt: the complete answer, or the RequestError that says why there is none.
 
@@ -95,15 +116,54 @@ async def send_chat(
     ``stream_interval``: the server's tokens per streamed event, to count a stopped answer's
     tokens. ``on_output`` is called once the stream carries generated text, not at the 200: an
     error can still come as an event in the stream (``ChatStream`` raises it) before any text.
+    ``identity``: what the answer must say of itself (:class:`AnswerIdentity`); ``deadline``: how
+    long it may take (:class:`Deadline`), a :class:`DeadlineError` past it. An answer is also held
+    to the size its ``max_tokens`` allows (``OversizedError``, the stream closed there).
     """
+    if deadline is None or (deadline.total_s is None and (deadline.first_output_s is None or not request.stream)):
+        return await _send(client, url, request, dialect, thresholds, stream_interval, on_output, identity)
+    sent = asyncio.get_running_loop().time()
+    waiting = request.stream and deadline.first_output_s is not None  # for the first text
+    bound_s = deadline.first_output_s if waiting else deadline.total_s
+    try:
+        async with asyncio.timeout_at(None if bound_s is None else sent + bound_s) as scope:
+
+            def output() -> None:
+                nonlocal waiting, bound_s
+                waiting, bound_s = False, deadline.total_s  # the first text came: only the end's deadline now
+                scope.reschedule(None if bound_s is None else sent + bound_s)
+                if on_output is not None:
+                    on_output()
+
+            return await _send(client, url, request, dialect, thresholds, stream_interval, output, identity)
+    except TimeoutError as exc:
+        if not scope.expired():
+            raise
+        what = "no text" if waiting else "no end of the answer"
+        raise DeadlineError(f"{what} within {bound_s:g} s of the request", status=None) from exc
+
+
+async def _send(
+    client: HttpClient,
+    url: str,
+    request: ChatRequest,
+    dialect: Dialect,
+    thresholds: LoopThresholds | None,
+    stream_interval: int,
+    on_output: Callable[[], None] | None,
+    identity: AnswerIdentity | None,
+) -> Answer:
     if not request.stream:
-        return await _send_plain(client, url, request, dialect)
+        return await _send_plain(client, url, request, dialect, identity)
     try:
         response = await client.post(f"{url}/v1/chat/completions", request.body())
         try:
             if response.status_code != 200:
-                raise error_from_status(response.status_code, as_text(await read_body(response)))
-            stream = ChatStream(dialect, thresholds, stream_interval=stream_interval)
+                body = await read_body(response, limit=wire_limit(request.max_tokens))
+                raise error_from_status(response.status_code, as_text(body))
+            stream = ChatStream(
+                dialect, thresholds, stream_interval=stream_interval, max_tokens=request.max_tokens, identity=identity
+            )
             async for data in response.stream:
                 loop = stream.feed(data)
                 if loop is not None:
@@ -125,11 +185,13 @@ async def send_chat(
     return answer
 
 
-async def _send_plain(client: HttpClient, url: str, request: ChatRequest, dialect: Dialect) -> Answer:
+async def _send_plain(
+    client: HttpClient, url: str, request: ChatRequest, dialect: Dialect, identity: AnswerIdentity | None
+) -> Answer:
     try:
         response = await client.post(f"{url}/v1/chat/completions", request.body())
         try:
-            data = await read_body(response)
+            data = await read_body(response, limit=wire_limit(request.max_tokens))
         finally:
             await response.aclose()
     except httpx.HTTPError as exc:
@@ -140,7 +202,7 @@ async def _send_plain(client: HttpClient, url: str, request: ChatRequest, dialec
         body = json.loads(data)
     except ValueError as exc:
         raise BadResponseError(f"not a chat completion: {as_text(data[:200])}", status=200) from exc
-    answer = parse_chat_completion(body, dialect)
+    answer = parse_chat_completion(body, dialect, identity)
     error = finish_error(answer)
     if error is not None:
         raise error
@@ -181,6 +243,9 @@ async def generate(
     thresholds: LoopThresholds | None = None,
     stream_interval: int,
     on_output: Callable[[], None] | None = None,
+    identity: AnswerIdentity | None = None,
+    deadline: Deadline | None = None,
+    context_length: int | None = None,
 ) -> Exchange:
     """Send ``request`` until it has a complete answer or the policy gives up.
 
@@ -190,7 +255,12 @@ async def generate(
     hears the kind of each error that caused a retry (``context_length`` for the one retry with a
     smaller ``max_tokens``). ``thresholds``: stop a streamed answer that loops
     (:class:`DegenerateError`, not retried); ``stream_interval``, ``on_output``: ``send_chat``'s
-    (``on_output`` called at most once an attempt).
+    (``on_output`` called at most once an attempt), ``identity``, ``deadline``: each attempt's.
+
+    ``context_length``: the probed one. A context-length 400 that names another is no prompt's
+    trouble but the probe's: :class:`ContextMismatchError`, never retried. An answer of the smaller
+    retry that ends at ``length`` is cut by the server's cap, not the budget's: a
+    :class:`ContextCappedError`, which a re-run asks again.
     """
     attempts = 0
     max_tokens = request.max_tokens
@@ -213,7 +283,8 @@ async def generate(
                 attempts += 1
                 try:
                     return await send_chat(
-                        client, url, body, dialect, thresholds, stream_interval=stream_interval, on_output=on_output
+                        client, url, body, dialect, thresholds, stream_interval=stream_interval,
+                        on_output=on_output, identity=identity, deadline=deadline,
                     )
                 except RequestError as exc:
                     last = exc
@@ -224,6 +295,13 @@ async def generate(
         try:
             answer = await with_backoff(request)
         except ContextLengthError as exc:
+            said = exc.overflow.context_length if exc.overflow is not None else None
+            if said is not None and context_length is not None and said != context_length:
+                raise ContextMismatchError(
+                    f"the server refused the request over a context of {said} tokens, but it was probed at "
+                    f"{context_length}: every budget for it is wrong (its words: {exc.message})",
+                    status=exc.status,
+                ) from exc
             if exc.overflow is None or not policy.context_retry:
                 raise
             # The server counted the prompt differently: trust its count, once.
@@ -234,6 +312,12 @@ async def generate(
                 on_retry(exc.kind)
             max_tokens = min(max_tokens, budget)
             answer = await with_backoff(replace(request, max_tokens=max_tokens))
+            if answer.finish_reason == "length":
+                raise ContextCappedError(
+                    f"the answer ended at length under the server's cap of {max_tokens} tokens (asked: "
+                    f"{request.max_tokens}): not the answer budgeted, so not final",
+                    status=200,
+                )
     except RequestError as error:
         return Exchange(None, error, attempts, max_tokens)
     return Exchange(answer, None, attempts, max_tokens)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pydantic_core
 
-from expansion_dag.core import auth_headers
+from expansion_dag.core import OversizedError, auth_headers
 from expansion_dag.servers.transport.asyncio_network import asyncio_transport
 
 _JSON = (b"Content-Type", b"application/json")
@@ -102,13 +102,21 @@ class HttpClient:
         await self.aclose()
 
 
-async def read_body(response: httpx.Response) -> bytes:
-    """The whole body as the transport's byte stream gives it, left for the caller to close.
+async def read_body(response: httpx.Response, *, limit: int | None = None) -> bytes:
+    """The whole body as the transport's byte stream gives it, left for the caller to close;
+    OversizedError once it passes ``limit`` bytes (the rest left unread: closing the response
+    closes the connection).
 
     What ``aread`` returns, without its four wrappers: no content decoding is needed, since the
     client sends no ``Accept-Encoding``.
     """
-    return b"".join([chunk async for chunk in response.stream])
+    chunks, size = [], 0
+    async for chunk in response.stream:
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise OversizedError(f"the body passed {limit:,} bytes, more than its request allows: stopped", status=200)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def make_client(

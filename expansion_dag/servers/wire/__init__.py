@@ -9,6 +9,7 @@ from expansion_dag.servers.wire.answers import (
 )
 from expansion_dag.servers.wire.protocol import (
     Answer,
+    AnswerIdentity,
     ChatChunk,
     ChatRequest,
     FunctionDefinition,
@@ -19,6 +20,7 @@ from expansion_dag.servers.wire.protocol import (
     Usage,
     as_text,
     quote,
+    wire_limit,
 )
 from expansion_dag.servers.wire.requests import chat_request
 from expansion_dag.servers.wire.stream import ChatStream, DegenerateError, parse_chat_stream, parse_chunk
@@ -29,4 +31,5 @@ __all__ = [
     "ToolCallDelta", "ToolFunction", "Usage", "as_text", "chat_request", "error_from_status", "finish_error",
     "parse_chat_completion", "parse_chat_stream", "parse_chunk", "parse_context_error", "quote", "request_tools",
     "template_tools", "tool_choice_for",
+    "AnswerIdentity", "wire_limit",
 ]

@@ -31,6 +31,7 @@ from expansion_dag.servers.dialects import Dialect
 from expansion_dag.servers.wire.protocol import (
     COMPLETE_FINISHES,
     Answer,
+    AnswerIdentity,
     Usage,
     checked_answer,
     id_array,
@@ -40,15 +41,18 @@ from expansion_dag.servers.wire.protocol import (
 from expansion_dag.servers.wire.tools import tool_call
 
 
-def parse_chat_completion(body: object, dialect: Dialect) -> Answer:
+def parse_chat_completion(body: object, dialect: Dialect, identity: AnswerIdentity | None = None) -> Answer:
     """Read a 200 body; BadResponseError when it is not a chat completion, or a field read has
-    another type (``protocol.checked_answer``).
+    another type (``protocol.checked_answer``); OtherModelError when it names another model than
+    ``identity``'s.
 
     Token ids, where the dialect returns them: SGLang's in the response's ``sglext``
     (``input_ids``, ``output_ids[0]``), vLLM's in its ``prompt_token_ids`` and the choice's
     ``token_ids``.
     """
     try:
+        if identity is not None:
+            identity.check(body.get("model"), body.get("metadata"))  # type: ignore[union-attr]
         choice = body["choices"][0]  # type: ignore[index]
         message = choice["message"]
         usage = body["usage"]  # type: ignore[index]

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
-from expansion_dag.core import BadResponseError, SamplingSettings
+from expansion_dag.core import BadResponseError, OtherModelError, OversizedError, SamplingSettings
 
 #: Finish reasons of a complete answer; anything else (``abort``, ...) is partial text. A server
 #: with a tool-call parser ends an answer that calls tools with ``tool_calls``: SGLang when it
@@ -37,6 +37,54 @@ COMPLETE_FINISHES = frozenset({"stop", "length", "tool_calls"})
 #: (``v1/engine.FINISH_REASON_STRINGS``), and ``unknown``, said here of an answer that named none.
 #: Any other value is no answer this client can read.
 PARTIAL_FINISHES = frozenset({"abort", "content_filter", "function_call", "error", "repetition", "unknown"})
+
+#: The most characters one token decodes to, with a wide margin: the longest token of the test
+#: model's vocabulary (SmolLM2's, whitespace and dash runs) is 81 characters, and an answer's tokens
+#: average about 4. An answer with more text than its tokens could hold is the server's fault
+#: (:func:`text_limit`): a usage that understates it, or a stream past its ``max_tokens``.
+MAX_CHARS_PER_TOKEN = 256
+#: Characters allowed beyond that count: a few tokens' worth, for an answer of almost none.
+TEXT_SLACK_CHARS = 4096
+#: Bytes a stream may carry per token of its ``max_tokens``, beyond its text: each event's JSON
+#: (about 300 bytes from vLLM with its ids and usage at one token an event), and a fixed allowance
+#: for the prompt's ids sent once (a million-token prompt's as JSON).
+WIRE_BYTES_PER_TOKEN = 1024
+WIRE_SLACK_BYTES = 8 << 20
+
+
+def text_limit(tokens: int) -> int:
+    """The most characters ``tokens`` tokens can be (see :data:`MAX_CHARS_PER_TOKEN`)."""
+    return tokens * MAX_CHARS_PER_TOKEN + TEXT_SLACK_CHARS
+
+
+def wire_limit(max_tokens: int) -> int:
+    """The most bytes an answer of at most ``max_tokens`` tokens takes on the wire, plain or streamed."""
+    return max_tokens * (MAX_CHARS_PER_TOKEN + WIRE_BYTES_PER_TOKEN) + WIRE_SLACK_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerIdentity:
+    """What an answer must say of itself to be the expected model's (None: not checked).
+
+    vLLM names its served model in every answer and chunk (``model``); SGLang echoes the request's
+    ``model``, which proves nothing, but a plain answer carries its weights' ``metadata.weight_version``
+    ("default" when unset). An answer naming another is the server's (a router's) fault:
+    :class:`OtherModelError`.
+    """
+
+    model: str | None = None
+    weight_version: str | None = None
+
+    def check(self, model: object, metadata: object) -> None:
+        """Raise OtherModelError when ``model`` or ``metadata.weight_version``, where sent, is another's."""
+        if self.model is not None and model is not None and model != self.model:
+            raise OtherModelError(f"the answer came from model {quote(model, 80)}, not {self.model!r}", status=200)
+        if self.weight_version is not None and isinstance(metadata, dict):
+            version = metadata.get("weight_version")
+            if version is not None and version != self.weight_version:
+                raise OtherModelError(
+                    f"the answer came from weights {quote(version, 80)}, not {self.weight_version!r}", status=200
+                )
 
 
 # --- tools ---------------------------------------------------------------------------------------
@@ -196,14 +244,23 @@ def checked_answer(
     output_ids: array.array | None = None,
 ) -> Answer:
     """An :class:`Answer` of the fields as a server sent them (plain or streamed), each of the type
-    the client reads; BadResponseError naming the first that is not."""
+    the client reads; BadResponseError naming the first that is not, or when the text is more than
+    its usage's tokens could hold (:func:`text_limit`)."""
     finish = text_field(finish_reason, "finish_reason") or "unknown"
     if finish not in COMPLETE_FINISHES and finish not in PARTIAL_FINISHES:
         known = ", ".join(sorted(COMPLETE_FINISHES | PARTIAL_FINISHES))
         raise BadResponseError(f"finish_reason {finish[:60]!r} is none a server sends ({known})", status=200)
+    text = text_field(content, "the answer's content") or ""
+    thinking = text_field(reasoning, "the answer's reasoning")
+    chars = len(text) + len(thinking or "")
+    if chars > text_limit(usage.completion_tokens):
+        raise OversizedError(
+            f"usage.completion_tokens says {usage.completion_tokens} tokens for {chars:,} characters of text",
+            status=200,
+        )
     return Answer(
-        content=text_field(content, "the answer's content") or "",
-        reasoning=text_field(reasoning, "the answer's reasoning"),
+        content=text,
+        reasoning=thinking,
         finish_reason=finish,
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,

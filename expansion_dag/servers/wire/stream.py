@@ -10,12 +10,13 @@ from collections.abc import Iterable
 
 import pydantic_core
 
-from expansion_dag.core import BadResponseError, RequestError
+from expansion_dag.core import BadResponseError, OversizedError, RequestError
 from expansion_dag.servers.dialects import Dialect
 from expansion_dag.servers.loops import Loop, LoopDetector, LoopThresholds
 from expansion_dag.servers.wire.answers import error_from_status
 from expansion_dag.servers.wire.protocol import (
     Answer,
+    AnswerIdentity,
     ChatChunk,
     Usage,
     as_text,
@@ -24,6 +25,8 @@ from expansion_dag.servers.wire.protocol import (
     quote,
     sglext_ids,
     text_field,
+    text_limit,
+    wire_limit,
 )
 from expansion_dag.servers.wire.tools import ToolCallDeltas, tool_call_deltas
 
@@ -83,9 +86,20 @@ class ChatStream:
     ``token_ids`` (``chat_completion_stream_generator``), put together here.
     """
 
-    def __init__(self, dialect: Dialect, thresholds: LoopThresholds | None = None, *, stream_interval: int):
-        """``stream_interval``: the server's tokens per event, to count a stopped answer's tokens."""
+    def __init__(
+        self, dialect: Dialect, thresholds: LoopThresholds | None = None, *, stream_interval: int,
+        max_tokens: int | None = None, identity: AnswerIdentity | None = None,
+    ):
+        """``stream_interval``: the server's tokens per event, to count a stopped answer's tokens.
+        ``max_tokens``: the request's; a stream well past what it allows (:func:`.protocol.text_limit`
+        of its text, :func:`.protocol.wire_limit` of its bytes) is stopped there, an
+        :class:`OversizedError`. ``identity``: what each chunk must say of itself."""
         self._dialect = dialect
+        self._identity = identity
+        self._max_text = None if max_tokens is None else text_limit(max_tokens)
+        self._max_bytes = None if max_tokens is None else wire_limit(max_tokens)
+        self._bytes = 0
+        self._text = 0
         self._stream_interval = stream_interval
         self._content: list[str] = []
         self._reasoning: list[str] = []
@@ -99,8 +113,9 @@ class ChatStream:
         self._done = False
         self.chunks = 0
         self._detectors = (LoopDetector(thresholds), LoopDetector(thresholds)) if thresholds else None
-        #: The unfinished last line of the text fed so far.
-        self._partial = b""
+        #: The unfinished last line of the bytes fed so far, in the pieces it came in: joined once
+        #: its newline comes, never on each read (an event of megabytes without one).
+        self._partial: list[bytes] = []
 
     def feed(self, data: bytes) -> Loop | None:
         """Feed the stream's bytes as they arrive, cut anywhere; ``end`` once it is over.
@@ -109,8 +124,20 @@ class ChatStream:
         than the parsing. Bytes, not text: a newline byte is never inside a UTF-8 character, and
         each event's JSON is parsed from its bytes, so nothing is decoded twice.
         """
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
+        self._bytes += len(data)
+        if self._max_bytes is not None and self._bytes > self._max_bytes:
+            raise OversizedError(
+                f"the stream passed {self._max_bytes:,} bytes, more than its max_tokens allow: stopped", status=200
+            )
+        if b"\n" not in data:
+            self._partial.append(data)
+            return None
+        lines = data.split(b"\n")
+        if self._partial:
+            self._partial.append(lines[0])
+            lines[0] = b"".join(self._partial)
+        tail = lines.pop()
+        self._partial = [tail] if tail else []
         for line in lines:
             if line:
                 loop = self.feed_line(line)
@@ -120,7 +147,7 @@ class ChatStream:
 
     def end(self) -> Loop | None:
         """Feed the last line if the stream did not end with a newline."""
-        line, self._partial = self._partial, b""
+        line, self._partial = b"".join(self._partial), []
         return self.feed_line(line) if line else None
 
     def feed_line(self, line: bytes) -> Loop | None:
@@ -130,7 +157,7 @@ class ChatStream:
         if data == b"[DONE]":
             self._done = True
             return None
-        chunk = parse_chunk(data, self._dialect)
+        chunk = parse_chunk(data, self._dialect, self._identity)
         if chunk.error_status is not None:
             raise error_from_status(chunk.error_status, as_text(data))
         if chunk.usage is not None:
@@ -150,6 +177,14 @@ class ChatStream:
         if chunk.finish_reason:
             self._finish = chunk.finish_reason
         loop = None
+        if self._max_text is not None and (chunk.content or chunk.reasoning):
+            self._text += len(chunk.content or "") + len(chunk.reasoning or "")
+            if self._text > self._max_text:
+                raise OversizedError(
+                    f"the stream's text passed {self._max_text:,} characters, more than its max_tokens allow: "
+                    "stopped",
+                    status=200,
+                )
         if chunk.content:
             self._content.append(chunk.content)
             self.chunks += 1
@@ -217,9 +252,10 @@ class ChatStream:
         )
 
 
-def parse_chunk(data: bytes, dialect: Dialect) -> ChatChunk:
+def parse_chunk(data: bytes, dialect: Dialect, identity: AnswerIdentity | None = None) -> ChatChunk:
     """One event's JSON (the bytes after ``data:``) as a :class:`.protocol.ChatChunk`;
-    BadResponseError when it is not a chat completion chunk, or a piece of text is not text.
+    BadResponseError when it is not a chat completion chunk, or a piece of text is not text;
+    OtherModelError when it names another model than ``identity``'s.
 
     Chunks carry ``choices[0].delta``; the usage comes in a chunk with no choices, and so do
     SGLang's token ids (``sglext``), while vLLM's come with each choice (``token_ids``) and the
@@ -237,6 +273,8 @@ def parse_chunk(data: bytes, dialect: Dialect) -> ChatChunk:
         error = chunk["error"] if isinstance(chunk.get("error"), dict) else chunk
         code = error.get("code")
         return ChatChunk(error_status=code if isinstance(code, int) and code >= 400 else 500)
+    if identity is not None:
+        identity.check(chunk.get("model"), chunk.get("metadata"))
     usage = chunk.get("usage")
     choices = chunk.get("choices")
     if not choices:
