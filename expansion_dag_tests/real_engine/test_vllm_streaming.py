@@ -173,6 +173,7 @@ def test_stream_interval_sends_an_event_per_interval_tokens_at_most_with_the_usa
         "interval": interval,
         "events_without_interval": len(per_token),
         "events_with_interval": len(per_event),
+        "tokens_per_event_without_interval": per_token,
         "tokens_per_event_with_interval": per_event,
         "completion_tokens_with_interval": grouped.completion_tokens,
     }
@@ -182,13 +183,12 @@ def test_stream_interval_sends_an_event_per_interval_tokens_at_most_with_the_usa
     assert grouped.finish_reason == plain.finish_reason == "length"
     assert sum(per_token) == sum(per_event) == max_tokens, measured
     # With the interval, vLLM sends the first token alone, then an output once `interval` tokens
-    # are new, and the last at once: 1 + ceil(63 / 8) = 9 events for 64 tokens. Outputs it merged
-    # (arriving together) make fewer, larger events: none between the first and the last carries
-    # fewer than `interval` tokens.
+    # are new, and the last at once: 1 + ceil(63 / 8) = 9 events for 64 tokens, against one a
+    # token without it. Outputs it merged (arriving together) make fewer, larger events: none
+    # between the first and the last carries fewer than `interval` tokens.
     assert min(per_event[1:-1], default=interval) >= interval, measured
     assert len(per_event) <= 1 + math.ceil((max_tokens - 1) / interval), measured
-    # Without it, an event an output, a token each on an idle machine (64 events; CI under load:
-    # 59): far more events than with it. Margin: for the stream without an interval to come in 18
-    # events or fewer, vLLM would have had to merge 3.5 outputs into each event on average, the API
-    # server behind the engine for the whole answer.
-    assert len(per_token) > 2 * len(per_event), measured
+    # How many events the stream without an interval comes in is the server's timing, a figure
+    # (``measured``): outputs that pile up while the API server is held up go out as one event
+    # (64 events on an idle machine; 59 in CI; 7 with the API server paused 40 ms in every 80: one
+    # event of 58 tokens). Fewer than with the interval is then possible, so no comparison holds.
