@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import contextlib
 import json
 
 import httpx
@@ -99,22 +100,38 @@ def test_every_prompt_ends_as_one_completion_with_what_a_user_needs(tmp_path):
 
 
 class Concurrency:
-    """Requests a handler is answering at once (``now``) and the most it ever answered (``peak``)."""
+    """Requests a handler is answering at once (``now``) and the most it ever answered (``peak``).
 
-    def __init__(self):
+    After the first (the canary, which the engine sends alone), each request is held until ``fill``
+    of them have been in at once: whether the engine's workers overlap is then the engine's doing,
+    not the machine's (a worker that a busy CPU lets run late would otherwise find the others
+    answered). Should the engine never send ``fill`` at once, the requests go on after a deadline
+    only that reaches, and ``peak`` says how many it sent.
+    """
+
+    def __init__(self, fill: int):
+        self.fill = fill
+        self.filled = asyncio.Event()
+        self.answered = 0
         self.now = 0
         self.peak = 0
 
     async def answer(self):
         self.now += 1
         self.peak = max(self.peak, self.now)
+        if self.now >= self.fill:
+            self.filled.set()
+        if self.answered:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.filled.wait(), 10.0)
         await asyncio.sleep(0.01)  # hold the request so that others overlap it
         self.now -= 1
+        self.answered += 1
         return httpx.Response(200, json=completion())
 
 
 def test_in_flight_requests_fill_the_slots_plus_headroom_and_never_more(tmp_path):
-    in_flight = Concurrency()
+    in_flight = Concurrency(fill=8 + 2)
 
     async def handler(request):
         return await in_flight.answer()
@@ -167,7 +184,7 @@ def test_a_borrower_leaves_a_reserve_of_a_server_its_owner_is_using(tmp_path):
     """An owner's workers between two requests read as idle slots; borrowers leave some to it."""
     helper = "http://gpu-1:30000"
     owners = 8  # requests of the helper's own shard, always running
-    ours = Concurrency()
+    ours = Concurrency(fill=16 - owners - 1)
 
     async def handler(request):
         if request.url.path == "/v1/loads":

@@ -11,7 +11,7 @@ from expansion_dag.generation import MIN_ANSWERS, Server, WorkItem, generate_sha
 from expansion_dag.servers import SGLANG, dialect_for
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_sampling, default_engine, repetitive_answers
+from expansion_dag_tests.helpers import default_engine, default_sampling, repetitive_answers, wait_for
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -41,8 +41,14 @@ def run_shard(tmp_path, sim, config, n=40, stream_interval=1):
             report = generate_shard(
                 work(n), [server], writer=writer, model=MODEL, sampling=default_sampling(), config=config
             )
-        stats = fleet.stats(0)
+        # A stream the client stopped last may still be closing as the run returns (asyncio closes a
+        # socket on the loop's next pass): the server's record once nothing runs there.
+        stats = wait_for(lambda: idle(fleet.stats(0)), "the server's requests to end")
     return report, [*store.records(SHARD), *store.records(SHARD, status=FAILED)], stats
+
+
+def idle(stats: dict) -> dict | None:
+    return stats if stats["num_running"] == stats["num_waiting"] == 0 else None
 
 
 @pytest.mark.parametrize(
@@ -83,7 +89,7 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
             assert OUTPUT_IDS not in record
     assert all(r["finish_reason"] == "stop" and r["content"] for r in ok)
     # Closing the stream aborted each loop on the server and freed its slot.
-    assert stats["aborted"] == 10 and stats["num_running"] == 0
+    assert stats["aborted"] == 10
     assert report.failures_by_kind == {"degenerate": 10} and report.degenerate_by_rule == {"exact": 10}
     assert report.output_tokens_by_outcome["degenerate"] == sum(r["streamed_tokens"] for r in degenerate)
     assert report.useful_token_share(drop_truncated=True) > 0.5

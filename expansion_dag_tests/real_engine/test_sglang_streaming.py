@@ -17,7 +17,9 @@ generated about what the client read), and SLOTS fresh requests answered at once
 
 SGLang's stream interval is a launch flag (``--stream-interval``, which it reports): the first
 token comes alone, then one event per interval tokens; the client counts a stopped answer's
-tokens by that rule (``ChatStream.streamed_tokens``), and here the count is exact.
+tokens by that rule (``ChatStream.streamed_tokens``). Outputs that pile up while SGLang's handler
+is held up go out as one event (``TokenizerManager._wait_one_response`` merges its ``out_list``),
+as a loaded CPU makes happen: the count is exact on an idle machine, never more than was read.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def test_a_stopped_stream_frees_its_slot_at_once(sglang_server: SglangServer, fi
         "tokens_asked": max_tokens * SLOTS,
         "tokens_generated": int(generated_tokens),
         "tokens_seen_by_client": sum(client_tokens),
+        "tokens_read_by_client": sum(len(e.content) // len(LOOP_TEXT) for e in stopped),
         "s_streams_to_stop": round(closed_at - started, 2),
         "s_last_close_to_slots_free": round(freed_s, 3),
         "aborted": server.aborted(before, settled),
@@ -87,13 +90,15 @@ def test_a_stopped_stream_frees_its_slot_at_once(sglang_server: SglangServer, fi
     assert most_running == SLOTS, measured
     for e in stopped:  # the client saw the loop it was made to write, and stopped early
         assert e.loop.span == LOOP_TEXT and 0 < e.tokens < max_tokens // 4
-        # Counted from the events by the stream interval SGLang runs with: exact.
-        assert e.tokens * len(LOOP_TEXT) == len(e.content)
+        # Counted from the events by the stream interval SGLang runs with: no event between the
+        # first and the last carries fewer tokens, so never more than the client read (the same
+        # unless SGLang merged events: ``measured``).
+        assert e.tokens <= len(e.content) // len(LOOP_TEXT), measured
     # Each request was aborted and none ran to its cap; the engine decoded at least what the clients
     # read. How much more, and how soon the slots were free, depend on the machine's speed: they are
     # figures (``measured``), not bounds (CI: 140 of 916 tokens generated, 132 read, 1.0 s to stop).
     assert measured["aborted"] == SLOTS and measured["generated_to_their_end"] == 0, measured
-    assert sum(client_tokens) <= generated_tokens, measured
+    assert measured["tokens_read_by_client"] <= generated_tokens, measured
     assert server.queue() == (0, 0)
 
     # The slots are free: SLOTS fresh requests are all admitted and answered.

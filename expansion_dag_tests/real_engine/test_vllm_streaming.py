@@ -35,8 +35,11 @@ answers that really loop (``support.looping_request``).
 ``stream_interval`` (``ChatCompletionRequest.stream_interval`` in
 ``vllm/entrypoints/openai/chat_completion/protocol.py``, into ``SamplingParams``; used in
 ``RequestState.make_request_output``, ``vllm/v1/engine/output_processor.py``: the first token
-alone, then one output per ``stream_interval`` tokens, and the last at once) is checked to arrive
-in about max_tokens / interval events with the usage unchanged.
+alone, then one output per ``stream_interval`` tokens, and the last at once) is checked to send
+no event of fewer tokens between the first and the last, with the usage unchanged. How many
+events a stream comes in is otherwise the server's timing: ``AsyncLLM``'s output handler merges
+the outputs that arrive between two passes of the consumer (``RequestOutputCollector.put``), which
+a loaded CPU makes happen (CI: 59 events for 64 tokens without an interval).
 """
 
 from __future__ import annotations
@@ -140,41 +143,52 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(roomy_vll
     assert [a.completion_tokens for a in answers] == [8] * SLOTS
 
 
-def read_stream(server: VllmServer, request: ChatRequest) -> tuple[ChatStream, int]:
-    """The whole stream through the client's parser, and the events that carried content."""
+def read_stream(server: VllmServer, request: ChatRequest) -> tuple[ChatStream, list[int]]:
+    """The whole stream through the client's parser, and the tokens each event with content carried
+    (each token of the forced loop is ``LOOP_TEXT``)."""
     stream = ChatStream(VLLM, stream_interval=1)  # nothing is stopped: no stopped answer's tokens to count
+    tokens: list[int] = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=request.body(), headers=server.headers(),
                       timeout=REQUEST_TIMEOUT_S) as response:
         assert response.status_code == 200, response.read()
-        for data in response.iter_bytes():
-            stream.feed(data)
-        stream.end()
-    return stream, stream.chunks
+        for line in response.iter_lines():
+            read = len(stream.content)
+            stream.feed_line(line.encode())
+            if len(stream.content) > read:
+                tokens.append((len(stream.content) - read) // len(LOOP_TEXT))
+    return stream, tokens
 
 
-def test_stream_interval_sends_one_event_per_interval_tokens_with_the_usage_unchanged(
+def test_stream_interval_sends_an_event_per_interval_tokens_at_most_with_the_usage_unchanged(
     vllm_server: VllmServer, figures
 ):
     max_tokens, interval = 64, STREAM_INTERVAL
-    every_token, per_token_events = read_stream(
-        vllm_server, looping_request(vllm_server, LOOP_MESSAGES, max_tokens, VLLM)
-    )
-    batched, batched_events = read_stream(
+    every_token, per_token = read_stream(vllm_server, looping_request(vllm_server, LOOP_MESSAGES, max_tokens, VLLM))
+    batched, per_event = read_stream(
         vllm_server, looping_request(vllm_server, LOOP_MESSAGES, max_tokens, VLLM, stream_interval=interval)
     )
     plain, grouped = every_token.answer(), batched.answer()
-    figures["vllm"]["stream_interval"] = {
+    measured = figures["vllm"]["stream_interval"] = {
         "max_tokens": max_tokens,
         "interval": interval,
-        "events_without_interval": per_token_events,
-        "events_with_interval": batched_events,
+        "events_without_interval": len(per_token),
+        "events_with_interval": len(per_event),
+        "tokens_per_event_without_interval": per_token,
+        "tokens_per_event_with_interval": per_event,
         "completion_tokens_with_interval": grouped.completion_tokens,
     }
-    # The default is one event a token; with the interval, the first token alone, then one event
-    # per `interval` tokens (the last one at once): 1 + ceil(63 / 8) = 9 events for 64 tokens.
-    assert per_token_events == max_tokens
-    assert math.ceil(max_tokens / interval) <= batched_events <= 1 + math.ceil((max_tokens - 1) / interval)
     # The same answer, and the usage still counts every token.
     assert grouped.completion_tokens == plain.completion_tokens == max_tokens
     assert grouped.content == plain.content == LOOP_TEXT * max_tokens
     assert grouped.finish_reason == plain.finish_reason == "length"
+    assert sum(per_token) == sum(per_event) == max_tokens, measured
+    # With the interval, vLLM sends the first token alone, then an output once `interval` tokens
+    # are new, and the last at once: 1 + ceil(63 / 8) = 9 events for 64 tokens, against one a
+    # token without it. Outputs it merged (arriving together) make fewer, larger events: none
+    # between the first and the last carries fewer than `interval` tokens.
+    assert min(per_event[1:-1], default=interval) >= interval, measured
+    assert len(per_event) <= 1 + math.ceil((max_tokens - 1) / interval), measured
+    # How many events the stream without an interval comes in is the server's timing, a figure
+    # (``measured``): outputs that pile up while the API server is held up go out as one event
+    # (64 events on an idle machine; 59 in CI; 7 with the API server paused 40 ms in every 80: one
+    # event of 58 tokens). Fewer than with the interval is then possible, so no comparison holds.
