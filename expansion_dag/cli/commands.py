@@ -7,7 +7,8 @@ unset, with this repository's ``dagster.yaml``), so ``dagster dev`` shows them a
 configuration is ``--config FILE``, else ``$EXPANSION_CONFIG``, else the bundled demo file.
 While the shards run, their progress is one live table (one line per interval when the output is
 not a terminal). Servers the run launched are stopped at the end, on failure, on Ctrl-C and on
-SIGTERM, unless ``--keep-fleet``.
+SIGTERM, unless ``--keep-fleet`` or another command or run still uses them (docs/operations.md:
+who owns the fleet).
 """
 
 from __future__ import annotations
@@ -205,14 +206,28 @@ def _stop_processes(processes: list[multiprocessing.process.BaseProcess]) -> Non
             process.join()
 
 
-def _stop_fleet(keep: bool) -> None:
-    if keep:
-        return
-    from expansion_dag.definitions import defs
+@contextmanager
+def _own_fleet(keep: bool) -> Iterator[None]:
+    """This command uses the fleet while it runs, and owns the servers it and its runs launch: at
+    its end it stops them, unless ``keep`` or another command or run uses them (which then owns
+    them). Servers it did not launch it leaves as they are."""
+    import secrets
 
-    stopped = defs.resources["fleet"].stop()
-    if stopped:
-        print(f"stopped {len(stopped)} launched server(s)", flush=True)
+    from expansion_dag.definitions import defs
+    from expansion_dag.servers import OWNER_ENV
+
+    os.environ[OWNER_ENV] = secrets.token_hex(8)  # this command's, and its shards' processes'
+    fleet = defs.resources["fleet"]
+    fleet.use()
+    try:
+        yield
+    finally:
+        stopped, left_to = fleet.release(keep)
+        if stopped:
+            print(f"stopped {len(stopped)} launched server(s)", flush=True)
+        if left_to:
+            print(f"left the server(s) this command launched running for {'; '.join(left_to)}, which "
+                  "stops them when it ends", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,11 +257,8 @@ def run_expansion(
     print(f"Dagster instance: {home}\nrun configuration: {run_config.source} (digest {run_config.digest()})",
           flush=True)  # fmt: skip
     try:
-        with _Signals().active() as signals:
-            try:
-                return _run_all(signals, stage or (lambda _name, step: step()))
-            finally:
-                _stop_fleet(keep_fleet)
+        with _Signals().active() as signals, _own_fleet(keep_fleet):
+            return _run_all(signals, stage or (lambda _name, step: step()))
     except Interrupted as exc:
         print(f"interrupted by {exc}; finished completions are kept", flush=True)
         return 128 + exc.signum
@@ -289,15 +301,13 @@ def plan(args: argparse.Namespace) -> int:
     use_config(args.config)
     prepare_dagster_home()
     quiet_third_party()
-    try:
+    with _own_fleet(args.keep_fleet):
         run_id, ok, why = _execute("prepare_job", log_level="WARNING")
         if not ok and not why:
             # No step failed: a resource did as the run started, the fleet's probe when nobody
             # answers. The prompts need no server: prepared alone, they are what can still be printed.
             why = _fleet_problem()
             run_id = _prepare_prompts_only()
-    finally:
-        _stop_fleet(args.keep_fleet)
     _print_plan(run_id)
     if not ok:
         print(f"plan: incomplete, the prepare run failed: {why}", flush=True)
@@ -436,7 +446,13 @@ def fleet(args: argparse.Namespace) -> int:
 
     resource = defs.resources["fleet"]
     if args.action == "stop":
-        print(f"stopped {len(resource.stop())} server(s)")
+        from expansion_dag.core import FleetError
+
+        try:
+            print(f"stopped {len(resource.stop())} server(s)")
+        except FleetError as exc:  # in use: a run still needs it
+            print(f"expansion-dag: {exc}", file=sys.stderr)
+            return 1
         return 0
     if args.action == "start":
         info = resource.provision()

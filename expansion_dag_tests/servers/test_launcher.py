@@ -11,6 +11,7 @@ from expansion_dag.config import parse_config
 from expansion_dag.core import FleetError
 from expansion_dag.definitions import fleet_for
 from expansion_dag.servers import tool_call_flags
+from expansion_dag.servers.launching.records import ServerRecord
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag_tests.servers.test_fleet import simulator_launcher
 
@@ -64,14 +65,16 @@ def test_a_real_server_on_the_demo_fleets_port_is_an_error_naming_it(tmp_path, r
 
 
 def test_a_simulator_with_another_pid_is_not_taken_for_the_launched_one(tmp_path):
-    # A live pid file (another process) and, on its port, a simulator that process did not run.
+    # A record of a live process (another one, as if launched with the launcher's command) and,
+    # on its port, a simulator that process did not run.
     with SimulatedFleet([SimServerConfig(port=0, api_key="launch-secret")]) as fleet:
         port = int(fleet.urls[0].rsplit(":", 1)[1])
         launcher = simulator_launcher(tmp_path, [port])
         other = subprocess.Popen(["sleep", "60"])
         try:
             (tmp_path / "fleet").mkdir()
-            (tmp_path / "fleet" / f"server-{port}.pid").write_text(str(other.pid))
+            ServerRecord.of(port=port, gpu=0, pid=other.pid, argv=launcher._argv(launcher.specs[0]),
+                            owner="another-run").write(tmp_path / "fleet" / f"server-{port}.json")
             with pytest.raises(FleetError, match=rf"127.0.0.1:{port} is not the simulator launched here \(pid {other.pid}\)"):
                 launcher.ensure_running(timeout_s=30)
         finally:
