@@ -78,6 +78,7 @@ def storage_settings(config: RunConfig) -> dict[str, Any]:
         "local_dir": local_dir(config),
         "lease_timeout_s": storage.lease_timeout_s,
         "when_shard_busy": storage.when_shard_busy,
+        "shard_busy_wait_s": storage.shard_busy_wait_s,
         "training_set_versions": storage.training_set_versions,
     }
 

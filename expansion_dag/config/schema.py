@@ -264,6 +264,13 @@ class LeaseSettings(BaseModel):
         default="wait",
         description="When another run holds the shard's lease: wait for it, then send what is still missing, or fail.",
     )
+    shard_busy_wait_s: float = Field(
+        default=3600.0,
+        gt=0.0,
+        le=7 * 86400.0,
+        description="when_shard_busy: wait gives up after this long (the run fails naming the holder): the "
+        "waiting run's servers are up and idle meanwhile.",
+    )
 
 
 class StorageSettings(LeaseSettings):

@@ -46,6 +46,15 @@ class ShardProgress:
     #: The plan's throughput per server (None: it had none), which the measurement checks.
     plan_tokens_per_s: float | None = None
     simulated: bool | None = None
+    #: While the shard waits for another run's lease: for whom, and until when at most.
+    waiting: str | None = None
+
+    @classmethod
+    def waiting_for(cls, holder: str, gives_up_at: float) -> ShardProgress:
+        """Nothing sent yet: the shard waits for ``holder``, and gives up at ``gives_up_at`` (``time.time()``)."""
+        until = time.strftime("%H:%M:%S UTC", time.gmtime(gives_up_at))
+        return cls(done=0, total=0, failed=0, retries=0, requests_per_s=0.0, output_tokens_per_s=0.0, eta_s=None,
+                   elapsed_s=0.0, waiting=f"for {holder}; gives up at {until} (storage.shard_busy_wait_s)")
 
     @classmethod
     def from_engine(cls, progress: Progress, plan: ShardPlan | None = None) -> ShardProgress:
@@ -134,6 +143,8 @@ def _duration(seconds: float | None) -> str:
 def _cells(shard: str, state: str, p: ShardProgress | None) -> list[str]:
     if p is None:
         return [shard, state, "-", "-", "-", "-", "-", "-", "-"]
+    if p.waiting is not None and state == "running":
+        return [shard, "waiting", p.waiting, "-", "-", "-", "-", "-", "-"]
     share = f"{p.done:,}/{p.total:,} ({p.done / p.total:.0%})" if p.total else f"{p.done:,}/0"
     return [
         shard,
@@ -171,6 +182,9 @@ def render_line(states: Mapping[str, str], figures: Mapping[str, ShardProgress |
         p = figures.get(shard)
         if p is None:
             parts.append(f"{shard} {state}")
+            continue
+        if p.waiting is not None and state == "running":
+            parts.append(f"{shard} waiting {p.waiting}")
             continue
         cells = dict(zip(HEADER, _cells(shard, state, p)))
         eta = f" ETA {cells['ETA']}" if state == "running" else f" {state}"

@@ -10,8 +10,7 @@ import pytest
 from expansion_dag.config import parse_config
 from expansion_dag.core import FleetError
 from expansion_dag.definitions import fleet_for
-from expansion_dag.servers import tool_call_flags
-from expansion_dag.servers.launching.records import ServerRecord
+from expansion_dag.servers import ServerRecord, tool_call_flags
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag_tests.servers.test_fleet import simulator_launcher
 

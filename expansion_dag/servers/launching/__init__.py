@@ -11,8 +11,9 @@ from expansion_dag.servers.launching.launcher import (
     tool_call_flags,
     wait_ready,
 )
-from expansion_dag.servers.launching.records import OWNER_ENV
+from expansion_dag.servers.launching.records import OWNER_ENV, ServerRecord
 
 __all__ = [
-    "KEY_DELIVERY", "OWNER_ENV", "KeyDelivery", "LaunchSpec", "Launcher", "is_healthy", "key_delivery", "tool_call_flags", "wait_ready",
+    "KEY_DELIVERY", "OWNER_ENV", "KeyDelivery", "LaunchSpec", "Launcher", "ServerRecord", "is_healthy", "key_delivery",
+    "tool_call_flags", "wait_ready",
 ]
