@@ -280,6 +280,12 @@ def _run_all(signals: _Signals, stage: Stage) -> int:
         print(f"generate_job[{key}] run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
         if not ok:
             failed.append(key)
+    root = current_config().storage_root()
+    if failed and "://" not in root and not os.path.isdir(root):
+        # Removed during the run (rm -rf): nothing it wrote is kept, whatever a shard could say.
+        print(f"the storage root {root} was removed during the run: what it wrote went with it. Run again "
+              "to start over.", flush=True)
+        return 1
     if failed:
         print(
             f"{len(failed)} shard(s) failed; their finished completions are kept. Re-run "
@@ -449,7 +455,7 @@ def fleet(args: argparse.Namespace) -> int:
         from expansion_dag.core import FleetError
 
         try:
-            print(f"stopped {len(resource.stop())} server(s)")
+            print(f"stopped {len(resource.stop(say=print))} server(s)")
         except FleetError as exc:  # in use: a run still needs it
             print(f"expansion-dag: {exc}", file=sys.stderr)
             return 1

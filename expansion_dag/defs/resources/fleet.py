@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any, Optional
 
 import dagster as dg
@@ -186,9 +187,17 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 return candidate, True
         raise FleetError(f"no healthy server: {own} (the shard's own) and every other server are down")
 
-    def stop(self) -> list[int]:
-        """Stop the whole fleet, which no command or run may be using (``expansion-dag fleet stop``)."""
-        return self.launcher().stop() if self.mode == "launch" else []
+    def stop(self, say: Optional[Callable[[str], None]] = None) -> list[int]:
+        """Stop the whole fleet, which no command or run may be using (``expansion-dag fleet stop``);
+        ``say``: what was found that a person should know (a record that is not ours)."""
+        if self.mode != "launch":
+            return []
+        launcher = self.launcher()
+        try:
+            return launcher.stop()
+        finally:
+            for note in launcher.notes if say is not None else []:
+                say(note)
 
     def use(self) -> None:
         """Count this process among the fleet's users (an ``expansion-dag`` command, for its whole life)."""
