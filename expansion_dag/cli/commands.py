@@ -274,15 +274,16 @@ def _run_all(signals: _Signals, stage: Stage) -> int:
     _print_plan(run_id)  # before the first request: what the run will send, cost and yield
     if not ok:
         return 1
+    root = current_config().storage_root()
+    root_before = _identity(root)
     shard_results = stage("generate", lambda: _run_shards(SHARD_KEYS))
     failed = []
     for key, (run_id, ok, why) in shard_results.items():
         print(f"generate_job[{key}] run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
         if not ok:
             failed.append(key)
-    root = current_config().storage_root()
-    if failed and "://" not in root and not os.path.isdir(root):
-        # Removed during the run (rm -rf): nothing it wrote is kept, whatever a shard could say.
+    if failed and _identity(root) != root_before:
+        # Removed during the run (rm -rf), whatever made a folder there since: nothing it wrote is kept.
         print(f"the storage root {root} was removed during the run: what it wrote went with it. Run again "
               "to start over.", flush=True)
         return 1
@@ -300,6 +301,15 @@ def _run_all(signals: _Signals, stage: Stage) -> int:
         return 1
     _print_summary(defs.resources["storage"].path("training_set"))
     return 0
+
+
+def _identity(root: str) -> tuple[int, int] | None:
+    """Which folder a local root is (device, inode); None: a remote root, or none there."""
+    try:
+        found = os.stat(root) if "://" not in root else None
+    except FileNotFoundError:
+        return None
+    return (found.st_dev, found.st_ino) if found is not None else None
 
 
 def plan(args: argparse.Namespace) -> int:

@@ -8,10 +8,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from expansion_dag.config import parse_config
-from expansion_dag.core import FleetError
+from expansion_dag.core import FleetError, pid_alive
 from expansion_dag.definitions import fleet_for
 from expansion_dag.servers import ServerRecord, tool_call_flags
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag_tests.ports import free_ports
 from expansion_dag_tests.servers.test_fleet import simulator_launcher
 
 
@@ -87,3 +88,30 @@ def test_tool_call_flags_per_backend():
     assert tool_call_flags("vllm", None) == ""
     with pytest.raises(FleetError, match="no tool-call parser flags"):
         tool_call_flags("tgi", "hermes")
+
+
+def test_a_server_launched_otherwise_is_refused_naming_the_difference_while_another_run_uses_it(tmp_path):
+    [port] = free_ports(1)
+    using = simulator_launcher(tmp_path, [port])
+    using.owner = "a-run-generating"
+    changed = simulator_launcher(tmp_path, [port])
+    changed.owner, changed.values = "a-later-run", {**changed.values, "context_length": 4096}
+    try:
+        using.ensure_running(timeout_s=60)
+        pid = ServerRecord.read(tmp_path / "fleet" / f"server-{port}.json").pid
+        with pytest.raises(FleetError, match=r"runs a server launched otherwise than this configuration says "
+                                             r"\(--context-length 8192 \(running\) / 4096 \(configured\)\), and "
+                                             r"another command or run uses it \(pid \d+: "):
+            changed.ensure_running(timeout_s=60)
+        assert pid_alive(pid)  # untouched under its user
+        # Once its user has left it running (--keep-fleet), the later run restarts it as it
+        # configures it, and says so.
+        assert using.release(keep=True) == ([], [])
+        changed.ensure_running(timeout_s=60)
+        assert changed.notes == [f"http://127.0.0.1:{port}: restarted: it was launched otherwise than this "
+                                 "configuration says (--context-length 8192 (running) / 4096 (configured))"]
+        assert not pid_alive(pid)
+        assert ServerRecord.read(tmp_path / "fleet" / f"server-{port}.json").owner == "a-later-run"
+    finally:
+        changed.release()
+        using.release()

@@ -275,17 +275,16 @@ class Launcher:
     def use(self) -> None:
         """Count this process among the fleet's users (``records.use``) until :meth:`unuse`."""
         with _locked(self.state_dir):
-            use(self.state_dir)
+            use(self.state_dir, self.owner)
 
     def unuse(self) -> None:
-        unuse(self.state_dir)
+        unuse(self.state_dir, self.owner)
 
     def _others(self) -> dict[str, list[str]]:
         """The fleet's live users other than this launcher's owner: what each process is, by owner."""
         return {owner: what for owner, what in users(self.state_dir).items() if owner != self.owner}
 
-    def _in_use(self) -> str:
-        """The other users, said; "" when there are none."""
+    def _in_use(self) -> str:  # the other users, said; "" when there are none
         return "; ".join(what for found in self._others().values() for what in found)
 
     def ensure_running(self, *, timeout_s: float) -> list[str]:
@@ -294,17 +293,21 @@ class Launcher:
         This process counts among the fleet's users from then on (:meth:`unuse`)."""
         started: list[str] = []
         with _locked(self.state_dir):
-            use(self.state_dir)
-            for spec in self.specs:
-                record = self._running(spec)
-                if record is not None:
-                    changed = record.difference(self._argv(spec), spec.gpu)
-                    if changed is None:
-                        continue  # launched by an earlier step, or an earlier run
-                    self._restart(spec, record, changed)
-                _refuse_foreign(self.host, spec.port)
-                self._start(spec)
-                started.append(self.url(spec))
+            use(self.state_dir, self.owner)
+            try:
+                for spec in self.specs:
+                    record = self._running(spec)
+                    if record is not None:
+                        changed = record.difference(self._argv(spec), spec.gpu)
+                        if changed is None:
+                            continue  # launched by an earlier step, or an earlier run
+                        self._restart(spec, record, changed)
+                    _refuse_foreign(self.host, spec.port)
+                    self._start(spec)
+                    started.append(self.url(spec))
+            except BaseException:
+                unuse(self.state_dir, self.owner)  # it uses nothing
+                raise
         for spec in self.specs:
             # The recorded pid, alive or not: a server that died at once is then told apart from
             # one still loading, and reported now rather than after the whole timeout.
@@ -328,8 +331,7 @@ class Launcher:
                 f"and another command or run uses it ({who}): it is not restarted under them. Let them end, "
                 "then run again; or set fleet.launch.base_port to launch this configuration's servers on other ports"
             )
-        _stop_group(record.pid, 30.0)
-        self._record_path(spec).unlink(missing_ok=True)
+        self._stop_where(lambda found: found == record, 30.0)
         self.notes.append(f"{self.url(spec)}: restarted: it was launched otherwise than this configuration says "
                           f"({changed})")
 

@@ -140,24 +140,25 @@ class _Use:
         os.close(self._fd)
 
 
-#: This process's uses, by users' folder: counted, as the CLI and a run in its process both use it.
-_USES: dict[Path, _Use] = {}
+#: This process's uses, by users' folder and owner: counted, as the CLI and a run in its process both use it.
+_USES: dict[tuple[Path, str], _Use] = {}
 
 
-def use(state_dir: Path) -> None:
-    """Count this process among the fleet's users, until as many :func:`unuse`, or its end."""
-    users = state_dir / USERS
-    if users not in _USES:
-        _USES[users] = _Use(users, fleet_owner())
-    _USES[users].count += 1
+def use(state_dir: Path, owner: str) -> None:
+    """Count this process among the fleet's users for ``owner``, until as many :func:`unuse`, or its end."""
+    key = (state_dir / USERS, owner)
+    if key not in _USES:
+        _USES[key] = _Use(*key)
+    _USES[key].count += 1
 
 
-def unuse(state_dir: Path) -> None:
-    held = _USES.get(state_dir / USERS)
+def unuse(state_dir: Path, owner: str) -> None:
+    key = (state_dir / USERS, owner)
+    held = _USES.get(key)
     if held is not None:
         held.count -= 1
         if held.count <= 0:
-            del _USES[state_dir / USERS]
+            del _USES[key]
             held.close()
 
 
