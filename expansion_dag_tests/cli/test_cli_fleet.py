@@ -173,9 +173,12 @@ def test_a_storage_root_removed_mid_run_is_named_at_once_and_its_servers_are_sto
     port = free_port(2)
     config = slow_simulators(tmp_path, port)
     run = start_run(tmp_path, config)
+    root = tmp_path / "storage"
     try:
         pids = until_generating(tmp_path, run)
-        root = tmp_path / "storage"
+        # Both shards writing (a shard that starts after the removal makes a new root of its own).
+        wait_for(lambda: all(any(p.stat().st_size for p in (root / "completions" / shard).glob("*.jsonl"))
+                             for shard in ("shard-00", "shard-01")), "both shards writing", timeout_s=300)
         # As `rm -rf storage` does, again if a writer made a folder in between.
         wait_for(lambda: (shutil.rmtree(root, ignore_errors=True), not root.exists())[1], "the root removed")
         output, _ = run.communicate(timeout=300)
@@ -192,4 +195,5 @@ def test_a_storage_root_removed_mid_run_is_named_at_once_and_its_servers_are_sto
     assert not [pid for pid in pids if pid_alive(pid)]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+    # Nothing was written after the removal.
     assert not os.path.exists(root) or not list(root.rglob("*.jsonl"))

@@ -60,7 +60,7 @@ def test_a_real_server_on_the_demo_fleets_port_is_an_error_naming_it(tmp_path, r
     message = str(info.value)
     assert f"http://127.0.0.1:{real_server} is already served by a process this project did not launch" in message
     assert "server version 0.5.23 serving org/real-model" in message
-    assert not list((tmp_path / "fleet").glob("*.pid"))  # nothing was launched
+    assert not list((tmp_path / "fleet").glob("*.json"))  # nothing was launched
     assert all(path in ("/server_info",) for path in RealServer.requests)  # it was asked what it is, nothing else
 
 
