@@ -2,6 +2,7 @@
 stranger's process passes for it, a server launched otherwise than the configuration says is not
 used, and deleting the storage root mid-run orphans nothing. From the CLI, real processes."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -50,8 +51,19 @@ def expansion_dag(tmp_path: Path, *args: str, timeout: float = 540) -> subproces
 
 
 def start_run(tmp_path: Path, config: Path) -> subprocess.Popen:
+    # Its own process group: a test that fails midway kills it and its shards' processes at once.
     return subprocess.Popen([EXPANSION_DAG, "run", "--config", str(config)], cwd=tmp_path, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def kill(run: subprocess.Popen, tmp_path: Path) -> None:
+    """What a failed test left running: the run, its shards' processes, and the servers it launched."""
+    if run.poll() is None:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    for pid in launched_pids(tmp_path):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def until_generating(tmp_path: Path, run: subprocess.Popen) -> list[int]:
@@ -69,6 +81,7 @@ def interrupted(run: subprocess.Popen) -> str:
     return output
 
 
+@pytest.mark.timeout(900)  # a run, a plan and a second run, one after the other
 def test_a_plan_and_a_second_run_leave_a_running_runs_fleet_alone_and_the_wait_ends_at_its_deadline(tmp_path):
     port = free_port(2)
     # 300 ms a token: the first run is still generating long after the others are done.
@@ -89,15 +102,13 @@ def test_a_plan_and_a_second_run_leave_a_running_runs_fleet_alone_and_the_wait_e
         assert any(line.startswith("progress: shard-00 waiting for run ") and "; gives up at " in line
                    and "(storage.shard_busy_wait_s)" in line for line in out.splitlines()), out[-3000:]
         assert out.count("gave up waiting after 45 s (storage.shard_busy_wait_s)") == 2
-        assert "stopped" not in out
+        assert "stopped" not in out and "left the server(s)" not in out  # it launched none
         # Neither touched the first run's servers, which it still generates on.
         assert launched_pids(tmp_path) == pids and all(pid_alive(pid) for pid in pids)
         assert first.poll() is None
         output = interrupted(first)
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.communicate()
+        kill(first, tmp_path)
     assert "stopped 2 launched server(s)" in output and "ConnectError" not in output
     assert not [pid for pid in pids if pid_alive(pid)]
 
@@ -140,6 +151,7 @@ def test_a_record_naming_another_process_is_never_trusted_nor_signalled(tmp_path
     assert pid_alive(stranger.pid)
 
 
+@pytest.mark.timeout(900)  # two runs
 def test_a_kept_server_launched_with_another_model_and_context_is_restarted_by_the_next_run(tmp_path):
     port = free_port(2)
     kept = fast_simulators(tmp_path, port, model={"path": "org/model-8b"})
@@ -183,9 +195,7 @@ def test_a_storage_root_removed_mid_run_is_named_at_once_and_its_servers_are_sto
         wait_for(lambda: (shutil.rmtree(root, ignore_errors=True), not root.exists())[1], "the root removed")
         output, _ = run.communicate(timeout=300)
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
+        kill(run, tmp_path)
     assert run.returncode == 1, output[-3000:]
     assert f"the storage root {root} was removed while this run wrote into it, so this run stopped sending" in output
     assert f"the storage root {root} was removed during the run: what it wrote went with it" in output

@@ -390,12 +390,11 @@ class Launcher:
             others = self._others()
             if not others:
                 return self._stop_where(lambda record: record.owner == self.owner, timeout_s), []
-            heir = min(others)
-            for spec in self.specs:
-                record = self._running(spec)
-                if record is not None and record.owner == self.owner:
-                    replace(record, owner=heir).write(self._record_path(spec))
-            return [], [what for found in others.values() for what in found]
+            mine = [(spec, record) for spec in self.specs
+                    if (record := self._running(spec)) is not None and record.owner == self.owner]
+            for spec, record in mine:
+                replace(record, owner=min(others)).write(self._record_path(spec))
+            return [], [what for found in others.values() for what in found] if mine else []
 
     def _stop_where(self, chosen: Callable[[ServerRecord], bool], timeout_s: float) -> list[int]:
         stopped = []
