@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -82,7 +83,8 @@ def use_config(path: str | None) -> None:
     current_config()
 
 
-def _execute(job_name: str, partition_key: str | None = None, log_level: str = "INFO") -> tuple[str, bool, str]:
+def _execute(job_name: str, partition_key: str | None = None, log_level: str = "INFO",
+             run_id: str | None = None) -> tuple[str, bool, str]:
     """Run one job in this process against the instance; returns (run id, success, what failed)."""
     import dagster as dg
 
@@ -93,6 +95,7 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
         result = job.execute_in_process(
             instance=instance,
             partition_key=partition_key,
+            run_id=run_id,
             raise_on_error=False,
             run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
         )
@@ -104,14 +107,14 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
     return result.run_id, result.success, "; ".join(failures)
 
 
-def _shard_main(key: str, out: Connection) -> None:
+def _shard_main(key: str, run_id: str, out: Connection) -> None:
     """One shard's run in its own process, as the daemon launches one run per partition."""
     quiet_third_party()
     # SIGTERM ends the run as Ctrl-C does, as Dagster's own run workers map it: the shard's lease
     # is released and the run recorded as ended.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Warnings and errors only: the parent's table shows the progress.
-    out.send(_execute("generate_job", key, log_level="WARNING"))
+    out.send(_execute("generate_job", key, log_level="WARNING", run_id=run_id))
 
 
 class _Signals:
@@ -142,16 +145,21 @@ class _Signals:
                 signal.signal(sig, handler)
 
 
-def _latest_progress(instance: Any, shard: str, since: float) -> ShardProgress | None:
+#: Observations of a shard read back at once: its own run's latest is among them, whatever another
+#: run of the shard (one this run waits for) observed since.
+OBSERVATIONS_READ = 100
+
+
+def _latest_progress(instance: Any, shard: str, since: float, run_id: str) -> ShardProgress | None:
+    """The latest progress that run ``run_id`` of ``shard`` observed; None: none yet (among the latest read)."""
     import dagster as dg
 
     records = instance.fetch_observations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard], after_timestamp=since),
-        limit=1,
+        limit=OBSERVATIONS_READ,
     ).records
-    if not records or records[0].asset_observation is None:
-        return None
-    return ShardProgress.from_metadata({k: v.value for k, v in records[0].asset_observation.metadata.items()})
+    observed = next((r.asset_observation for r in records if r.run_id == run_id and r.asset_observation), None)
+    return None if observed is None else ShardProgress.from_metadata({k: v.value for k, v in observed.metadata.items()})
 
 
 def _run_shards(keys: list[str]) -> dict[str, tuple[str, bool, str]]:
@@ -164,10 +172,13 @@ def _run_shards(keys: list[str]) -> dict[str, tuple[str, bool, str]]:
     results: dict[str, tuple[str, bool, str]] = {}
     display = ProgressDisplay()
     figures: dict[str, ShardProgress | None] = {key: None for key in keys}
+    # Named here, so that the table shows each shard's own run, not another run of the shard.
+    run_ids = {key: str(uuid.uuid4()) for key in keys}
     try:
         for key in keys:
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=_shard_main, args=(key, send), name=f"expansion-dag {key}")
+            process = context.Process(target=_shard_main, args=(key, run_ids[key], send),
+                                      name=f"expansion-dag {key}")
             process.start()
             send.close()
             processes[key] = (process, receive)
@@ -180,7 +191,7 @@ def _run_shards(keys: list[str]) -> dict[str, tuple[str, bool, str]]:
                         results[key] = receive.recv()
                     elif not process.is_alive():
                         results[key] = ("-", False, f"the shard's process exited with {process.exitcode}")
-                    figures[key] = _latest_progress(instance, key, started) or figures[key]
+                    figures[key] = _latest_progress(instance, key, started, run_ids[key]) or figures[key]
                 states = {
                     key: "running" if key not in results else ("done" if results[key][1] else "FAILED") for key in keys
                 }

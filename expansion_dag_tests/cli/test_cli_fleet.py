@@ -101,8 +101,8 @@ def test_a_plan_and_a_second_run_leave_a_running_runs_fleet_alone_and_the_wait_e
         out = waited.stdout
         assert waited.returncode == 1, out[-3000:] + waited.stderr[-3000:]
         # It waited for the first run's leases, said so in its progress line, and gave up at its deadline.
-        assert any(line.startswith("progress: shard-00 waiting for run ") and "; gives up at " in line
-                   and "(storage.shard_busy_wait_s)" in line for line in out.splitlines()), out[-3000:]
+        assert any(re.match(r"progress: .*shard-0[01] waiting for run .*; gives up at \d\d:\d\d:\d\d UTC "
+                            r"\(storage.shard_busy_wait_s\)", line) for line in out.splitlines()), out[-3000:]
         assert out.count("gave up waiting after 45 s (storage.shard_busy_wait_s)") == 2
         assert "stopped" not in out and "left the server(s)" not in out  # it launched none
         # Neither touched the first run's servers, which it still generates on.

@@ -45,9 +45,11 @@ def test_the_table_shows_done_rate_eta_and_retries_per_shard():
 
 def test_a_shard_waiting_for_another_runs_lease_says_for_whom_and_until_when():
     # 2026-12-07 14:03:10 UTC
-    waiting = ShardProgress.from_metadata(ShardProgress.waiting_for("run 1c2f on host gpu-a", 1796652190.0).as_metadata())
+    waiting = ShardProgress.waiting_for("run 1c2f on host gpu-a", 1796652190.0)
+    waiting = ShardProgress.from_metadata(waiting.as_metadata())  # as the CLI reads it back
     said = "waiting for run 1c2f on host gpu-a; gives up at 14:03:10 UTC (storage.shard_busy_wait_s)"
-    assert render_line(STATES, {"shard-00": waiting, "shard-01": figures(300)}).startswith(f"progress: shard-00 {said} | ")
+    line = render_line(STATES, {"shard-00": waiting, "shard-01": figures(300)})
+    assert line.startswith(f"progress: shard-00 {said} | ")
     row = render_table(STATES, {"shard-00": waiting})[1]
     assert row.split()[:2] == ["shard-00", "waiting"] and said.removeprefix("waiting ") in row
     # Once it ended (here: gave up), its state is what the table shows.

@@ -89,7 +89,8 @@ class ServerRecord:
         if list(argv) != self.argv:
             running, configured = _flags(self.argv), _flags(argv)
             flags = [f"{name} {running.get(name, '(none)')} (running) / {configured.get(name, '(none)')} (configured)"
-                     for name in sorted(running.keys() | configured.keys()) if running.get(name) != configured.get(name)]
+                     for name in sorted(running.keys() | configured.keys())
+                     if running.get(name) != configured.get(name)]
             changes += flags or [f"command `{shlex.join(self.argv)}` (running) / `{shlex.join(argv)}` (configured)"]
         return "; ".join(changes) or None
 
