@@ -232,7 +232,7 @@ def speed_line(figures: Mapping[str, ShardProgress | None]) -> str | None:
     fleet = FleetSpeed.of(figures)
     if fleet is None:
         waiting = "; ".join(
-            f"{shard} {'no report yet' if p is None else p.speed_basis or 'waiting for its lease'}"
+            f"{shard} {'no report yet' if p is None else 'waiting for its lease' if p.waiting else p.speed_basis}"
             for shard, p in figures.items() if p is None or p.speed_tokens_per_s is None
         )
         return f"speed: {waiting}"
