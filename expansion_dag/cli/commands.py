@@ -7,7 +7,8 @@ unset, with this repository's ``dagster.yaml``), so ``dagster dev`` shows them a
 configuration is ``--config FILE``, else ``$EXPANSION_CONFIG``, else the bundled demo file.
 While the shards run, their progress is one live table (one line per interval when the output is
 not a terminal). Servers the run launched are stopped at the end, on failure, on Ctrl-C and on
-SIGTERM, unless ``--keep-fleet``. An error a user can cause (the configuration, its variables, the
+SIGTERM, unless ``--keep-fleet`` or another command or run still uses them (docs/operations.md:
+who owns the fleet). An error a user can cause (the configuration, its variables, the
 catalog, the fleet, the storage, a busy shard) ends the command as one ``expansion-dag: ...`` line,
 exit 2 (``expansion_dag.cli.user_errors``); ``--debug`` or ``$EXPANSION_DEBUG=1`` shows its traceback.
 """
@@ -21,6 +22,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -93,7 +95,8 @@ def use_config(path: str | None) -> None:
     current_config()
 
 
-def _execute(job_name: str, partition_key: str | None = None, log_level: str = "INFO") -> tuple[str, bool, str]:
+def _execute(job_name: str, partition_key: str | None = None, log_level: str = "INFO",
+             run_id: str | None = None) -> tuple[str, bool, str]:
     """Run one job in this process against the instance; returns (run id, success, what failed)."""
     import dagster as dg
 
@@ -104,6 +107,7 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
         result = job.execute_in_process(
             instance=instance,
             partition_key=partition_key,
+            run_id=run_id,
             raise_on_error=False,
             run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
         )
@@ -115,7 +119,7 @@ def _execute(job_name: str, partition_key: str | None = None, log_level: str = "
     return result.run_id, result.success, "; ".join(failures)
 
 
-def _shard_main(key: str, out: Connection) -> None:
+def _shard_main(key: str, run_id: str, out: Connection) -> None:
     """One shard's run in its own process, as the daemon launches one run per partition."""
     quiet_third_party()
     hide_stack_traces()
@@ -123,7 +127,7 @@ def _shard_main(key: str, out: Connection) -> None:
     # is released and the run recorded as ended.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Warnings and errors only: the parent's table shows the progress.
-    out.send(_execute("generate_job", key, log_level="WARNING"))
+    out.send(_execute("generate_job", key, log_level="WARNING", run_id=run_id))
 
 
 class _Signals:
@@ -154,16 +158,21 @@ class _Signals:
                 signal.signal(sig, handler)
 
 
-def _latest_progress(instance: Any, shard: str, since: float) -> ShardProgress | None:
+#: Observations of a shard read back at once: its own run's latest is among them, whatever another
+#: run of the shard (one this run waits for) observed since.
+OBSERVATIONS_READ = 100
+
+
+def _latest_progress(instance: Any, shard: str, since: float, run_id: str) -> ShardProgress | None:
+    """The latest progress that run ``run_id`` of ``shard`` observed; None: none yet (among the latest read)."""
     import dagster as dg
 
     records = instance.fetch_observations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard], after_timestamp=since),
-        limit=1,
+        limit=OBSERVATIONS_READ,
     ).records
-    if not records or records[0].asset_observation is None:
-        return None
-    return ShardProgress.from_metadata({k: v.value for k, v in records[0].asset_observation.metadata.items()})
+    observed = next((r.asset_observation for r in records if r.run_id == run_id and r.asset_observation), None)
+    return None if observed is None else ShardProgress.from_metadata({k: v.value for k, v in observed.metadata.items()})
 
 
 def _run_shards(keys: list[str]) -> dict[str, tuple[str, bool, str]]:
@@ -176,10 +185,13 @@ def _run_shards(keys: list[str]) -> dict[str, tuple[str, bool, str]]:
     results: dict[str, tuple[str, bool, str]] = {}
     display = ProgressDisplay()
     figures: dict[str, ShardProgress | None] = {key: None for key in keys}
+    # Named here, so that the table shows each shard's own run, not another run of the shard.
+    run_ids = {key: str(uuid.uuid4()) for key in keys}
     try:
         for key in keys:
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=_shard_main, args=(key, send), name=f"expansion-dag {key}")
+            process = context.Process(target=_shard_main, args=(key, run_ids[key], send),
+                                      name=f"expansion-dag {key}")
             process.start()
             send.close()
             processes[key] = (process, receive)
@@ -192,7 +204,7 @@ def _run_shards(keys: list[str]) -> dict[str, tuple[str, bool, str]]:
                         results[key] = receive.recv()
                     elif not process.is_alive():
                         results[key] = ("-", False, f"the shard's process exited with {process.exitcode}")
-                    figures[key] = _latest_progress(instance, key, started) or figures[key]
+                    figures[key] = _latest_progress(instance, key, started, run_ids[key]) or figures[key]
                 states = {
                     key: "running" if key not in results else ("done" if results[key][1] else "FAILED") for key in keys
                 }
@@ -218,14 +230,28 @@ def _stop_processes(processes: list[multiprocessing.process.BaseProcess]) -> Non
             process.join()
 
 
-def _stop_fleet(keep: bool) -> None:
-    if keep:
-        return
-    from expansion_dag.definitions import defs
+@contextmanager
+def _own_fleet(keep: bool) -> Iterator[None]:
+    """This command uses the fleet while it runs, and owns the servers it and its runs launch: at
+    its end it stops them, unless ``keep`` or another command or run uses them (which then owns
+    them). Servers it did not launch it leaves as they are."""
+    import secrets
 
-    stopped = defs.resources["fleet"].stop()
-    if stopped:
-        print(f"stopped {len(stopped)} launched server(s)", flush=True)
+    from expansion_dag.definitions import defs
+    from expansion_dag.servers import OWNER_ENV
+
+    os.environ[OWNER_ENV] = secrets.token_hex(8)  # this command's, and its shards' processes'
+    fleet = defs.resources["fleet"]
+    fleet.use()
+    try:
+        yield
+    finally:
+        stopped, left_to = fleet.release(keep)
+        if stopped:
+            print(f"stopped {len(stopped)} launched server(s)", flush=True)
+        if left_to:
+            print(f"left the server(s) this command launched running for {'; '.join(left_to)}, which "
+                  "stops them when it ends", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -256,11 +282,8 @@ def run_expansion(
           flush=True)  # fmt: skip
     _check_before_run()
     try:
-        with _Signals().active() as signals:
-            try:
-                return _run_all(signals, stage or (lambda _name, step: step()))
-            finally:
-                _stop_fleet(keep_fleet)
+        with _Signals().active() as signals, _own_fleet(keep_fleet):
+            return _run_all(signals, stage or (lambda _name, step: step()))
     except Interrupted as exc:
         print(f"interrupted by {exc}; finished completions are kept", flush=True)
         return 128 + exc.signum
@@ -283,12 +306,19 @@ def _run_all(signals: _Signals, stage: Stage) -> int:
     _print_plan(run_id)  # before the first request: what the run will send, cost and yield
     if not ok:
         return 1
+    root = current_config().storage_root()
+    root_before = _identity(root)
     shard_results = stage("generate", lambda: _run_shards(SHARD_KEYS))
     failed = []
     for key, (run_id, ok, why) in shard_results.items():
         print(f"generate_job[{key}] run {run_id}: {'success' if ok else 'FAILED ' + why}", flush=True)
         if not ok:
             failed.append(key)
+    if failed and _identity(root) != root_before:
+        # Removed during the run (rm -rf), whatever made a folder there since: nothing it wrote is kept.
+        print(f"the storage root {root} was removed during the run: what it wrote went with it. Run again "
+              "to start over.", flush=True)
+        return 1
     if failed:
         print(
             f"{len(failed)} shard(s) failed; their finished completions are kept. Re-run "
@@ -305,21 +335,28 @@ def _run_all(signals: _Signals, stage: Stage) -> int:
     return 0
 
 
+def _identity(root: str) -> tuple[int, int] | None:
+    """Which folder a local root is (device, inode); None: a remote root, or none there."""
+    try:
+        found = os.stat(root) if "://" not in root else None
+    except FileNotFoundError:
+        return None
+    return (found.st_dev, found.st_ino) if found is not None else None
+
+
 def plan(args: argparse.Namespace) -> int:
     """Prepare (sources, prompts, budgets; nothing generated) and print what the run will send, cost and yield."""
     use_config(args.config)
     check_storage(storage_settings(current_config())["root"])
     prepare_dagster_home()
     quiet_third_party()
-    try:
+    with _own_fleet(args.keep_fleet):
         run_id, ok, why = _execute("prepare_job", log_level="WARNING")
         if not ok and not why:
             # No step failed: a resource did as the run started, the fleet's probe when nobody
             # answers. The prompts need no server: prepared alone, they are what can still be printed.
             why = _fleet_problem()
             run_id = _prepare_prompts_only()
-    finally:
-        _stop_fleet(args.keep_fleet)
     _print_plan(run_id)
     if not ok:
         print(f"plan: incomplete, the prepare run failed: {why}", flush=True)
@@ -458,7 +495,13 @@ def fleet(args: argparse.Namespace) -> int:
 
     resource = defs.resources["fleet"]
     if args.action == "stop":
-        print(f"stopped {len(resource.stop())} server(s)")
+        from expansion_dag.core import FleetError
+
+        try:
+            print(f"stopped {len(resource.stop(say=print))} server(s)")
+        except FleetError as exc:  # in use: a run still needs it
+            print(f"expansion-dag: {exc}", file=sys.stderr)
+            return 1
         return 0
     if args.action == "start":
         info = resource.provision()

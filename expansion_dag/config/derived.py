@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 from expansion_dag.config.schema import (
@@ -23,7 +22,7 @@ from expansion_dag.config.schema import (
     GenerationConfig,
     RunConfig,
 )
-from expansion_dag.core import ModeIdentities, SamplingSettings, as_upath, default_local_dir, is_local
+from expansion_dag.core import ModeIdentities, SamplingSettings, default_local_dir, fleet_state_dir
 from expansion_dag.generation import EngineConfig, TurnPlanner, YieldGate
 from expansion_dag.prompts import BudgetConfig
 from expansion_dag.training import TrainingSetConfig
@@ -36,12 +35,10 @@ FINISHED = ("stop", "tool_calls")
 
 def fleet_settings(config: RunConfig) -> FleetSettings:
     """The fleet resource's fields: ``simulate`` launches the simulator (its command and its
-    startup timeout), and launched servers keep their pid files and logs on this machine."""
+    startup timeout), and launched servers keep their records and logs on this machine, outside
+    the root (``expansion_dag.core.fleet_state_dir``)."""
     fleet, launch = config.fleet, config.fleet.launch
     simulate = fleet.mode == "simulate"
-    root = config.storage_root()
-    # Pid files, locks and server logs belong to this machine, not to a (possibly remote) root.
-    machine = root if is_local(as_upath(root)) else local_dir(config)
     return FleetSettings(
         mode="attach" if fleet.mode == "attach" else "launch",
         urls=list(fleet.urls) if fleet.mode == "attach" else [],
@@ -63,7 +60,7 @@ def fleet_settings(config: RunConfig) -> FleetSettings:
         stream_interval=fleet.stream_interval,
         tool_call_parser=fleet.tool_call_parser,
         fallback_to_healthy=fleet.fallback_to_healthy,
-        state_dir=os.path.join(machine, "fleet"),
+        state_dir=fleet_state_dir(config.storage_root(), local_dir(config)),
     )
 
 
@@ -81,6 +78,7 @@ def storage_settings(config: RunConfig) -> dict[str, Any]:
         "local_dir": local_dir(config),
         "lease_timeout_s": storage.lease_timeout_s,
         "when_shard_busy": storage.when_shard_busy,
+        "shard_busy_wait_s": storage.shard_busy_wait_s,
         "training_set_versions": storage.training_set_versions,
     }
 

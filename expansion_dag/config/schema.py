@@ -23,7 +23,14 @@ from typing import Any, Literal, Optional
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from expansion_dag.core import DEFAULT_TOKENIZER, RETRYABLE_CONTENT, ModeError, ModeMix, SamplingSettings
+from expansion_dag.core import (
+    DEFAULT_TOKENIZER,
+    RETRYABLE_CONTENT,
+    ModeError,
+    ModeMix,
+    SamplingSettings,
+    fleet_state_dir,
+)
 from expansion_dag.training import FORMATS
 
 CONFIG_ENV = "EXPANSION_CONFIG"
@@ -276,6 +283,13 @@ class LeaseSettings(BaseModel):
         default="wait",
         description="When another run holds the shard's lease: wait for it, then send what is still missing, or fail.",
     )
+    shard_busy_wait_s: float = Field(
+        default=3600.0,
+        gt=0.0,
+        le=7 * 86400.0,
+        description="when_shard_busy: wait gives up after this long (the run fails naming the holder): the "
+        "waiting run's servers are up and idle meanwhile.",
+    )
 
 
 class StorageSettings(LeaseSettings):
@@ -435,9 +449,9 @@ class FleetSettings(BaseModel):
         default=_fleet("fallback_to_healthy"), description="Run a shard on a healthy server when its own server is down."
     )
     state_dir: str = Field(
-        default=os.path.join(schema_default(StorageConfig, "root"), "fleet"),
-        description="Logs and pid files of launched servers: this machine's, under a local storage root "
-        "(else under local_dir).",
+        default=fleet_state_dir(os.path.abspath(schema_default(StorageConfig, "root"))),
+        description="Records, locks and logs of launched servers: this machine's, under local_dir, one "
+        "folder per host and storage root, never in the root (expansion_dag.core.fleet_state_dir).",
     )
 
 

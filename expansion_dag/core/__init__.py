@@ -52,7 +52,7 @@ from expansion_dag.core.outcomes import (
     is_final,
     of_error,
 )
-from expansion_dag.core.processes import free_port_block, pid_alive
+from expansion_dag.core.processes import free_port_block, pid_alive, process_start
 from expansion_dag.core.records import FAILED, OK, Identity, WeightsProbe, completion_key
 from expansion_dag.core.sampling import SamplingSettings
 from expansion_dag.core.token_ids import IDS_LEFT_OUT, OUTPUT_IDS, PROMPT_IDS, pack, record_fields, unpack
@@ -69,6 +69,7 @@ from expansion_dag.core.urls import (
     auth_headers,
     default_local_dir,
     entry_name,
+    fleet_state_dir,
     is_local,
     listing,
     local_path,
@@ -89,10 +90,10 @@ __all__ = [
     "ServerUnreachableError", "ShardAborted", "TURN_UNFINISHED", "TimeoutError_", "TransientError",
     "UNWRITABLE", "UnfinishedError", "WeightsProbe", "as_upath", "auth_headers", "bar_chart_png",
     "base_prompt_id", "borrowed_verdict", "bundled_qwen3_path", "canary_verdict", "completion_key",
-    "count_prompt_tokens", "count_tokens",
-    "default_local_dir", "describe", "entry_name", "error_from_exception", "free_port_block", "is_final",
-    "is_local", "listing", "load_tokenizer", "local_path", "of_error", "pack", "parse_modes", "pid_alive",
-    "png_data_uri", "record_fields", "render_prompts", "server_url", "unpack", "unwritable", "upload",
-    "upload_after", "url_credentials", "without_credentials", "write_atomically",
+    "count_prompt_tokens", "count_tokens", "default_local_dir", "describe", "entry_name", "error_from_exception",
+    "fleet_state_dir", "free_port_block", "is_final", "is_local", "listing", "load_tokenizer", "local_path",
+    "of_error", "pack", "parse_modes", "pid_alive", "process_start", "png_data_uri", "record_fields",
+    "render_prompts", "server_url", "unpack", "unwritable", "upload", "upload_after", "url_credentials",
+    "without_credentials", "write_atomically",
     "ContextCappedError", "ContextMismatchError", "DeadlineError", "OtherModelError", "OversizedError",
 ]

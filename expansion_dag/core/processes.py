@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["free_port_block", "pid_alive"]
+__all__ = ["free_port_block", "pid_alive", "process_start"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -30,6 +31,26 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state != "Z"
+
+
+def process_start(pid: int) -> str | None:
+    """When ``pid`` started, as the kernel says it: with the pid, it names one process of this
+    machine for good, where a pid alone is reused (after a reboot, or once the pids wrap). None: no
+    such process.
+
+    Linux: this boot's id and the start time in clock ticks (``/proc/<pid>/stat``, field 22);
+    elsewhere ``ps``'s start time, to the second.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        started = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True).stdout
+        return started.strip() or None
+    try:
+        # The name (field 2) may hold spaces and parentheses: fields are counted after its last ")".
+        return f"{boot}/{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
 
 
 def free_port_block(count: int, starts: Iterable[int], host: str) -> list[int]:

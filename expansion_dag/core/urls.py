@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import os
+import re
 import secrets
 import shutil
+import socket
 import tempfile
 import urllib.parse
 from collections.abc import Iterator
@@ -97,6 +100,16 @@ def default_local_dir() -> str:
     run's spooled completions wait there for the next run on this machine to upload them.
     """
     return os.environ.get("EXPANSION_LOCAL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "expansion_dag")
+
+
+def fleet_state_dir(root: str, local_dir: str | None = None) -> str:
+    """Where the servers launched for storage root ``root`` keep their records, locks and logs:
+    under this machine's folder (``local_dir``, else :func:`default_local_dir`), never in the root,
+    whose deletion must not orphan them; one folder per host (a home directory may be shared by
+    several), and one per root, named by its last part and a hash of all of it."""
+    name = re.sub(r"[^\w.-]", "_", root.rstrip("/").rsplit("/", 1)[-1])[:40] or "root"
+    key = hashlib.sha256(root.encode()).hexdigest()[:12]
+    return os.path.join(local_dir or default_local_dir(), "fleet", socket.gethostname(), f"{name}-{key}")
 
 
 def listing(path: UPath) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from expansion_dag.generation.progress import (
     ProgressDisplay,
     ShardProgress,
     quiet_third_party,
+    render_line,
     render_table,
     retry_summary,
     silence_retry_logging,
@@ -49,7 +50,7 @@ __all__ = [
     "WorkLeft",
     "WRITE_QUEUE", "WorkItem", "YieldGate", "bucket_label", "cell_estimates", "claim_share", "ended_record",
     "expected_per_prompt", "generate_shard", "learn", "make_plan", "outlook", "prompt_bucket",
-    "prompt_features", "prompt_keys", "quiet_third_party", "render_table", "retry_summary",
+    "prompt_features", "prompt_keys", "quiet_third_party", "render_line", "render_table", "retry_summary",
     "shard_figures", "silence_retry_logging", "spearman", "speed_line", "turn_id",
     "WeightsWatch",
 ]

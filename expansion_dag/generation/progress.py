@@ -50,6 +50,15 @@ class ShardProgress:
     #: that rests on (``learned from 1,930 answers; ...`` or ``configured``).
     tokens_left: float | None = None
     tokens_left_basis: str | None = None
+    #: While the shard waits for another run's lease: for whom, and until when at most.
+    waiting: str | None = None
+
+    @classmethod
+    def waiting_for(cls, holder: str, gives_up_at: float) -> ShardProgress:
+        """Nothing sent yet: the shard waits for ``holder``, and gives up at ``gives_up_at`` (``time.time()``)."""
+        until = time.strftime("%H:%M:%S UTC", time.gmtime(gives_up_at))
+        return cls(done=0, total=0, failed=0, retries=0, requests_per_s=0.0, output_tokens_per_s=0.0, eta_s=None,
+                   elapsed_s=0.0, waiting=f"for {holder}; gives up at {until} (storage.shard_busy_wait_s)")
 
     @classmethod
     def from_engine(cls, progress: Progress, plan: ShardPlan | None = None) -> ShardProgress:
@@ -141,6 +150,8 @@ def _duration(seconds: float | None) -> str:
 def _cells(shard: str, state: str, p: ShardProgress | None) -> list[str]:
     if p is None:
         return [shard, state, "-", "-", "-", "-", "-", "-", "-"]
+    if p.waiting is not None and state == "running":
+        return [shard, "waiting", p.waiting, "-", "-", "-", "-", "-", "-"]
     share = f"{p.done:,}/{p.total:,} ({p.done / p.total:.0%})" if p.total else f"{p.done:,}/0"
     return [
         shard,
@@ -189,6 +200,9 @@ def render_line(states: Mapping[str, str], figures: Mapping[str, ShardProgress |
         if p is None:
             parts.append(f"{shard} {state}")
             continue
+        if p.waiting is not None and state == "running":
+            parts.append(f"{shard} waiting {p.waiting}")
+            continue
         cells = dict(zip(HEADER, _cells(shard, state, p)))
         eta = f" ETA {cells['ETA']}" if state == "running" else f" {state}"
         parts.append(
@@ -235,7 +249,7 @@ def speed_line(figures: Mapping[str, ShardProgress | None]) -> str | None:
     fleet = FleetSpeed.of(figures)
     if fleet is None:
         waiting = "; ".join(
-            f"{shard} {'no report yet' if p is None else p.speed_basis}"
+            f"{shard} {'no report yet' if p is None else 'waiting for its lease' if p.waiting else p.speed_basis}"
             for shard, p in figures.items() if p is None or p.speed_tokens_per_s is None
         )
         return f"speed: {waiting}"

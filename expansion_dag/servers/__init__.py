@@ -16,6 +16,8 @@ layers import this one's names from here.
 from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
 from expansion_dag.servers.launching import (
     KEY_DELIVERY,
+    OWNER_ENV,
+    ServerRecord,
     KeyDelivery,
     Launcher,
     LaunchSpec,
@@ -90,10 +92,10 @@ from expansion_dag.servers.wire import (
 __all__ = [
     "Answer", "AsyncioBackend", "AsyncioStream", "AsyncioTransport", "ChatChunk", "ChatRequest", "ChatStream",
     "CoalescingSelector", "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "KEY_DELIVERY",
-    "KeyDelivery", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop", "LoopDetector", "LoopThresholds", "OffLoop",
-    "PROBE_MESSAGES", "PROBE_TOKENS", "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION",
-    "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo", "Tool", "ToolCall",
-    "Usage", "VLLM", "asyncio_transport", "chat_request", "dialect_for", "error_from_status", "files_digest",
+    "KeyDelivery", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop", "LoopDetector", "LoopThresholds", "OWNER_ENV",
+    "OffLoop", "PROBE_MESSAGES", "PROBE_TOKENS", "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION",
+    "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo", "ServerRecord", "Tool",
+    "ToolCall", "Usage", "VLLM", "asyncio_transport", "chat_request", "dialect_for", "error_from_status", "files_digest",
     "find_loop", "finish_error", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery",
     "make_client", "parse_chat_completion", "parse_chat_stream", "parse_chunk", "parse_context_error",
     "parse_gen_throughput", "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_fleet_weights",

@@ -15,7 +15,8 @@ import httpx
 import pytest
 import yaml
 
-from expansion_dag.core import pid_alive
+from expansion_dag.core import fleet_state_dir, pid_alive
+from expansion_dag.servers import ServerRecord
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
 from expansion_dag.training import Manifest
@@ -267,13 +268,19 @@ def slow_simulators(tmp_path: Path, port: int, extra: str = "") -> Path:
                "--output-median-tokens 100 " + extra)
     return write_config(tmp_path / "slow.yaml", {
         "fleet": {"launch": {"command": command, "base_port": port}},
-        "storage": {"root": str(tmp_path / "storage")},
+        "storage": {"root": str(tmp_path / "storage"), "local_dir": str(tmp_path / "local")},
         "generation": {"backoff_initial_s": 0.01, "max_attempts": 1},
     })
 
 
+def fleet_records(tmp_path: Path) -> list[ServerRecord]:
+    """The records of the servers launched for ``slow_simulators``' root, kept outside it."""
+    state = Path(fleet_state_dir(str(tmp_path / "storage"), str(tmp_path / "local")))
+    return [ServerRecord.read(p) for p in sorted(state.glob("server-*.json"))]
+
+
 def launched_pids(tmp_path: Path) -> list[int]:
-    return [int(p.read_text()) for p in sorted((tmp_path / "storage" / "fleet").glob("server-*.pid"))]
+    return [record.pid for record in fleet_records(tmp_path)]
 
 
 def generating(tmp_path: Path) -> bool:

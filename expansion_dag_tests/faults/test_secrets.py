@@ -48,7 +48,9 @@ def test_a_launched_server_gets_its_key_off_its_command_line_and_out_of_its_log(
     try:
         # The probe fails unless the server wants the key, and answers with the one it was given.
         info = fleet.provision()
-        pid = int((tmp_path / f"server-{port}.pid").read_text())
+        record = (tmp_path / f"server-{port}.json").read_text()
+        pid = json.loads(record)["pid"]
+        assert KEY not in record  # the launch command it keeps names the key's file, never the key
         assert Path(f"/proc/{pid}").exists() and info.servers[0].backend == backend
         assert command_lines_holding(KEY) == []
         assert not list(tmp_path.glob("*.key.yaml"))  # read at start-up, then removed
@@ -68,7 +70,7 @@ def test_a_launch_command_that_puts_the_key_on_the_command_line_is_refused(tmp_p
                               num_servers=1, base_port=port, state_dir=str(tmp_path))
         with pytest.raises(FleetError, match=r"puts the API key on the server's command line, where every user"):
             fleet.provision()
-    assert not list(tmp_path.glob("server-*.pid"))  # nothing was started
+    assert not list(tmp_path.glob("server-*.json"))  # nothing was started
 
 
 class BasicAuthProxy:

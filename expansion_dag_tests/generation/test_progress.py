@@ -15,6 +15,7 @@ from expansion_dag.generation import (
     Speed,
     WorkLeft,
     quiet_third_party,
+    render_line,
     render_table,
     retry_summary,
     speed_line,
@@ -41,6 +42,19 @@ def test_the_table_shows_done_rate_eta_and_retries_per_shard():
     assert "3.00/s" in lines[2] and "0m33s" in lines[2]
     assert lines[3].split()[:3] == ["shard-02", "running", "-"]  # no report yet
     assert lines[0].index("ETA") == lines[1].index("5m00s") == lines[2].index("0m33s")  # aligned columns
+
+
+def test_a_shard_waiting_for_another_runs_lease_says_for_whom_and_until_when():
+    # 2026-12-07 14:03:10 UTC
+    waiting = ShardProgress.waiting_for("run 1c2f on host gpu-a", 1796652190.0)
+    waiting = ShardProgress.from_metadata(waiting.as_metadata())  # as the CLI reads it back
+    said = "waiting for run 1c2f on host gpu-a; gives up at 14:03:10 UTC (storage.shard_busy_wait_s)"
+    line = render_line(STATES, {"shard-00": waiting, "shard-01": figures(300)})
+    assert line.startswith(f"progress: shard-00 {said} | ")
+    row = render_table(STATES, {"shard-00": waiting})[1]
+    assert row.split()[:2] == ["shard-00", "waiting"] and said.removeprefix("waiting ") in row
+    # Once it ended (here: gave up), its state is what the table shows.
+    assert "waiting" not in render_line({"shard-00": "FAILED"}, {"shard-00": waiting})
 
 
 def test_the_figures_survive_the_round_trip_through_observation_metadata():

@@ -227,8 +227,7 @@ def real_vllm_fleet(real_model_dir, tmp_path_factory, figures) -> Iterator[tuple
     launched it (its runs find the server running and use it)."""
     tmp = tmp_path_factory.mktemp("real-vllm")
     port = free_port()
-    # Where the launcher writes the server's log: the fleet's state folder under the storage root.
-    server = RealVllmServer(real_model_dir, tmp / "storage" / "fleet" / f"server-{port}.log",
+    server = RealVllmServer(real_model_dir, Deployment.launched_log(tmp, port),
                             context_length=REAL_CONTEXT_LENGTH, slots=REAL_SLOTS, api_key=API_KEY, port=port)
     fleet = {
         "mode": "launch",

@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from expansion_dag.config import SGLANG_LAUNCH_COMMAND
+from expansion_dag.core import fleet_state_dir
 from expansion_dag.servers import (
     Answer,
     ChatRequest,
@@ -395,6 +396,12 @@ class Deployment:
     env: dict[str, str]
     run_config: Path
 
+    @staticmethod
+    def launched_log(tmp: Path, port: int) -> Path:
+        """Where the launcher writes the log of the server it launches on ``port`` for a deployment
+        in ``tmp``: the fleet's folder of this machine, outside the storage root."""
+        return Path(fleet_state_dir(str(tmp / "storage"), str(tmp / "local"))) / f"server-{port}.log"
+
     @classmethod
     def create(
         cls, tmp: Path, server: EngineServer, run_config: dict[str, Any], api_key_env: str,
@@ -418,6 +425,7 @@ class Deployment:
             EXPANSION_SHARDS=1,
             EXPANSION_TOKENIZER=server.model_dir,  # the served model's own folder, as in production
             EXPANSION_STORAGE=tmp / "storage",
+            EXPANSION_LOCAL_DIR=tmp / "local",
             **fleet,
             **{api_key_env: server.api_key},
         )

@@ -96,8 +96,7 @@ class Pipeline:
 def launching(request: pytest.FixtureRequest, tmp) -> tuple[SglangServer, Deployment]:
     """SGLang as the project launches it: the fleet section of a run configuration file."""
     port = free_port()
-    # Where the launcher writes the server's log: the fleet's state folder under the storage root.
-    server = sglang(request.getfixturevalue("sglang_model"), tmp / "storage" / "fleet" / f"server-{port}.log", port)
+    server = sglang(request.getfixturevalue("sglang_model"), Deployment.launched_log(tmp, port), port)
     fleet = {
         "mode": "launch",
         "stream_interval": STREAM_INTERVAL,  # launched servers get it as --stream-interval
@@ -173,7 +172,7 @@ def test_the_probe_reads_the_context_and_the_slots_from_the_server(pipeline: Pip
         assert fleet["launch_command"] == SGLANG_CPU_COMMAND + " --config {api_key_file}"
         assert server.api_key not in json.dumps(fleet)
         # (The tests' own servers are started with --api-key: only the launched one's session is read.)
-        launched = int(server.log.with_suffix(".pid").read_text())
+        launched = json.loads(server.log.with_suffix(".json").read_text())["pid"]
         assert command_lines_holding(server.api_key, session=launched) == []
         # SGLang logs its arguments at start-up, the key among them: masked before it is written.
         log = server.log.read_text()

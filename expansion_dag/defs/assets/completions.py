@@ -11,6 +11,7 @@ its materialization (so "backfill failed partitions" picks it up) after every su
 written; the next run sends only what is missing.
 """
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -90,8 +91,12 @@ def completions(
 ):
     """Model-written answers for one shard's prompts, kept in the completion store as they arrive."""
     # One sender per shard, whoever starts it (the CLI, the UI, a schedule, another host): what to
-    # send is chosen, and sent, under the shard's lease (expansion_dag.store.lease).
-    with storage.shard_lease(context.partition_key, run_id=context.run.run_id, log=context.log) as lease:
+    # send is chosen, and sent, under the shard's lease (expansion_dag.store.lease). The fleet was
+    # provisioned before, as the run started (a resource): a wait here is bounded and shown
+    # (storage.shard_busy_wait_s; docs/operations.md, who owns the fleet).
+    waiting = functools.partial(ShardProgressReporter.waiting, context, context.partition_key)
+    with storage.shard_lease(context.partition_key, run_id=context.run.run_id, log=context.log,
+                             on_wait=waiting) as lease:
         yield from _generate(context, shard_prompts, fleet, settings, storage, lease)
 
 

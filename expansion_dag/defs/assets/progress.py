@@ -36,6 +36,12 @@ class ShardProgressReporter:
         if self._throttle.keep(figures):
             self._observe(figures)
 
+    @staticmethod
+    def waiting(context: dg.AssetExecutionContext, shard: str, holder: str, gives_up_at: float) -> None:
+        """The shard waits for another run's lease: said where its progress is shown."""
+        figures = ShardProgress.waiting_for(holder, gives_up_at)
+        context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=shard, metadata=figures.as_metadata()))
+
     def close(self) -> None:
         held = self._throttle.last()
         if held is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any, Optional
 
 import dagster as dg
@@ -34,8 +35,9 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
     A run that uses the fleet provisions it when the run starts (``setup_for_execution``: servers
     launched if need be, then every one probed) and its assets read what was probed (``info``).
     Servers a run launched for itself alone (``launch_scope: run``, a GPU pod per shard run) stop
-    when it ends; a fleet launched for all shards (``fleet``) is shared by their runs and outlives
-    each, stopped by ``expansion-dag fleet stop`` or at the end of ``expansion-dag run``.
+    when it ends, unless another run uses them; a fleet launched for all shards (``fleet``) is
+    shared by their runs and outlives each, stopped by the ``expansion-dag`` command that launched
+    it when it ends, or by ``expansion-dag fleet stop`` (docs/operations.md: who owns the fleet).
     """
 
     _info: Optional[FleetInfo] = PrivateAttr(default=None)
@@ -45,10 +47,13 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
         self._info = self.provision(context.log)
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
-        if self._launched_here and self.launch_scope == "run":
-            stopped = self.stop()
-            if stopped and context.log is not None:
-                context.log.info(f"stopped the {len(stopped)} server(s) this run launched")
+        if self.mode != "launch":
+            return
+        stopped, left_to = self.launcher().release(keep=not (self._launched_here and self.launch_scope == "run"))
+        if context.log is not None and stopped:
+            context.log.info(f"stopped the {len(stopped)} server(s) this run launched")
+        if context.log is not None and left_to:
+            context.log.info(f"left the server(s) this run launched running for {'; '.join(left_to)}")
 
     @property
     def info(self) -> FleetInfo:
@@ -107,7 +112,12 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
     def provision(self, log: Any = None) -> FleetInfo:
         """Ensure every server runs and is ready, then probe them all."""
         if self.mode == "launch":
-            started = self.launcher().ensure_running(timeout_s=self.startup_timeout_s)
+            launcher = self.launcher()
+            try:
+                started = launcher.ensure_running(timeout_s=self.startup_timeout_s)
+            finally:
+                for note in launcher.notes if log is not None else []:
+                    log.warning(note)
             self._launched_here = self._launched_here or bool(started)
             if started and log is not None:
                 log.info(f"launched {len(started)} server(s): {', '.join(started)}")
@@ -177,8 +187,27 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 return candidate, True
         raise FleetError(f"no healthy server: {own} (the shard's own) and every other server are down")
 
-    def stop(self) -> list[int]:
-        return self.launcher().stop() if self.mode == "launch" else []
+    def stop(self, say: Optional[Callable[[str], None]] = None) -> list[int]:
+        """Stop the whole fleet, which no command or run may be using (``expansion-dag fleet stop``);
+        ``say``: what was found that a person should know (a record that is not ours)."""
+        if self.mode != "launch":
+            return []
+        launcher = self.launcher()
+        try:
+            return launcher.stop()
+        finally:
+            for note in launcher.notes if say is not None else []:
+                say(note)
+
+    def use(self) -> None:
+        """Count this process among the fleet's users (an ``expansion-dag`` command, for its whole life)."""
+        if self.mode == "launch":
+            self.launcher().use()
+
+    def release(self, keep: bool = False) -> tuple[list[int], list[str]]:
+        """This process's use ends: what its command launched stops, unless ``keep`` or another
+        command or run uses it (``Launcher.release``). The pids stopped, the users it was left to."""
+        return self.launcher().release(keep=keep) if self.mode == "launch" else ([], [])
 
     def effective_config(self, fleet: FleetInfo, url: str) -> dict[str, Any]:
         """What this shard ran with, as compared between materializations (no secrets)."""

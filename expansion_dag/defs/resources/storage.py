@@ -6,7 +6,7 @@ for credentials and endpoints.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -92,10 +92,13 @@ class StorageResource(dg.ConfigurableResource, StorageSettings):
             frame.write_parquet(path)
         return target
 
-    def shard_lease(self, shard: str, *, run_id: str, log: Log) -> ShardLease:
-        """The lease a run holds while it chooses and sends ``shard``'s prompts (``expansion_dag.store.lease``)."""
+    def shard_lease(self, shard: str, *, run_id: str, log: Log,
+                    on_wait: Callable[[str, float], None] | None = None) -> ShardLease:
+        """The lease a run holds while it chooses and sends ``shard``'s prompts (``expansion_dag.store.lease``);
+        ``on_wait(holder, gives_up_at)`` when it starts waiting for a holder."""
         return ShardLease(as_upath(self.root), shard, run_id=run_id, log=log, timeout_s=self.lease_timeout_s,
-                          wait=self.when_shard_busy == "wait", local_dir=self.machine_dir)
+                          wait=self.when_shard_busy == "wait", local_dir=self.machine_dir,
+                          wait_s=self.shard_busy_wait_s, on_wait=on_wait)
 
     def completion_store(self) -> CompletionStore:
         return CompletionStore(

@@ -1,5 +1,5 @@
-"""Launching: one server process per GPU, started, waited for and stopped, its API key kept off
-its command line and out of its log."""
+"""Launching: one server process per GPU, started, waited for and stopped by whoever launched it,
+its API key kept off its command line and out of its log."""
 
 from expansion_dag.servers.launching.launcher import (
     KEY_DELIVERY,
@@ -11,7 +11,9 @@ from expansion_dag.servers.launching.launcher import (
     tool_call_flags,
     wait_ready,
 )
+from expansion_dag.servers.launching.records import OWNER_ENV, ServerRecord
 
 __all__ = [
-    "KEY_DELIVERY", "KeyDelivery", "LaunchSpec", "Launcher", "is_healthy", "key_delivery", "tool_call_flags", "wait_ready",
+    "KEY_DELIVERY", "OWNER_ENV", "KeyDelivery", "LaunchSpec", "Launcher", "ServerRecord", "is_healthy", "key_delivery",
+    "tool_call_flags", "wait_ready",
 ]

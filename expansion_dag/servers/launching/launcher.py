@@ -2,9 +2,15 @@
 
 - ``Launcher`` starts one server process per GPU from a command template, idempotently: Dagster
   sets resources up in every step process, and several steps may start at once, so the check and
-  the start happen under a file lock and a live pid file means "already starting". A port served
-  by a process it did not start is an error naming that server, never adopted; a launched
-  simulator must report the launched pid (``/sim/stats``).
+  the start happen under a file lock, and a server whose record (``records.py``) names a live
+  process of this host, started when it was launched, is "already starting". A port served by a
+  process it did not start is an error naming that server, never adopted; a launched simulator
+  must report the launched pid (``/sim/stats``). A running server launched with another command
+  than this configuration's is restarted when no other command or run uses the fleet, else refused
+  naming the difference.
+- A command stops only what it launched (``release``), and leaves to the others what they still
+  use; ``stop`` stops every server of the fleet that nobody uses. No process is signalled that its
+  record does not prove the launched one.
 - ``Launcher.launched_slots``: the running-request slots each command passes (vLLM's
   ``--max-num-seqs``, SGLang's ``--max-running-requests``), known without asking the server, which
   vLLM could not answer.
@@ -31,8 +37,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -40,6 +46,7 @@ import httpx
 
 from expansion_dag.core import FleetError, ServerStartError, auth_headers, pid_alive
 from expansion_dag.servers.launching import log_filter
+from expansion_dag.servers.launching.records import ServerRecord, fleet_owner, running, unuse, use, users
 from expansion_dag.servers.transport import tls_context
 
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
@@ -217,9 +224,11 @@ class Launcher:
         env: Mapping[str, str] | None = None,
         api_key: str | None = None,
         key_env: str | None = None,
+        owner: str | None = None,
     ):
         """``api_key``: the servers' key, handed over in ``{api_key_file}`` where the command names
-        it, and in the variable ``key_env`` of their environment where one is given."""
+        it, and in the variable ``key_env`` of their environment where one is given. ``owner``: whose
+        the servers it launches are (default: ``records.fleet_owner``)."""
         self.state_dir = Path(state_dir)
         self.command = command
         self.host = host
@@ -229,6 +238,9 @@ class Launcher:
         self._api_key = api_key
         self._key_env = key_env
         self._log_writers: dict[int, subprocess.Popen[bytes]] = {}  # by port: the key's masks
+        self.owner = owner or fleet_owner()
+        #: What was found and done that a person should know: records not ours, servers restarted.
+        self.notes: list[str] = []
 
     def url(self, spec: LaunchSpec) -> str:
         return f"http://{self.host}:{spec.port}"
@@ -240,8 +252,8 @@ class Launcher:
     def log_path(self, spec: LaunchSpec) -> Path:
         return self.state_dir / f"server-{spec.port}.log"
 
-    def _pid_path(self, spec: LaunchSpec) -> Path:
-        return self.state_dir / f"server-{spec.port}.pid"
+    def _record_path(self, spec: LaunchSpec) -> Path:
+        return self.state_dir / f"server-{spec.port}.json"
 
     def launched_slots(self) -> dict[str, int]:
         """Each server's running-request slots as its command passes them, by URL; a server whose
@@ -254,113 +266,79 @@ class Launcher:
         return self.state_dir / f"server-{spec.port}.key.yaml"
 
     def _argv(self, spec: LaunchSpec) -> list[str]:
-        words = shlex.split(self.command)
-        if "{api_key}" in self.command or any(w == "--api-key" or w.startswith("--api-key=") for w in words):
-            raise FleetError(
-                "the launch command puts the API key on the server's command line, where every user of "
-                "the machine reads it (ps): remove {api_key} and --api-key from it; the launcher hands a "
-                "configured key over itself (SGLang: --config {api_key_file}, a file only you can read; "
-                "vLLM: VLLM_API_KEY in its environment)"
-            )
-        values = {
-            **self.values, "host": self.host, "port": spec.port, "gpu": spec.gpu,
-            "api_key_file": str(self._key_path(spec)),
-        }
-        try:
-            return shlex.split(self.command.format(**values))
-        except KeyError as exc:
-            raise FleetError(f"launch command names an unknown placeholder {exc}; known: {sorted(values)}") from exc
+        return _argv(self.command, {**self.values, "host": self.host, "port": spec.port, "gpu": spec.gpu,
+                                    "api_key_file": str(self._key_path(spec))})
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / "launch.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    def _running(self, spec: LaunchSpec) -> ServerRecord | None:
+        """The server's record while it names the launched process (``records.running``; under the lock)."""
+        return running(self._record_path(spec), self.url(spec), self.notes)
 
-    def _recorded_pid(self, spec: LaunchSpec) -> int | None:
-        try:
-            return int(self._pid_path(spec).read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
+    def use(self) -> None:
+        """Count this process among the fleet's users (``records.use``) until :meth:`unuse`."""
+        with _locked(self.state_dir):
+            use(self.state_dir, self.owner)
 
-    def _pid(self, spec: LaunchSpec) -> int | None:
-        pid = self._recorded_pid(spec)
-        return pid if pid is not None and pid_alive(pid) else None
+    def unuse(self) -> None:
+        unuse(self.state_dir, self.owner)
+
+    def _others(self) -> dict[str, list[str]]:
+        """The fleet's live users other than this launcher's owner: what each process is, by owner."""
+        return {owner: what for owner, what in users(self.state_dir).items() if owner != self.owner}
+
+    def _in_use(self) -> str:  # the other users, said; "" when there are none
+        return "; ".join(what for found in self._others().values() for what in found)
 
     def ensure_running(self, *, timeout_s: float) -> list[str]:
-        """Start what is not running, then wait until every server is ready. Returns the URLs."""
+        """Start what is not running, then wait until every server is ready. Returns the URLs.
+
+        This process counts among the fleet's users from then on (:meth:`unuse`)."""
         started: list[str] = []
-        with self._locked():
-            for spec in self.specs:
-                if self._pid(spec) is not None:
-                    continue  # launched by an earlier step
-                self._refuse_foreign(spec)
-                self._start(spec)
-                started.append(self.url(spec))
+        with _locked(self.state_dir):
+            use(self.state_dir, self.owner)
+            try:
+                for spec in self.specs:
+                    record = self._running(spec)
+                    if record is not None:
+                        changed = record.difference(self._argv(spec), spec.gpu)
+                        if changed is None:
+                            continue  # launched by an earlier step, or an earlier run
+                        self._restart(spec, record, changed)
+                    _refuse_foreign(self.host, spec.port)
+                    self._start(spec)
+                    started.append(self.url(spec))
+            except BaseException:
+                unuse(self.state_dir, self.owner)  # it uses nothing
+                raise
         for spec in self.specs:
             # The recorded pid, alive or not: a server that died at once is then told apart from
             # one still loading, and reported now rather than after the whole timeout.
-            pid = self._recorded_pid(spec)
+            record = ServerRecord.read(self._record_path(spec))
+            pid = record.pid if record is not None else None
             try:
                 wait_ready(self.url(spec), timeout_s=timeout_s, log_path=self.log_path(spec), pid=pid,
                            log_writer=self._log_writers.get(spec.port))
             finally:
                 self._key_path(spec).unlink(missing_ok=True)  # read at start-up, needed no more
             if self.launches_simulator:
-                self._verify_simulator(spec, pid)
+                _verify_simulator(self.url(spec), pid, self._api_key)
         return started
+
+    def _restart(self, spec: LaunchSpec, record: ServerRecord, changed: str) -> None:
+        """Stop a server launched otherwise than this configuration says, unless others use it."""
+        who = self._in_use()
+        if who:
+            raise FleetError(
+                f"{self.url(spec)} runs a server launched otherwise than this configuration says ({changed}), "
+                f"and another command or run uses it ({who}): it is not restarted under them. Let them end, "
+                "then run again; or set fleet.launch.base_port to launch this configuration's servers on other ports"
+            )
+        self._stop_where(lambda found: found == record, 30.0)
+        self.notes.append(f"{self.url(spec)}: restarted: it was launched otherwise than this configuration says "
+                          f"({changed})")
 
     @property
     def launches_simulator(self) -> bool:
         return SIMULATOR_MODULE in shlex.split(self.command)
-
-    def _refuse_foreign(self, spec: LaunchSpec) -> None:
-        """A server this launcher did not start is never adopted: on a GPU node, the simulator's
-        port may be a real server's, and generating there while saying "simulated" is a lie."""
-        with contextlib.closing(socket.socket()) as probe:
-            probe.settimeout(2.0)
-            taken = probe.connect_ex((self.host, spec.port)) == 0
-        if taken:
-            raise FleetError(
-                f"{self.url(spec)} is already served by a process this project did not launch "
-                f"({_describe(self.url(spec))}); stop it, or set fleet.launch.base_port to free ports"
-            )
-
-    def _verify_simulator(self, spec: LaunchSpec, pid: int | None) -> None:
-        """The simulator reports its pid: the server on the port must be the one launched here."""
-        info = _get_json(self.url(spec), "/sim/stats", self._api_key)
-        if not (isinstance(info, dict) and info.get("simulator") is True and pid is not None and info.get("pid") == pid):
-            raise FleetError(
-                f"{self.url(spec)} is not the simulator launched here (pid {pid}): it is "
-                f"{_describe(self.url(spec))}; stop it, or set fleet.launch.base_port to free ports"
-            )
-
-    def _write_key(self, spec: LaunchSpec) -> None:
-        """The key as SGLang reads an argument from its ``--config`` file, readable by this user
-        alone; no key, no argument (an empty mapping)."""
-        path = self._key_path(spec)
-        path.unlink(missing_ok=True)  # created anew, never an older file's looser mode
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(f"api-key: {json.dumps(self._api_key)}\n" if self._api_key else "{}\n")  # JSON text is YAML
-
-    def _output(self, spec: LaunchSpec, log: BinaryIO) -> tuple[Any, subprocess.Popen[bytes] | None]:
-        """Where the server writes: its log, through the filter that masks the key when it has one."""
-        if not self._api_key:
-            return log, None
-        masking = subprocess.Popen(
-            [sys.executable, str(LOG_FILTER), str(self.log_path(spec))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            env={log_filter.SECRET_ENV: self._api_key},
-            start_new_session=True,  # outlives the step, as the server does; ends with its output
-        )
-        return masking.stdin, masking
 
     def _start(self, spec: LaunchSpec) -> None:
         argv = self._argv(spec)
@@ -368,9 +346,9 @@ class Launcher:
         if self._api_key and self._key_env:
             env[self._key_env] = self._api_key
         if "{api_key_file}" in self.command:
-            self._write_key(spec)
+            _write_key(self._key_path(spec), self._api_key)
         with open(self.log_path(spec), "ab") as log:
-            output, masking = self._output(spec, log)
+            output, masking = _output(self.log_path(spec), log, self._api_key)
             try:
                 process = subprocess.Popen(
                     argv,
@@ -388,21 +366,122 @@ class Launcher:
                 if masking is not None:
                     masking.stdin.close()  # type: ignore[union-attr]  # the server holds its own copy
                     self._log_writers[spec.port] = masking
-        self._pid_path(spec).write_text(str(process.pid))
+        ServerRecord.of(port=spec.port, gpu=spec.gpu, pid=process.pid, argv=argv, owner=self.owner).write(
+            self._record_path(spec)
+        )
 
     def stop(self, *, timeout_s: float = 30.0) -> list[int]:
-        """Stop every server this launcher started (SIGTERM, then SIGKILL). Returns the pids."""
+        """Stop every server of the fleet (SIGTERM, then SIGKILL) while no other command or run uses
+        it, else raise ``FleetError`` naming them. Returns the pids."""
+        with _locked(self.state_dir):
+            who = self._in_use()
+            if who:
+                raise FleetError(f"the fleet is in use ({who}): not stopped; it stops when they end, if they "
+                                 "launched it, else once they have ended run this again")
+            return self._stop_where(lambda record: True, timeout_s)
+
+    def release(self, *, keep: bool = False, timeout_s: float = 30.0) -> tuple[list[int], list[str]]:
+        """This process's use ends: the servers its owner launched stop, unless ``keep`` or another
+        command or run uses them, which then owns them (and stops them when it ends). Returns the
+        pids stopped and the users they were left to."""
+        self.unuse()
+        if keep:
+            return [], []
+        with _locked(self.state_dir):
+            others = self._others()
+            if not others:
+                return self._stop_where(lambda record: record.owner == self.owner, timeout_s), []
+            mine = [(spec, record) for spec in self.specs
+                    if (record := self._running(spec)) is not None and record.owner == self.owner]
+            for spec, record in mine:
+                replace(record, owner=min(others)).write(self._record_path(spec))
+            return [], [what for found in others.values() for what in found] if mine else []
+
+    def _stop_where(self, chosen: Callable[[ServerRecord], bool], timeout_s: float) -> list[int]:
         stopped = []
-        with self._locked():
-            for spec in self.specs:
-                pid = self._pid(spec)
-                self._pid_path(spec).unlink(missing_ok=True)
-                self._key_path(spec).unlink(missing_ok=True)
-                if pid is None:
-                    continue
-                _stop_group(pid, timeout_s)
-                stopped.append(pid)
+        for spec in self.specs:
+            record = self._running(spec)
+            if record is None or not chosen(record):
+                continue
+            self._record_path(spec).unlink(missing_ok=True)
+            self._key_path(spec).unlink(missing_ok=True)
+            _stop_group(record.pid, timeout_s)
+            stopped.append(record.pid)
         return stopped
+
+
+@contextlib.contextmanager
+def _locked(state_dir: Path) -> Iterator[None]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / "launch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _argv(command: str, values: Mapping[str, Any]) -> list[str]:
+    words = shlex.split(command)
+    if "{api_key}" in command or any(w == "--api-key" or w.startswith("--api-key=") for w in words):
+        raise FleetError(
+            "the launch command puts the API key on the server's command line, where every user of "
+            "the machine reads it (ps): remove {api_key} and --api-key from it; the launcher hands a "
+            "configured key over itself (SGLang: --config {api_key_file}, a file only you can read; "
+            "vLLM: VLLM_API_KEY in its environment)"
+        )
+    try:
+        return shlex.split(command.format(**values))
+    except KeyError as exc:
+        raise FleetError(f"launch command names an unknown placeholder {exc}; known: {sorted(values)}") from exc
+
+
+def _refuse_foreign(host: str, port: int) -> None:
+    """A server this launcher did not start is never adopted: on a GPU node, the simulator's
+    port may be a real server's, and generating there while saying "simulated" is a lie."""
+    with contextlib.closing(socket.socket()) as probe:
+        probe.settimeout(2.0)
+        taken = probe.connect_ex((host, port)) == 0
+    if taken:
+        url = f"http://{host}:{port}"
+        raise FleetError(
+            f"{url} is already served by a process this project did not launch "
+            f"({_describe(url)}); stop it, or set fleet.launch.base_port to free ports"
+        )
+
+
+def _verify_simulator(url: str, pid: int | None, api_key: str | None) -> None:
+    """The simulator reports its pid: the server on the port must be the one launched here."""
+    info = _get_json(url, "/sim/stats", api_key)
+    if not (isinstance(info, dict) and info.get("simulator") is True and pid is not None and info.get("pid") == pid):
+        raise FleetError(
+            f"{url} is not the simulator launched here (pid {pid}): it is "
+            f"{_describe(url)}; stop it, or set fleet.launch.base_port to free ports"
+        )
+
+
+def _write_key(path: Path, api_key: str | None) -> None:
+    """The key as SGLang reads an argument from its ``--config`` file, readable by this user
+    alone; no key, no argument (an empty mapping)."""
+    path.unlink(missing_ok=True)  # created anew, never an older file's looser mode
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"api-key: {json.dumps(api_key)}\n" if api_key else "{}\n")  # JSON text is YAML
+
+
+def _output(log_path: Path, log: BinaryIO, api_key: str | None) -> tuple[Any, subprocess.Popen[bytes] | None]:
+    """Where a server writes: its log, through the filter that masks the key when it has one."""
+    if not api_key:
+        return log, None
+    masking = subprocess.Popen(
+        [sys.executable, str(LOG_FILTER), str(log_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env={log_filter.SECRET_ENV: api_key},
+        start_new_session=True,  # outlives the step, as the server does; ends with its output
+    )
+    return masking.stdin, masking
 
 
 def _stop_group(pid: int, timeout_s: float) -> None:
