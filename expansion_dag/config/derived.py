@@ -98,6 +98,11 @@ def engine_config(generation: GenerationConfig, **changes: Any) -> EngineConfig:
         max_attempts=g.max_attempts,
         first_output_timeout_s=g.first_output_timeout_s,
         deadline_slack=g.deadline_slack,
+        # Before a server's speed is measured: the speed at which the longest answer allowed takes one
+        # request timeout (4.6 tokens/s at the defaults; a GPU decodes a stream at tens with its slots
+        # full). A request's deadline is then at most first_output_timeout_s + deadline_slack x
+        # request_timeout_s (2.1 h at the defaults), however it trickles.
+        floor_stream_rate=g.max_output_tokens / g.request_timeout_s,
         # Each wait doubles from the first, up to BACKOFF_MAX_S, with up to the first wait of jitter.
         backoff_initial_s=g.backoff_initial_s,
         backoff_max_s=max(g.backoff_initial_s, BACKOFF_MAX_S),

@@ -113,8 +113,9 @@ class GenerationConfig(BaseModel):
     deadline_slack: float = Field(
         default=4.0,
         ge=1,
-        description="Once a server's speed is measured, a request's deadline is first_output_timeout_s plus this "
-        "many times its max_tokens at the measured per-stream speed; past it the request fails as the server's.",
+        description="A request's deadline is first_output_timeout_s plus this many times its max_tokens at the "
+        "per-stream speed measured on its server (until measured: max_output_tokens / request_timeout_s tokens a "
+        "second); past it the request fails as the server's.",
     )
     backoff_initial_s: float = Field(
         default=1.0,

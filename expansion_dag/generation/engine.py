@@ -96,6 +96,7 @@ class Sender:
         self._policies = {borrowed: config.retry_policy(borrowed=borrowed) for borrowed in (False, True)}
         self._thresholds = config.loop_thresholds()
         self._first_output_s, self._slack = config.first_output_timeout_s, config.deadline_slack
+        self._floor_rate = config.floor_stream_rate
         self._queue = queue
         self._recorder = recorder
         self.report = recorder.report
@@ -108,8 +109,8 @@ class Sender:
 
         On a ``borrowed`` server there is one attempt, and only a content outcome is recorded: any
         other failure leaves the prompt this shard's, to send to its own server. ``on_output``: called
-        once a streamed answer's first text arrives. A ``canary`` waits for that text only
-        ``first_output_timeout_s``.
+        once a streamed answer's first text arrives. A streamed ``canary`` waits for that text only
+        ``first_output_timeout_s``; every request, a plain canary too, ends within its deadline.
         """
         self._queue.opened(item)
         following: WorkItem | None = None
@@ -132,11 +133,13 @@ class Sender:
     ) -> tuple[RequestError | None, Answer | None]:
         stats = self.report.servers.get(server.url) or self.report.helpers[server.url]
         # Scaled to the answer it may be, at the speed this server's streams decode with its slots
-        # full (none until measured: then only the per-read timeout bounds it).
-        rate = stats.meter.stream_rate
+        # full; until that is measured (or if it says 0), at the floor speed: a server that trickles
+        # keep-alives from its first request on is never measured. A plain canary's first text is its
+        # whole answer: this bounds it too.
+        rate = stats.meter.stream_rate or self._floor_rate
         deadline = Deadline(
             first_output_s=self._first_output_s if canary else None,
-            total_s=None if rate is None else self._first_output_s + self._slack * item.max_tokens / rate,
+            total_s=self._first_output_s + self._slack * item.max_tokens / rate,
         )
         request = chat_request(
             self._model,

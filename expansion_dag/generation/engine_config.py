@@ -30,9 +30,11 @@ class EngineConfig:
     max_attempts: int
     #: The canary's bound on its first streamed text, and each request's allowance for its wait
     #: and prefill within its deadline: ``first_output_timeout_s + deadline_slack * max_tokens /
-    #: measured per-stream speed`` (``Deadline``), set once the server's speed is measured.
+    #: per-stream speed`` (``Deadline``), the speed measured on the server, else ``floor_stream_rate``.
     first_output_timeout_s: float
     deadline_slack: float
+    #: Tokens a second a stream is taken to decode at least until its server's speed is measured.
+    floor_stream_rate: float
     backoff_initial_s: float
     backoff_max_s: float
     backoff_jitter_s: float

@@ -355,18 +355,44 @@ def test_what_an_answer_must_say_of_itself_is_each_servers_own():
 # --- 3. its time ---------------------------------------------------------------------------------
 
 
+#: Deadlines of a few seconds against reads that may each take an hour: only a deadline ends these.
+#: A plain canary's (its first text is its whole answer): 0.5 s + 4 x 64 tokens at 256 tokens/s.
+SHORT_DEADLINES = dict(first_output_timeout_s=0.5, deadline_slack=4.0, floor_stream_rate=256.0,
+                       request_timeout_s=3600.0, max_attempts=5)
+
+
 @pytest.mark.parametrize("fault", ["silent", "keepalive"])
-def test_a_server_that_says_nothing_fails_the_canary_at_its_first_text_deadline(tmp_path, fault_server, fault):
+@pytest.mark.parametrize(("streamed", "said"), [(True, "no text within 0.5 s"),
+                                                 (False, "no end of the answer within 1.5 s")], ids=["streamed", "plain"])
+def test_a_server_that_says_nothing_fails_the_canary_at_its_first_text_deadline(
+    tmp_path, fault_server, fault, streamed, said
+):
     server, url = fault_server
     store = CompletionStore(tmp_path)
     items = work(6, {0: fault})
     started = time.monotonic()
-    # Only the first-text deadline can end it: each read's timeout is an hour, five attempts.
-    with pytest.raises(ShardAborted, match=r"canary request to .* failed \(deadline: no text within 0.5 s"):
-        run(store, items, Server(url, 2), first_output_timeout_s=0.5, request_timeout_s=3600.0, max_attempts=5)
+    with pytest.raises(ShardAborted, match=rf"canary request to .* failed \(deadline: {said}"):
+        run(store, items, Server(url, 2), stop_degenerate=streamed, **SHORT_DEADLINES)
     assert time.monotonic() - started < 600  # far under the 5 h the per-read timeouts alone would take
     failure = failure_of(store, "p000")
     assert (failure["error"], failure["outcome"], failure["attempts"]) == ("deadline", "server", 1)
+    rerun_on_a_sound_server(server, store, items, Server(url, 2), stop_degenerate=streamed)
+
+
+def test_a_server_that_trickles_from_its_first_request_fails_each_at_the_floor_speeds_deadline(
+    tmp_path, fault_server
+):
+    server, url = fault_server
+    store = CompletionStore(tmp_path)
+    items = work(6, dict.fromkeys(range(6), "trickle"))  # no answer ever: its speed is never measured
+    started = time.monotonic()
+    report = run(store, items, Server(url, 2), **SHORT_DEADLINES)
+    assert time.monotonic() - started < 600  # not the 2 minutes each fault keeps up its keep-alives
+    # The canary passed at its first text; each request then ended at the floor speed's deadline.
+    assert report.failures_by_kind == {"deadline": 6} and report.ok == 0 and report.aborted is None
+    failure = failure_of(store, "p003")
+    assert (failure["outcome"], failure["attempts"]) == ("server", 1)
+    assert "no end of the answer within 1.5 s" in failure["message"]
     rerun_on_a_sound_server(server, store, items, Server(url, 2))
 
 
