@@ -18,7 +18,8 @@ break within a few lines, and the shape rules ask for more copies than legitimat
 (counting to 400, Fibonacci for 60 lines and 50 unit tests of one function are all legitimate
 in the tests' corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``). A list of numbers alone (digits and punctuation)
 needs more copies (``counter_repeats_numeric``, ``numbers_repeats_numeric``): counting to 400 and
-the first 100 primes are answers.
+the first 100 primes are answers. Worked arithmetic may repeat a shape for thousands of tokens; its
+arithmetic holds (``loop_derivation``), and ``numbers`` and ``resaid`` leave it alone.
 
 Characters, not tokens: the client sees text, and a token loop is a character loop.
 

@@ -15,6 +15,8 @@ import collections
 import re
 from collections.abc import Iterable
 
+from expansion_dag.servers.loops.loop_derivation import states_arithmetic
+
 _WORDS = re.compile(r"\w+")
 #: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
@@ -77,7 +79,7 @@ class Units:
         found = None
         for sentence in complete:
             words = _WORDS.findall(sentence.lower())
-            if len(words) < self._min_words:
+            if len(words) < self._min_words or _a_step_of_arithmetic(sentence, words):
                 continue
             said = frozenset(words)
             if _said_before(said, self._said, self._similarity):
@@ -89,6 +91,12 @@ class Units:
                 self._streak = self._streak_chars = 0
             self._said.append(said)
         return found
+
+
+def _a_step_of_arithmetic(sentence: str, words: list[str]) -> bool:
+    """Mostly numbers, in an equation that holds (``7 × 1 = 7, plus carry 0 makes 7: write 7.``):
+    a derivation's step, however like the steps before (each digit of a number times 1)."""
+    return 2 * sum(w.isdigit() for w in words) > len(words) and states_arithmetic(sentence)
 
 
 def _completed(text: str, end: re.Pattern[str]) -> tuple[list[str], str, bool]:
