@@ -172,9 +172,9 @@ def _counting_copies(numbers: list[str], per_copy: int) -> int:
     copies = len(numbers) // per_copy
     if copies < 2 or any(len(x) > _MAX_DIGITS for x in numbers[-2 * per_copy :]):
         return 0
-    value = lambda i: Decimal(numbers[i])  # exact: at most _MAX_DIGITS characters
     last = len(numbers) - per_copy
-    steps = [value(last + j) - value(last - per_copy + j) for j in range(per_copy)]
+    # Decimal: exact for at most _MAX_DIGITS characters, decimals included.
+    steps = [Decimal(numbers[last + j]) - Decimal(numbers[last - per_copy + j]) for j in range(per_copy)]
     if not any(steps):
         return 0
     copy = copies - 2
@@ -183,7 +183,7 @@ def _counting_copies(numbers: list[str], per_copy: int) -> int:
         earlier = numbers[base - per_copy : base]
         if any(len(x) > _MAX_DIGITS for x in earlier):
             break
-        if any(value(base + j) - Decimal(earlier[j]) != steps[j] for j in range(per_copy)):
+        if any(Decimal(numbers[base + j]) - Decimal(earlier[j]) != steps[j] for j in range(per_copy)):
             break
         copy -= 1
     return copies - copy
