@@ -156,6 +156,7 @@ def training_set_config(generation: GenerationConfig, context_length: int, **cha
     derived = dict(
         drop_truncated=g.drop_truncated,
         reasoning=g.reasoning,
+        loop_prefix=g.loop_prefix,
         max_length=context_length,
         min_length=g.min_sample_tokens,
         formats=tuple(g.training_formats),

@@ -6,7 +6,8 @@ queued here and written there, in the order queued; ``engine`` says what is dura
 A completion record carries everything a trainer and a reader need (the answer, the counts, the
 server (its URL without credentials), the budget); a failure record says what failed and whose
 fault it was (``outcome``, see ``expansion_dag.core.outcomes``), and a stopped loop keeps its text
-for inspection, never for training.
+for inspection, and where its loop began (``loop_cut``): the training set may keep the text before
+it (``generation.loop_prefix``), never the loop.
 Token ids the server returned are kept packed, by ``expansion_dag.core.token_ids``' rule.
 """
 
@@ -29,7 +30,7 @@ from expansion_dag.core import (
 from expansion_dag.generation.conversations import Ended
 from expansion_dag.generation.dispatch import WorkItem
 from expansion_dag.generation.shard_report import ShardReport
-from expansion_dag.servers import Answer, DegenerateError, Exchange, OffLoop
+from expansion_dag.servers import Answer, DegenerateError, Exchange, OffLoop, loop_cut
 from expansion_dag.store import SegmentWriter
 
 #: The training set's verdict on a record (``training_set.AnswerJudge``): ``row`` or why not.
@@ -124,7 +125,7 @@ class Recorder:
             "max_tokens": exchange.max_tokens,
         }
         if isinstance(error, DegenerateError):
-            # Kept for inspection only: a failure record never reaches the training set.
+            # Kept for inspection: of a failure record, only the text before a loop is ever trained.
             record |= {
                 "content": error.content,
                 "reasoning_content": error.reasoning,
@@ -134,6 +135,10 @@ class Recorder:
                 "streamed_chunks": error.chunks,
                 "streamed_tokens": error.tokens,
             }
+            if not error.in_reasoning and item.turn is None:
+                # Where the answer's text before its loop ends, for a row of it (``loop_prefix``), and
+                # the prompt that row needs.
+                record |= {"loop_cut": loop_cut(error.content, error.loop), "messages": list(item.messages)}
             if error.prompt_ids is not None:
                 record[PROMPT_IDS] = pack(error.prompt_ids)
             if error.output_ids is not None:

@@ -8,10 +8,10 @@ import pytest
 
 from expansion_dag.core import FAILED, IDS_LEFT_OUT, OK, OUTPUT_IDS, PROMPT_IDS, unpack
 from expansion_dag.generation import MIN_ANSWERS, Server, WorkItem, generate_shard
-from expansion_dag.servers import SGLANG, dialect_for
+from expansion_dag.servers import SGLANG, dialect_for, find_loop
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_sampling, default_engine, repetitive_answers
+from expansion_dag_tests.helpers import default_engine, default_sampling, loop_thresholds, repetitive_answers
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -75,6 +75,10 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
         # are one token each, so the text says what the count should be.
         assert record["streamed_tokens"] == len(record["content"].split())
         assert record["streamed_chunks"] <= 1 + record["streamed_tokens"] // interval
+        # Where the loop began, and the prompt, for a row of the text before it (loop_prefix).
+        cut = record["loop_cut"]
+        assert record["messages"][-1]["content"].startswith("Tell me fact number") and 0 < cut < len(record["content"]) / 2
+        assert find_loop(record["content"][:cut], loop_thresholds()) is None
         # vLLM streams the ids with the text: a stopped answer keeps those it received; SGLang sends
         # them only once the answer is over.
         if backend == "vllm":

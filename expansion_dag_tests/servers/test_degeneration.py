@@ -17,6 +17,7 @@ from expansion_dag.servers import (
     DegenerateError,
     LoopDetector,
     find_loop,
+    loop_cut,
     parse_chat_stream,
 )
 from expansion_dag_tests.data.make_repetitive_corpus import CORPUS_PATH, corpus_bytes, looping_answers
@@ -73,6 +74,25 @@ def test_the_real_model_loops_that_ran_to_the_cap_are_stopped_early():
     # Most of their text never generated: what the stops save (a loop that starts late in the
     # answer is seen late, a few of them only by its end).
     assert sum(read) / len(read) < 0.45 and sum(r < 1 for r in read) >= 0.9 * len(read)
+
+
+def test_the_text_before_a_real_model_loop_holds_no_second_copy_of_it():
+    kept = streamed = 0
+    for answer in real_answers("loop"):
+        stop, loop = first_stop(answer["content"], piece=EVENT_CHARS)
+        text = answer["content"][:stop]  # what the client had when it stopped the stream
+        cut = loop_cut(text, loop)
+        # No loop the rules see is kept, fed as it was streamed or whole.
+        assert first_stop(text[:cut], piece=EVENT_CHARS) == (None, None), answer["id"]
+        assert find_loop(text[:cut], DEFAULT) is None, answer["id"]
+        if loop.rule == "exact":
+            # Cut after the first copy: the text after the cut is that copy again.
+            period = len(loop.span)
+            assert text[cut - period : cut] == text[cut : cut + period], answer["id"]
+            assert text[cut - 2 * period : cut - period] != text[cut - period : cut], answer["id"]
+        kept, streamed = kept + cut, streamed + len(text)
+    # What the model wrote before its loops: about half of what was streamed (issue 51 measured half).
+    assert 0.3 < kept / streamed < 0.8
 
 
 def test_no_legitimate_real_model_answer_is_stopped():

@@ -61,6 +61,8 @@ def _yield_metadata(report: ShardReport) -> dict[str, Any]:
         "answer_yield": answers.summary(),
         "answers_judged": answers.judged,
         "answers_to_rows": answers.rows,
+        # Of those, stopped loops whose text before the loop becomes a row, cut (``loop_prefix: keep``).
+        "answers_to_rows_cut_at_loop": answers.loop_rows,
         "answers_left_out_by_reason": dg.MetadataValue.json(answers.left_out()),
         "yield_gate": answers.gate_state,
     }

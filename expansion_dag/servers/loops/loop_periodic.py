@@ -94,6 +94,11 @@ class Shape:
             if dropped:
                 del self.numbers[:dropped]
 
+    @property
+    def held(self) -> int:
+        """Characters fed that wait for the next delta, not yet in the shape."""
+        return len(self._held)
+
 
 def exact_loop(tail: str, *, min_repeats: int, min_chars: int, min_span: int) -> tuple[str, int, int] | None:
     """(span, repeats, chars) of the exact loop ``tail`` ends with: a span of ``min_span`` characters

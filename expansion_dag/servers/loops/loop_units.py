@@ -43,53 +43,62 @@ class Units:
         self._similarity = resaid_similarity
         self._min_words = resaid_min_words
         self._line = ""
-        self._lines: collections.deque[str] = collections.deque(maxlen=cycle_lines)
+        #: Where the unfinished line and sentence begin in the text fed so far.
+        self._line_at = 0
+        self._sentence_at = 0
+        self._lines: collections.deque[tuple[str, int]] = collections.deque(maxlen=cycle_lines)
         self._sentence = ""
         #: Word sets of the last sentences long enough to judge.
         self._said: collections.deque[frozenset[str]] = collections.deque(maxlen=resaid_lookback)
         #: The sentences, one after another, each nearly the same as an earlier one: how many, their characters.
         self._streak = 0
         self._streak_chars = 0
+        self._streak_at = 0
 
-    def feed(self, delta: str) -> tuple[str, str, int, int] | None:
-        """(rule, span, repeats, chars) once the text ends in a loop of lines or sentences."""
+    def feed(self, delta: str) -> tuple[str, str, int, int, int] | None:
+        """(rule, span, repeats, chars, start) once the text ends in a loop of lines or sentences:
+        ``start`` is where its first line or sentence begins in the text fed."""
         found = self._feed_lines(delta)
         return self._feed_sentences(delta) or found
 
-    def _feed_lines(self, delta: str) -> tuple[str, str, int, int] | None:
-        complete, self._line, _ = _completed(self._line + delta, _LINE_END)
+    def _feed_lines(self, delta: str) -> tuple[str, str, int, int, int] | None:
+        complete, self._line, rest_at, _ = _completed(self._line + delta, _LINE_END)
         found = None
-        for line in complete:
+        for line, at in complete:
             line = line.strip()
             if not line:
                 continue
-            self._lines.append(line)
+            self._lines.append((line, self._line_at + at))
             if len(self._lines) == self._lines.maxlen and found is None:
-                counts = collections.Counter(self._lines)
+                counts = collections.Counter(line for line, _ in self._lines)
                 if len(counts) <= self._cycle_distinct:
                     span = "\n".join(line for line, _ in counts.most_common())
-                    found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in self._lines))
+                    found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in counts.elements()), self._lines[0][1])
+        self._line_at += rest_at
         return found
 
-    def _feed_sentences(self, delta: str) -> tuple[str, str, int, int] | None:
-        complete, self._sentence, cut = _completed(self._sentence + delta, _SENTENCE_END)
+    def _feed_sentences(self, delta: str) -> tuple[str, str, int, int, int] | None:
+        complete, self._sentence, rest_at, cut = _completed(self._sentence + delta, _SENTENCE_END)
         if cut:
             complete.pop()
             self._streak = self._streak_chars = 0
         found = None
-        for sentence in complete:
+        for sentence, at in complete:
             words = _WORDS.findall(sentence.lower())
             if len(words) < self._min_words or _a_step_of_arithmetic(sentence, words):
                 continue
             said = frozenset(words)
             if _said_before(said, self._said, self._similarity):
+                if not self._streak:
+                    self._streak_at = self._sentence_at + at
                 self._streak += 1
                 self._streak_chars += len(sentence) + 1
                 if self._streak >= self._resaid_sentences and found is None:
-                    found = ("resaid", sentence, self._streak, self._streak_chars)
+                    found = ("resaid", sentence, self._streak, self._streak_chars, self._streak_at)
             else:
                 self._streak = self._streak_chars = 0
             self._said.append(said)
+        self._sentence_at += rest_at
         return found
 
 
@@ -99,13 +108,17 @@ def _a_step_of_arithmetic(sentence: str, words: list[str]) -> bool:
     return 2 * sum(w.isdigit() for w in words) > len(words) and states_arithmetic(sentence)
 
 
-def _completed(text: str, end: re.Pattern[str]) -> tuple[list[str], str, bool]:
-    """The units ``text`` completes, the unfinished rest, and whether the last unit is that rest,
-    cut for its length."""
-    *complete, rest = end.split(text)
+def _completed(text: str, end: re.Pattern[str]) -> tuple[list[tuple[str, int]], str, int, bool]:
+    """The units ``text`` completes, each with where it begins in ``text``; the unfinished rest and
+    where it begins; and whether the last unit is that rest, cut for its length."""
+    complete, at = [], 0
+    for separator in end.finditer(text):
+        complete.append((text[at : separator.start()], at))
+        at = separator.end()
+    rest = text[at:]
     if len(rest) > _MAX_UNIT_CHARS:
-        return [*complete, rest], "", True
-    return complete, rest, False
+        return [*complete, (rest, at)], "", len(text), True
+    return complete, rest, at, False
 
 
 def _said_before(said: frozenset[str], earlier: Iterable[frozenset[str]], similarity: float) -> bool:
