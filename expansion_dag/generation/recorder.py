@@ -13,7 +13,10 @@ Token ids the server returned are kept packed, by ``expansion_dag.core.token_ids
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from expansion_dag.core import (
@@ -23,6 +26,7 @@ from expansion_dag.core import (
     OUTPUT_IDS,
     PROMPT_IDS,
     RequestError,
+    SamplingSettings,
     pack,
     record_fields,
     without_credentials,
@@ -35,6 +39,26 @@ from expansion_dag.store import SegmentWriter
 
 #: The training set's verdict on a record (``training_set.AnswerJudge``): ``row`` or why not.
 Judge = Callable[[Mapping[str, Any]], str]
+
+
+@dataclass(frozen=True)
+class LoopRetry:
+    """A prompt asked once more after its answer was stopped as a loop (``generation.loop_retries``):
+    the first stop's rule and tokens, and the settings of the second try."""
+
+    rule: str
+    tokens: int
+    sampling: SamplingSettings
+
+    @classmethod
+    def after(cls, error: DegenerateError, sampling: SamplingSettings, key: str) -> LoopRetry:
+        """Another seed than the first try's: the next one, or where that had none (the server drew
+        one), one of the prompt's own, so that a re-run asks the same."""
+        seed = ((sampling.seed if sampling.seed is not None else zlib.crc32(key.encode())) + 1) % 2**31
+        return cls(error.rule, error.tokens, dataclasses.replace(sampling, seed=seed))
+
+    def record_fields(self) -> dict[str, Any]:
+        return {"loop_retry": {"first_rule": self.rule, "first_tokens": self.tokens, "seed": self.sampling.seed}}
 
 
 class Recorder:
@@ -64,6 +88,7 @@ class Recorder:
         *,
         expected: int,
         features: Sequence[int],
+        loop_retry: LoopRetry | None = None,
     ) -> None:
         finish = answer.finish_reason
         await self._write(
@@ -87,6 +112,7 @@ class Recorder:
                 "attempts": exchange.attempts,
                 "length_features": list(features),
                 **record_fields(answer.prompt_ids, answer.output_ids, answer.completion_tokens),
+                **(loop_retry.record_fields() if loop_retry else {}),
             }
         )
         report = self.report
@@ -106,7 +132,8 @@ class Recorder:
         stats.output_tokens += answer.completion_tokens
 
     async def failure(
-        self, item: WorkItem, server_url: str, error: RequestError, exchange: Exchange, latency: float
+        self, item: WorkItem, server_url: str, error: RequestError, exchange: Exchange, latency: float,
+        loop_retry: LoopRetry | None = None,
     ) -> None:
         record = {
             "key": item.key,
@@ -123,6 +150,7 @@ class Recorder:
             "attempts": exchange.attempts,
             "server": without_credentials(server_url),
             "max_tokens": exchange.max_tokens,
+            **(loop_retry.record_fields() if loop_retry else {}),
         }
         if isinstance(error, DegenerateError):
             # Kept for inspection: of a failure record, only the text before a loop is ever trained.

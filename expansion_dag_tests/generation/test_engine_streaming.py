@@ -92,6 +92,30 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
     assert report.output_tokens_by_outcome["degenerate"] == sum(r["streamed_tokens"] for r in degenerate)
     assert report.useful_token_share(drop_truncated=True) > 0.5
     assert set(report.dropped_slot_seconds(drop_truncated=True)) == {"degenerate"}
+    assert not report.loop_retried  # loop_retries 0: a stopped loop is final
+
+
+@pytest.mark.parametrize("sim", [dict(loop_rate=0.25), dict(looping_prompt_share=0.25)], ids=["unlucky", "looping-prompts"])
+def test_a_looping_prompt_is_asked_once_more_with_another_seed_when_loop_retries_says(tmp_path, sim):
+    report, records, _ = run_shard(tmp_path, sim, default_engine(**FAST, loop_retries=1))
+    assert len(records) == 40  # one record a prompt: the second try's outcome
+    retried = [r for r in records if "loop_retry" in r]
+    assert report.loop_retried["asked"] == len(retried) >= 5
+    for record in retried:
+        assert record["loop_retry"]["first_rule"] == "exact" and record["loop_retry"]["first_tokens"] > 0
+        assert isinstance(record["loop_retry"]["seed"], int)
+    completed = [r for r in retried if r["status"] == OK]
+    assert report.loop_retried["completed"] == len(completed)
+    looped_again = [r for r in retried if r["status"] == FAILED]
+    if "loop_rate" in sim:
+        # An unlucky sample (every 4th, retries included): another one mostly is not.
+        assert len(completed) >= len(retried) / 2 and report.ok == 40 - len(looped_again)
+    else:
+        # A prompt that always loops loops again: its second stop is final.
+        assert completed == [] and all(r["error"] == "degenerate" for r in looped_again)
+    # The first stops' tokens were spent too.
+    first = sum(r["loop_retry"]["first_tokens"] for r in retried)
+    assert report.output_tokens_by_outcome["degenerate"] == first + sum(r["streamed_tokens"] for r in looped_again)
 
 
 def test_without_early_stopping_loops_run_to_the_cap_and_the_waste_shows(tmp_path):

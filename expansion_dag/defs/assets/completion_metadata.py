@@ -25,6 +25,8 @@ def shard_metadata(
     metadata |= _waste_metadata(report, drop_truncated) | {"degenerate_total": standing.figures.degenerate}
     # This run's stopped loops by the detector's rule that saw each.
     metadata["degenerate_by_rule"] = dg.MetadataValue.json(dict(report.degenerate_by_rule))
+    if report.loop_retried:  # generation.loop_retries: loops asked again, and the second answers that ended
+        metadata["loop_retries"] = dg.MetadataValue.json(dict(report.loop_retried))
     metadata |= _yield_metadata(report)
     if work.conversations:
         metadata |= {"conversations": work.conversations, "conversations_ended_early": standing.figures.ended}
