@@ -218,12 +218,13 @@ def test_dropped_reasoning_is_re_tokenized_since_no_one_sampled_that_sequence(qw
 def test_round_trip_checks_rows_from_ids_against_their_records(qwen3, tmp_path):
     records = [with_ids(qwen3, r, sampled(qwen3, r)) for r in (record(i, reasoning=REASONING) for i in range(4))]
     records.append(record(9))  # and one without ids, beside them
+    records.append(stopped_loop(qwen3, 10, "First, add them. " + "Wait, let me reconsider the problem. " * 15)[0])
     config = default_training()
     trace = BuildTrace()
     build_training_set(records, qwen3, config, tmp_path / "ts", identities=one_mode(MODEL), trace=trace)
     expected = expected_renders(records, qwen3, config, identities=one_mode(MODEL))
-    rows = sample_rows(tmp_path / "ts", 5)
-    assert trace.renders == expected and check_round_trip(rows, expected, qwen3).ok
+    rows = sample_rows(tmp_path / "ts", 6)
+    assert len(rows) == 6 and trace.renders == expected and check_round_trip(rows, expected, qwen3).ok
     shifted = dict(rows[0], loss_mask=[0] + rows[0]["loss_mask"][:-1])
     swapped = dict(rows[1], input_ids=[rows[1]["input_ids"][0] + 1] + rows[1]["input_ids"][1:])
     assert check_round_trip([shifted, swapped], expected, qwen3).failed == 2
