@@ -264,6 +264,11 @@ class AnswerJudge:
             return screened
         return LOOP_ROW if screened.truncated else ROW
 
+    def kept_tokens(self, record: Mapping[str, Any]) -> int:
+        """The output tokens of ``record`` its row holds (0 for none): a row cut before a loop, its part."""
+        screened = _screen(record, self._config, self._identities, self._rules)
+        return 0 if isinstance(screened, str) else screened.output_tokens
+
 
 @dataclass
 class _Tally:

@@ -187,7 +187,7 @@ def test_a_stopped_loops_text_before_the_loop_is_a_row_of_the_sampled_ids_cut_on
     assert whole["truncated"] is None and whole["loop_rule"] is None
     assert "1 of the samples (50.0%) are answers cut before a loop" in (tmp_path / "ts" / "README.md").read_text()
     judge = AnswerJudge(qwen3, default_training(), one_mode(MODEL))
-    assert judge(rec) == LOOP_ROW
+    assert judge(rec) == LOOP_ROW and judge.kept_tokens(rec) == len(kept)
     # loop_prefix: drop leaves the loop out whole, as before.
     dropped, rows = build([rec], qwen3, tmp_path, "dropped", loop_prefix="drop")
     assert rows == [] and dropped.left_out["degenerate"] == 1 and dropped.loop_rows == {}
