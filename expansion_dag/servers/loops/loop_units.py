@@ -19,8 +19,9 @@ from expansion_dag.servers.loops.loop_derivation import states_arithmetic
 
 _WORDS = re.compile(r"\w+")
 #: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
-_LINE_END = re.compile(r"\n")
+#: (Captured: ``split`` keeps each end, so that where each unit begins is counted.)
+_SENTENCE_END = re.compile(r"((?<=[.!?])\s+|\n)")
+_LINE_END = re.compile(r"(\n)")
 #: A line or sentence that runs longer is cut there: the unfinished one is never re-read whole for
 #: every delta. A cut line is judged as it is; a cut "sentence" is no sentence: any two stretches of
 #: 2,000 characters of one language share most of their words, so ``resaid`` would see them all as
@@ -46,7 +47,8 @@ class Units:
         #: Where the unfinished line and sentence begin in the text fed so far.
         self._line_at = 0
         self._sentence_at = 0
-        self._lines: collections.deque[tuple[str, int]] = collections.deque(maxlen=cycle_lines)
+        self._lines: collections.deque[str] = collections.deque(maxlen=cycle_lines)
+        self._line_starts: collections.deque[int] = collections.deque(maxlen=cycle_lines)
         self._sentence = ""
         #: Word sets of the last sentences long enough to judge.
         self._said: collections.deque[frozenset[str]] = collections.deque(maxlen=resaid_lookback)
@@ -68,12 +70,13 @@ class Units:
             line = line.strip()
             if not line:
                 continue
-            self._lines.append((line, self._line_at + at))
+            self._lines.append(line)
+            self._line_starts.append(self._line_at + at)
             if len(self._lines) == self._lines.maxlen and found is None:
-                counts = collections.Counter(line for line, _ in self._lines)
+                counts = collections.Counter(self._lines)
                 if len(counts) <= self._cycle_distinct:
                     span = "\n".join(line for line, _ in counts.most_common())
-                    found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in counts.elements()), self._lines[0][1])
+                    found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in self._lines), self._line_starts[0])
         self._line_at += rest_at
         return found
 
@@ -85,10 +88,12 @@ class Units:
         found = None
         for sentence, at in complete:
             words = _WORDS.findall(sentence.lower())
-            if len(words) < self._min_words or _a_step_of_arithmetic(sentence, words):
+            if len(words) < self._min_words:
                 continue
             said = frozenset(words)
             if _said_before(said, self._said, self._similarity):
+                if _a_step_of_arithmetic(sentence, words):
+                    continue  # read only when like an earlier one: most sentences are not
                 if not self._streak:
                     self._streak_at = self._sentence_at + at
                 self._streak += 1
@@ -111,11 +116,11 @@ def _a_step_of_arithmetic(sentence: str, words: list[str]) -> bool:
 def _completed(text: str, end: re.Pattern[str]) -> tuple[list[tuple[str, int]], str, int, bool]:
     """The units ``text`` completes, each with where it begins in ``text``; the unfinished rest and
     where it begins; and whether the last unit is that rest, cut for its length."""
+    *parts, rest = end.split(text)
     complete, at = [], 0
-    for separator in end.finditer(text):
-        complete.append((text[at : separator.start()], at))
-        at = separator.end()
-    rest = text[at:]
+    for unit, separator in zip(parts[::2], parts[1::2]):
+        complete.append((unit, at))
+        at += len(unit) + len(separator)
     if len(rest) > _MAX_UNIT_CHARS:
         return [*complete, (rest, at)], "", len(text), True
     return complete, rest, at, False
