@@ -186,11 +186,10 @@ def _before_loop(record: Mapping[str, Any], config: TrainingSetConfig, mode: str
         before = before.encode()[: int(ends[tokens - 1]) if tokens else 0].decode(errors="ignore")
         output_ids = pack(ids[:tokens])
     answer = before[len(said) - len(content) :]
-    if not answer.strip():
-        return "degenerate"  # the loop from the first word (or in the reasoning): nothing before it
-    failed_gate = _failed_gate(reasoning, answer, rules)
-    if failed_gate:
-        return failed_gate
+    if not answer.strip() or _failed_gate(reasoning, answer, rules):
+        # Nothing before the loop, or no answer a row may hold (reasoning missing while thinking is
+        # on...): the loop is what happened.
+        return "degenerate"
     return _Sample(
         id=record["prompt_id"],
         source=record["source"],
