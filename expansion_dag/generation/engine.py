@@ -465,9 +465,12 @@ async def _watching(watch: WeightsWatch | None, abort: Callable[[str], None]) ->
     try:
         yield
     finally:
-        if task is not None:
+        # Cancelled again until it ends: a cancellation that lands as a probe's connection opens
+        # can be swallowed on the way (Python 3.11's wait_for, under load), and the watch would
+        # then probe on, or wait on an unread connection, and the shard never end.
+        while task is not None and not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.wait([task], timeout=1.0)
 
 
 async def watch_weights(watch: WeightsWatch, abort: Callable[[str], None]) -> None:
