@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import pytest
 
-from expansion_dag.servers import VLLM, DegenerateError, chat_request, send_chat
+from expansion_dag.servers import LOOP_RULES, VLLM, DegenerateError, chat_request, send_chat
 from expansion_dag_tests.helpers import loop_thresholds
 from expansion_dag_tests.real_engine.support import GREEDY, REQUEST_TIMEOUT_S, VllmServer, stream_client
 
@@ -55,10 +55,12 @@ def test_the_real_model_loops_are_stopped_early_with_the_rule_named(real_vllm_se
 
     for (prompt, rule), error in zip(LOOPING_PROMPTS, asyncio.run(both())):
         assert error is not None, f"not stopped: {prompt}"
-        assert error.rule == rule and f"rule {rule}:" in error.message
+        # Which rule sees a loop first depends on the greedy answer, which a machine's CPU kernels
+        # change (this counting answer repeats exactly on some): the stop names the rule that saw it.
+        assert error.rule in LOOP_RULES and f"rule {error.rule}:" in error.message, (rule, error.message)
         # Early: within the first third of the cap, and the loop's text is what it stopped on.
         assert error.tokens < MAX_TOKENS / 3
         assert error.loop.span in error.content
-        if rule == "counter":
+        if error.rule == "counter":
             assert error.loop.repeats >= loop_thresholds().counter_repeats and "a(" in error.loop.span
     server.wait_idle()  # the stops freed both slots
