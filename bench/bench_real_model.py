@@ -70,7 +70,7 @@ from expansion_dag.samples.chat_sources import (
 )
 from expansion_dag.servers import VLLM, LoopDetector, chat_request, parse_chat_completion
 from expansion_dag.store import CompletionStore
-from expansion_dag.training import DEFAULT_MAX_LENGTH, ROW, AnswerJudge
+from expansion_dag.training import DEFAULT_MAX_LENGTH, LOOP_ROW, ROW, AnswerJudge
 
 MODEL_DIR = ROOT / ".models" / "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"
@@ -263,10 +263,12 @@ class Run:
             verdict = self.judge(record)
             verdicts[verdict] = verdicts.get(verdict, 0) + 1
             generated += tokens
-            kept += tokens if verdict == ROW else 0
+            # A stopped loop's row (loop_prefix: keep) holds only the tokens before its loop.
+            kept += self.judge.kept_tokens(record) if verdict in (ROW, LOOP_ROW) else 0
         return {
             "answers": len(records), "verdicts": verdicts, "output_tokens_generated": generated,
             "output_tokens_kept": kept, "useful_token_share": round(kept / generated, 4) if generated else None,
+            "loop_rows_share_of_rows": round(verdicts.get(LOOP_ROW, 0) / rows, 4) if (rows := verdicts.get(ROW, 0) + verdicts.get(LOOP_ROW, 0)) else None,
             "wall_s": round(wall_s, 1), "output_tokens_per_s": round(generated / wall_s, 1) if wall_s else None,
         }  # fmt: skip
 

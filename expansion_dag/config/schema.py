@@ -182,6 +182,17 @@ class GenerationConfig(BaseModel):
         description="Stream each answer and end it as soon as it loops (a 'degenerate' failure, text kept); "
         "false sends plain requests and never stops an answer.",
     )
+    loop_prefix: Literal["keep", "drop"] = Field(
+        default="keep",
+        description="'keep': the text an answer stopped as a loop wrote before its loop is a training row, cut "
+        "after the loop's first copy on a token of its own (truncated: loop); 'drop': no row (docs/generation.md).",
+    )
+    loop_retries: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="Ask a prompt whose answer was stopped as a loop once more, with another seed (0: the stop is final).",
+    )
     loop_min_span_chars: int = Field(default=1, ge=1, description="Shortest repeated span that counts as a loop.")
     loop_min_repeats: int = Field(default=4, ge=2, description="Back-to-back repeats of the span that make a loop.")
     loop_min_chars: int = Field(default=400, ge=1, description="Characters the repeats must cover together.")
