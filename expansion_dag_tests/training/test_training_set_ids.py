@@ -20,7 +20,6 @@ from expansion_dag.training import (
     LOOP_ROW,
     AnswerJudge,
     BuildTrace,
-
     build_training_set,
     check_round_trip,
     expected_renders,
