@@ -121,12 +121,15 @@ def test_the_real_model_is_served_with_the_slots_its_server_was_given_and_none_c
     fleet = real_run.deployment.metadata("completions", SHARD)["effective_config"]["fleet"]
     assert (fleet["model_path"], fleet["simulator"]) == (str(real_run.server.model_dir), False)
     assert (fleet["context_length"], fleet["slots"]) == (REAL_CONTEXT_LENGTH, REAL_SLOTS)
+    shard = real_run.deployment.metadata("completions", SHARD)
     if real_run.engine == "vllm":
         # vLLM reports no slots: launched by the project, its command's --max-num-seqs is known.
         assert fleet["slots_source"] == SLOTS_LAUNCHED
+        assert shard["stream_interval_set_by"] == "request"
         assert "--max-num-seqs {max_running_requests}" in fleet["launch_command"]
     else:
         assert fleet["slots_source"] == SLOTS_FROM_SERVER
+        assert shard["stream_interval_set_by"] == "server launch"
 
 
 def test_answers_end_with_the_end_of_turn_on_their_own_well_before_the_cap(real_run: RealRun):

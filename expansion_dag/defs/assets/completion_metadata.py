@@ -127,6 +127,10 @@ def _metadata(
         "shard": shard,
         "server": target.url,
         "server_is_fallback": target.fell_back,
+        # A loop is seen only as an event comes: the tokens an event holds, and whether the client
+        # asks for it in each request (vLLM) or the server streams at its launch setting (SGLang).
+        "stream_interval": target.server.stream_interval,
+        "stream_interval_set_by": "request" if target.server.dialect.stream_interval_per_request else "server launch",
         "simulated_fleet": simulated,
         "completions_total": standing.done,
         "failed_total": standing.failed,

@@ -279,7 +279,10 @@ def test_a_server_streaming_finer_than_configured_is_named_in_a_warning(tmp_path
                                     selection=["shard_prompts", "completions"])
         [materialization] = result.asset_materializations_for_node("completions")
         warnings = [e.user_message for e in instance.all_logs(result.run_id) if "token(s) an event" in e.user_message]
-        return materialization.metadata["effective_config"].value["fleet"]["stream_interval"], warnings
+        metadata = materialization.metadata
+        assert metadata["stream_interval_set_by"].value == "server launch"  # SGLang's: no request changes it
+        assert metadata["stream_interval"].value == metadata["effective_config"].value["fleet"]["stream_interval"]
+        return metadata["stream_interval"].value, warnings
 
     interval, warnings = shard_run(1, tmp_path / "a")
     assert interval == 1 and len(warnings) == 1 and "--stream-interval 256" in warnings[0]
