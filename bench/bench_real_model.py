@@ -393,7 +393,7 @@ def baseline_detector(revision: str):
     return module.LoopDetector, module.LoopThresholds
 
 
-def _events(tokenizer, text: str, interval: int) -> list[str]:
+def stream_events(tokenizer, text: str, interval: int) -> list[str]:
     """``text`` cut as a stream of ``interval`` tokens an event cuts it: the first token alone, then ``interval`` each."""
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     ends = [offsets[min(i, len(offsets)) - 1][1] for i in [1, *range(1 + interval, len(offsets), interval)]] + [len(text)]
@@ -409,7 +409,7 @@ def detector_phase(args: argparse.Namespace) -> dict[str, Any]:
     now = engine_config(GenerationConfig()).loop_thresholds()  # the engine's, as a run configures it
     result: dict[str, Any] = {"answers": len(texts), "chars": sum(map(len, texts))}
     for interval in (256, 1):
-        streams = [_events(tokenizer, t, interval) for t in texts]
+        streams = [stream_events(tokenizer, t, interval) for t in texts]
         for name, make in (("baseline", lambda: old_detector(old_thresholds())), ("now", lambda: LoopDetector(now))):
             runs, fed = [], 0
             for _ in range(args.repeat):

@@ -58,14 +58,18 @@ def test_the_real_model_fixture_holds_loops_of_every_rule_and_legitimate_repetit
     assert sum(a["repetitive"] for a in legitimate) >= 30
 
 
-#: Deltas of about the 256 tokens of a streamed event (the fleet's ``stream_interval``), at 3 characters a token.
-EVENT_CHARS = 768
+#: Deltas of about the 64 tokens of a streamed event (the fleet's default ``stream_interval``), at 3 characters a token.
+EVENT_CHARS = 192
+#: Those of 256 tokens, the events the loops' rules were labelled with: which rule sees a loop
+#: first depends on when it looks.
+LABELLED_EVENT_CHARS = 768
 
 
 @pytest.mark.parametrize("answer", real_answers("loop"), ids=lambda a: f"{a['id']}-{a['rule']}")
 def test_a_real_model_loop_is_stopped_by_the_rule_that_describes_it(answer):
-    stop, loop = first_stop(answer["content"], piece=EVENT_CHARS)
+    stop, loop = first_stop(answer["content"], piece=LABELLED_EVENT_CHARS)
     assert loop is not None and loop.rule == answer["rule"]
+    assert first_stop(answer["content"], piece=EVENT_CHARS)[1] is not None  # and in the default's events
 
 
 def test_the_real_model_loops_that_ran_to_the_cap_are_stopped_early():
@@ -185,7 +189,8 @@ def test_counting_that_a_legitimate_answer_does_is_left_alone():
     table = "\n".join(f"7 x {i} = {7 * i}" for i in range(1, 41))
     tests = "\n".join(f"    assert add({i}, {i}) == {2 * i}" for i in range(50))
     for text in (counting, table, tests):
-        assert first_stop(text, piece=1500) == (None, None)  # events of 256 tokens, as streamed
+        for piece in (EVENT_CHARS, 1500):  # events of 64 tokens (the default) and of 256+, as streamed
+            assert first_stop(text, piece=piece) == (None, None)
 
 
 def test_a_span_whose_numbers_change_without_counting_is_stopped_by_the_numbers_rule():
@@ -233,7 +238,8 @@ def test_text_that_never_ends_a_sentence_is_not_resaid():
     rng = random.Random(11)
     words = sorted({"".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 6))) for _ in range(200)})
     text = " ".join(rng.choices(words, k=12_000))
-    assert first_stop(text, piece=1500) == (None, None)  # events of 256 tokens, as streamed
+    for piece in (EVENT_CHARS, 1500):  # events of 64 tokens (the default) and of 256+, as streamed
+        assert first_stop(text, piece=piece) == (None, None)
 
 
 def test_an_answer_of_one_long_number_is_read_without_error():
