@@ -70,7 +70,7 @@ from expansion_dag.samples.chat_sources import (
 )
 from expansion_dag.servers import VLLM, LoopDetector, chat_request, parse_chat_completion
 from expansion_dag.store import CompletionStore
-from expansion_dag.training import DEFAULT_MAX_LENGTH, ROW, AnswerJudge
+from expansion_dag.training import DEFAULT_MAX_LENGTH, LOOP_ROW, ROW, AnswerJudge
 
 MODEL_DIR = ROOT / ".models" / "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"
@@ -263,10 +263,12 @@ class Run:
             verdict = self.judge(record)
             verdicts[verdict] = verdicts.get(verdict, 0) + 1
             generated += tokens
-            kept += tokens if verdict == ROW else 0
+            # A stopped loop's row (loop_prefix: keep) holds only the tokens before its loop.
+            kept += self.judge.kept_tokens(record) if verdict in (ROW, LOOP_ROW) else 0
         return {
             "answers": len(records), "verdicts": verdicts, "output_tokens_generated": generated,
             "output_tokens_kept": kept, "useful_token_share": round(kept / generated, 4) if generated else None,
+            "loop_rows_share_of_rows": round(verdicts.get(LOOP_ROW, 0) / rows, 4) if (rows := verdicts.get(ROW, 0) + verdicts.get(LOOP_ROW, 0)) else None,
             "wall_s": round(wall_s, 1), "output_tokens_per_s": round(generated / wall_s, 1) if wall_s else None,
         }  # fmt: skip
 
@@ -391,7 +393,7 @@ def baseline_detector(revision: str):
     return module.LoopDetector, module.LoopThresholds
 
 
-def _events(tokenizer, text: str, interval: int) -> list[str]:
+def stream_events(tokenizer, text: str, interval: int) -> list[str]:
     """``text`` cut as a stream of ``interval`` tokens an event cuts it: the first token alone, then ``interval`` each."""
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     ends = [offsets[min(i, len(offsets)) - 1][1] for i in [1, *range(1 + interval, len(offsets), interval)]] + [len(text)]
@@ -407,7 +409,7 @@ def detector_phase(args: argparse.Namespace) -> dict[str, Any]:
     now = engine_config(GenerationConfig()).loop_thresholds()  # the engine's, as a run configures it
     result: dict[str, Any] = {"answers": len(texts), "chars": sum(map(len, texts))}
     for interval in (256, 1):
-        streams = [_events(tokenizer, t, interval) for t in texts]
+        streams = [stream_events(tokenizer, t, interval) for t in texts]
         for name, make in (("baseline", lambda: old_detector(old_thresholds())), ("now", lambda: LoopDetector(now))):
             runs, fed = [], 0
             for _ in range(args.repeat):

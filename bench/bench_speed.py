@@ -4,7 +4,7 @@ minute, against when it ended, on a real model served by a real engine (a CPU en
 
 What it runs is the CLI, as a user does: ``expansion-dag plan`` then ``expansion-dag run``, attached
 (``backend: vllm``, one shard) to a server you start, on a catalog of ``--per-source`` prompts of
-each of four single-turn sample sources, in a fresh folder. Then it reads back what the run
+each of four single-turn sample sources (or those ``--sources`` names), in a fresh folder. Then it reads back what the run
 recorded: the first speed it said, the time to finish it gave, the actual end, the plan's tokens
 and the tokens made; and, beside them at the same moment, the ETA the progress showed before this
 measurement (prompts left over the rate of prompts answered) and the obvious speed (output tokens
@@ -38,7 +38,7 @@ EXPANSION_DAG = str(Path(sys.executable).parent / "expansion-dag")
 
 def write_inputs(work: Path, args: argparse.Namespace) -> Path:
     catalog = yaml.safe_load((harness.ROOT / "expansion_dag" / "catalogs" / "samples.yaml").read_text())
-    catalog["sources"] = [{**s, "quota": args.per_source} for s in catalog["sources"] if s["name"] in SOURCES]
+    catalog["sources"] = [{**s, "quota": args.per_source} for s in catalog["sources"] if s["name"] in args.sources]
     (work / "catalog.yaml").write_text(yaml.safe_dump(catalog, sort_keys=False))
     generation = {"max_output_tokens": args.cap, "min_output_tokens": 64, "expected_output_tokens": args.expected_output,
                   "temperature": 0.7, "top_p": 0.9, "min_yield": 0.0}
@@ -115,7 +115,8 @@ def main() -> None:
     parser.add_argument("--url", required=True, help="the attached vLLM server")
     parser.add_argument("--model", default="/work/models/smollm2-135m-instruct", help="its model folder (the tokenizer)")
     parser.add_argument("--slots", type=int, default=16, help="its --max-num-seqs")
-    parser.add_argument("--per-source", type=int, default=16, help="prompts of each of the four sources")
+    parser.add_argument("--per-source", type=int, default=16, help="prompts of each source")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES), help="the mix: which sample sources")
     parser.add_argument("--cap", type=int, default=1024, help="max_output_tokens")
     parser.add_argument("--expected-output", type=int, default=250, help="expected_output_tokens (the plan's prior)")
     parser.add_argument("--plan-tokens-per-s", type=float, help="plan_output_tokens_per_s (default: none)")

@@ -117,6 +117,7 @@ def engine_config(generation: GenerationConfig, **changes: Any) -> EngineConfig:
         loop_min_repeats=g.loop_min_repeats,
         loop_min_chars=g.loop_min_chars,
         loop_window_chars=g.loop_window_chars,
+        loop_retries=g.loop_retries,
         client_tick_s=g.client_tick_s,
         owner_wait_s=g.owner_wait_s,
         # The cap is named in the gate's advice on cut answers.
@@ -161,6 +162,7 @@ def training_set_config(generation: GenerationConfig, context_length: int, **cha
     derived = dict(
         drop_truncated=g.drop_truncated,
         reasoning=g.reasoning,
+        loop_prefix=g.loop_prefix,
         max_length=context_length,
         min_length=g.min_sample_tokens,
         formats=tuple(g.training_formats),

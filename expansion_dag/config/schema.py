@@ -36,11 +36,12 @@ from expansion_dag.training import FORMATS
 CONFIG_ENV = "EXPANSION_CONFIG"
 DEFAULT_CONFIG = "default"
 MASK = "***"
-#: A streamed event every 256 tokens instead of every token (both servers' default): a network read
-#: costs the client far more than the parsing, so its CPU per answer falls with the events
-#: (BENCHMARKS.md, waste and tail), while a loop, seen after ~250 tokens, runs at most 256 more
-#: tokens of the up to 8,000 it would cost.
-DEFAULT_STREAM_INTERVAL = 256
+#: A streamed event every 64 tokens instead of every token (both servers' default): a network read
+#: costs the client far more than the parsing, so its CPU per answer falls with the events, while a
+#: loop is stopped only as an event comes. Replayed on the real model's loops, 64 stops them 92
+#: tokens sooner than 256, and smaller events hardly sooner (the rules' own copies are the rest),
+#: for about 0.5 ms of client CPU an event (BENCHMARKS.md, the stream interval).
+DEFAULT_STREAM_INTERVAL = 64
 
 
 class ConfigError(ValueError):
@@ -181,6 +182,17 @@ class GenerationConfig(BaseModel):
         default=True,
         description="Stream each answer and end it as soon as it loops (a 'degenerate' failure, text kept); "
         "false sends plain requests and never stops an answer.",
+    )
+    loop_prefix: Literal["keep", "drop"] = Field(
+        default="keep",
+        description="'keep': the text an answer stopped as a loop wrote before its loop is a training row, cut "
+        "after the loop's first copy on a token of its own (truncated: loop); 'drop': no row (docs/generation.md).",
+    )
+    loop_retries: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="Ask a prompt whose answer was stopped as a loop once more, with another seed (0: the stop is final).",
     )
     loop_min_span_chars: int = Field(default=1, ge=1, description="Shortest repeated span that counts as a loop.")
     loop_min_repeats: int = Field(default=4, ge=2, description="Back-to-back repeats of the span that make a loop.")

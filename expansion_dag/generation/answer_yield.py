@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from expansion_dag.training import FOLDED, ROW
+from expansion_dag.training import FOLDED, LOOP_ROW, ROW
 
 #: What to change, by the reason most answers are left out; ``{cap}`` is the configured cap.
 ADVICE = {
@@ -69,21 +69,29 @@ class AnswerYield:
 
     @property
     def rows(self) -> int:
-        return self.verdicts[ROW]
+        """Answers that become rows, those cut before a loop included."""
+        return self.verdicts[ROW] + self.verdicts[LOOP_ROW]
+
+    @property
+    def loop_rows(self) -> int:
+        """Answers stopped as loops whose text before the loop becomes a row (``loop_prefix: keep``)."""
+        return self.verdicts[LOOP_ROW]
 
     @property
     def share(self) -> float | None:
         return self.rows / self.judged if self.judged else None
 
     def summary(self) -> str:
-        """``rows 96%; truncated 3%; degenerate 1%``: rows first, then the reasons, most common first."""
+        """``rows 96% (cut at a loop 2%); truncated 3%; degenerate 1%``: rows first, then the reasons,
+        most common first."""
         if not self.judged:
             return "no answers yet"
         others = sorted(self.left_out().items(), key=lambda item: (-item[1], item[0]))
-        return "; ".join(f"{v} {n / self.judged:.0%}" for v, n in [("rows", self.rows), *others])
+        rows = f"rows {self.rows / self.judged:.0%}" + (f" (cut at a loop {self.loop_rows / self.judged:.0%})" if self.loop_rows else "")
+        return "; ".join([rows, *(f"{v} {n / self.judged:.0%}" for v, n in others)])
 
     def left_out(self) -> dict[str, int]:
-        return {v: n for v, n in sorted(self.verdicts.items()) if v != ROW}
+        return {v: n for v, n in sorted(self.verdicts.items()) if v not in (ROW, LOOP_ROW)}
 
     def gate(self, gate: YieldGate) -> str | None:
         """The reason to stop the shard, once, when the gate's answers are in and too few are rows."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -60,12 +61,14 @@ from expansion_dag.generation.borrowing import Borrowing
 from expansion_dag.generation.conversations import Ended, TurnPlanner
 from expansion_dag.generation.dispatch import PromptQueue, WorkItem
 from expansion_dag.generation.engine_config import EngineConfig, Server, WeightsWatch
-from expansion_dag.generation.recorder import Judge, Recorder
+from expansion_dag.generation.recorder import Judge, LoopRetry, Recorder
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
 from expansion_dag.servers import (
     Answer,
+    ChatRequest,
     Deadline,
     DegenerateError,
+    Exchange,
     HttpClient,
     OffLoop,
     chat_request,
@@ -97,6 +100,7 @@ class Sender:
         self._thresholds = config.loop_thresholds()
         self._first_output_s, self._slack = config.first_output_timeout_s, config.deadline_slack
         self._floor_rate = config.floor_stream_rate
+        self._loop_retries = config.loop_retries
         self._queue = queue
         self._recorder = recorder
         self.report = recorder.report
@@ -162,21 +166,19 @@ class Sender:
             if on_output is not None:
                 on_output()
 
-        try:
-            exchange = await generate(
-                client,
-                server.url,
-                request,
-                server.dialect,
-                self._policies[borrowed],
-                on_retry=self._count_retry,
-                thresholds=self._thresholds,
-                stream_interval=server.stream_interval,
-                on_output=output,
-                identity=server.identity,
-                deadline=deadline,
-                context_length=server.context_length,
+        async def ask(request: ChatRequest) -> Exchange:
+            return await generate(
+                client, server.url, request, server.dialect, self._policies[borrowed], on_retry=self._count_retry,
+                thresholds=self._thresholds, stream_interval=server.stream_interval, on_output=output,
+                identity=server.identity, deadline=deadline, context_length=server.context_length,
             )
+
+        retried = None
+        try:
+            exchange = await ask(request)
+            if self._loop_retries and not borrowed and isinstance(exchange.error, DegenerateError):
+                retried = self._loop_retry(item, request, exchange)
+                exchange = await ask(dataclasses.replace(request, sampling=retried.sampling))
         finally:
             stats.finished(time.monotonic(), stream)
         latency = time.monotonic() - started
@@ -189,15 +191,27 @@ class Sender:
             features = self._queue.features(item)
             expected = self._queue.ordered_on(item)
             await self._recorder.answer(
-                item, server.url, exchange.answer, exchange, latency, expected=expected, features=features
+                item, server.url, exchange.answer, exchange, latency, expected=expected, features=features,
+                loop_retry=retried,
             )
+            if retried is not None:
+                self.report.loop_retried["completed"] += 1
             stats.meter.answered(stream, exchange.answer.completion_tokens)
             self._queue.learn(item, exchange.answer.completion_tokens)
         elif not borrowed or of_error(error) == CONTENT:
-            await self._recorder.failure(item, server.url, error, exchange, latency)
+            await self._recorder.failure(item, server.url, error, exchange, latency, loop_retry=retried)
             if isinstance(error, DegenerateError):  # a stopped loop spent its streamed tokens
                 self._queue.learn(item, error.tokens)
         return error, exchange.answer if error is None else None
+
+    def _loop_retry(self, item: WorkItem, request: ChatRequest, first: Exchange) -> LoopRetry:
+        """The second try of a prompt whose answer looped: another seed, and the first stop's cost counted."""
+        error = first.error
+        assert isinstance(error, DegenerateError)
+        self.report.loop_retried["asked"] += 1
+        self.report.attempts += first.attempts
+        self.report.output_tokens_by_outcome[error.kind] += error.tokens
+        return LoopRetry.after(error, request.sampling, item.key)
 
     def _count_retry(self, kind: str) -> None:
         self.report.retries_by_kind[kind] += 1

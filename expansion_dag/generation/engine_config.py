@@ -67,6 +67,9 @@ class EngineConfig:
     loop_min_repeats: int
     loop_min_chars: int
     loop_window_chars: int
+    #: A prompt whose answer was stopped as a loop is asked once more, with another seed, when 1;
+    #: 0: the stop is final (``generation.loop_retries``).
+    loop_retries: int
     #: While streamed events come often, read every stream once a tick instead of waking up for
     #: each event (``expansion_dag.servers.transport.event_loop``); an event is read at most this
     #: late. 0: never.

@@ -6,13 +6,17 @@ queued here and written there, in the order queued; ``engine`` says what is dura
 A completion record carries everything a trainer and a reader need (the answer, the counts, the
 server (its URL without credentials), the budget); a failure record says what failed and whose
 fault it was (``outcome``, see ``expansion_dag.core.outcomes``), and a stopped loop keeps its text
-for inspection, never for training.
+for inspection, and where its loop began (``loop_cut``): the training set may keep the text before
+it (``generation.loop_prefix``), never the loop.
 Token ids the server returned are kept packed, by ``expansion_dag.core.token_ids``' rule.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from expansion_dag.core import (
@@ -22,6 +26,7 @@ from expansion_dag.core import (
     OUTPUT_IDS,
     PROMPT_IDS,
     RequestError,
+    SamplingSettings,
     pack,
     record_fields,
     without_credentials,
@@ -29,11 +34,31 @@ from expansion_dag.core import (
 from expansion_dag.generation.conversations import Ended
 from expansion_dag.generation.dispatch import WorkItem
 from expansion_dag.generation.shard_report import ShardReport
-from expansion_dag.servers import Answer, DegenerateError, Exchange, OffLoop
+from expansion_dag.servers import Answer, DegenerateError, Exchange, OffLoop, loop_cut
 from expansion_dag.store import SegmentWriter
 
 #: The training set's verdict on a record (``training_set.AnswerJudge``): ``row`` or why not.
 Judge = Callable[[Mapping[str, Any]], str]
+
+
+@dataclass(frozen=True)
+class LoopRetry:
+    """A prompt asked once more after its answer was stopped as a loop (``generation.loop_retries``):
+    the first stop's rule and tokens, and the settings of the second try."""
+
+    rule: str
+    tokens: int
+    sampling: SamplingSettings
+
+    @classmethod
+    def after(cls, error: DegenerateError, sampling: SamplingSettings, key: str) -> LoopRetry:
+        """Another seed than the first try's: the next one, or where that had none (the server drew
+        one), one of the prompt's own, so that a re-run asks the same."""
+        seed = ((sampling.seed if sampling.seed is not None else zlib.crc32(key.encode())) + 1) % 2**31
+        return cls(error.rule, error.tokens, dataclasses.replace(sampling, seed=seed))
+
+    def record_fields(self) -> dict[str, Any]:
+        return {"loop_retry": {"first_rule": self.rule, "first_tokens": self.tokens, "seed": self.sampling.seed}}
 
 
 class Recorder:
@@ -63,6 +88,7 @@ class Recorder:
         *,
         expected: int,
         features: Sequence[int],
+        loop_retry: LoopRetry | None = None,
     ) -> None:
         finish = answer.finish_reason
         await self._write(
@@ -86,6 +112,7 @@ class Recorder:
                 "attempts": exchange.attempts,
                 "length_features": list(features),
                 **record_fields(answer.prompt_ids, answer.output_ids, answer.completion_tokens),
+                **(loop_retry.record_fields() if loop_retry else {}),
             }
         )
         report = self.report
@@ -105,7 +132,8 @@ class Recorder:
         stats.output_tokens += answer.completion_tokens
 
     async def failure(
-        self, item: WorkItem, server_url: str, error: RequestError, exchange: Exchange, latency: float
+        self, item: WorkItem, server_url: str, error: RequestError, exchange: Exchange, latency: float,
+        loop_retry: LoopRetry | None = None,
     ) -> None:
         record = {
             "key": item.key,
@@ -122,9 +150,10 @@ class Recorder:
             "attempts": exchange.attempts,
             "server": without_credentials(server_url),
             "max_tokens": exchange.max_tokens,
+            **(loop_retry.record_fields() if loop_retry else {}),
         }
         if isinstance(error, DegenerateError):
-            # Kept for inspection only: a failure record never reaches the training set.
+            # Kept for inspection: of a failure record, only the text before a loop is ever trained.
             record |= {
                 "content": error.content,
                 "reasoning_content": error.reasoning,
@@ -134,6 +163,10 @@ class Recorder:
                 "streamed_chunks": error.chunks,
                 "streamed_tokens": error.tokens,
             }
+            if not error.in_reasoning and item.turn is None:
+                # Where the answer's text before its loop ends, for a row of it (``loop_prefix``), and
+                # the prompt that row needs.
+                record |= {"loop_cut": loop_cut(error.content, error.loop), "messages": list(item.messages)}
             if error.prompt_ids is not None:
                 record[PROMPT_IDS] = pack(error.prompt_ids)
             if error.output_ids is not None:

@@ -77,6 +77,9 @@ class ShardReport:
     output_tokens_by_outcome: collections.Counter = field(default_factory=collections.Counter)
     #: Answers stopped as loops, by the detector's rule that saw each (``servers.LOOP_RULES``).
     degenerate_by_rule: collections.Counter = field(default_factory=collections.Counter)
+    #: Prompts asked again with another seed after a loop (``generation.loop_retries``): ``asked``,
+    #: and ``completed`` where the second answer ended on its own (the rest looped again).
+    loop_retried: collections.Counter = field(default_factory=collections.Counter)
     #: Seconds from send to outcome, summed by outcome: a finish reason, or a failure's kind.
     #: Includes the time a request beyond the server's slots waits in its queue (the headroom).
     slot_seconds_by_outcome: collections.Counter = field(default_factory=collections.Counter)

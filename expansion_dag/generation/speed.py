@@ -11,8 +11,8 @@ a smaller run is in flight) and is said once ``MIN_ANSWERS`` answers have ended 
 What is not measured, and why. The canary alone is one stream, which decodes faster than a full
 batch and says nothing of the batch's rate. Tokens of answers ended over the time elapsed count a
 stream's tokens only at its end, and a slot's first answers are its short ones: early, that figure
-is far too low. Streamed token counts arrive in events of ``stream_interval`` tokens (256): up to
-255 tokens a stream are unseen at any moment, a third of a minute's output on a CPU engine, so a
+is far too low. Streamed token counts arrive in events of ``stream_interval`` tokens (64 by default,
+256 before): up to that many tokens a stream are unseen at any moment, seconds of a CPU engine's output, so a
 stream still decoding is credited at the measured rate instead. Time waiting in the server's queue
 and prefill before the first token count in neither figure: what they cost shows as fewer streams
 decoding. Times are passed in (a clock), never read here.

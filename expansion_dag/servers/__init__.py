@@ -26,7 +26,7 @@ from expansion_dag.servers.launching import (
     tool_call_flags,
     wait_ready,
 )
-from expansion_dag.servers.loops import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop
+from expansion_dag.servers.loops import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop, loop_cut
 from expansion_dag.servers.probing import (
     PROBE_MESSAGES,
     PROBE_TOKENS,
@@ -96,7 +96,7 @@ __all__ = [
     "OffLoop", "PROBE_MESSAGES", "PROBE_TOKENS", "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION",
     "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo", "ServerRecord", "Tool",
     "ToolCall", "Usage", "VLLM", "asyncio_transport", "chat_request", "dialect_for", "error_from_status", "files_digest",
-    "find_loop", "finish_error", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery",
+    "find_loop", "finish_error", "loop_cut", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery",
     "make_client", "parse_chat_completion", "parse_chat_stream", "parse_chunk", "parse_context_error",
     "parse_gen_throughput", "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_fleet_weights",
     "probe_server", "read_idle_slots", "read_server_facts", "read_throughputs", "request_tools", "run_ticked",

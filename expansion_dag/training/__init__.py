@@ -11,10 +11,10 @@ from expansion_dag.training.parquet import SCHEMA
 from expansion_dag.training.parts import PART_DONE, build_parts, build_training_set_in_parts, part_names
 from expansion_dag.training.publish import POINTER, VERSIONS, Version, publishing
 from expansion_dag.training.round_trip import check_round_trip, expected_renders, sample_rows
-from expansion_dag.training.samples import FOLDED, LEFT_OUT_REASONS, ROW, AnswerJudge
+from expansion_dag.training.samples import FOLDED, LEFT_OUT_REASONS, LOOP_ROW, ROW, AnswerJudge
 
 __all__ = [
-    "AnswerJudge", "BuildTrace", "DEFAULT_MAX_LENGTH", "FOLDED", "FORMATS", "LEFT_OUT_REASONS",
+    "AnswerJudge", "BuildTrace", "DEFAULT_MAX_LENGTH", "FOLDED", "FORMATS", "LEFT_OUT_REASONS", "LOOP_ROW",
     "MANIFEST_NAME", "Manifest", "PART_DONE", "POINTER", "ROW", "SCHEMA", "TrainingSetConfig", "VERSIONS", "Version",
     "build_parts", "build_training_set", "build_training_set_in_parts", "check_round_trip", "current_version",
     "data_files", "dataset_card", "expected_renders", "manifest_markdown", "part_names", "publishing", "sample_rows",

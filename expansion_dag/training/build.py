@@ -52,6 +52,7 @@ class _Stats:
         self.by_source: dict[str, dict[str, int]] = {}
         self.by_mode: Counter[tuple[str, str]] = Counter()  # (mode, "samples" | "assistant_tokens")
         self.conversations: set[str] = set()  # ids of the rows that are whole conversations
+        self.loop_rows: Counter[str] = Counter()  # rows cut before a stopped loop, by the rule that stopped it
         self.output_tokens = 0  # the server's count for the answers that became rows
         self.from_server = 0  # rows from the server's ids
         self.text_differs = 0  # of those, rows whose sampled ids decode to other text than the server's
@@ -73,6 +74,8 @@ class _Stats:
             self.output_tokens += sample.output_tokens
             if sample.conversation:
                 self.conversations.add(sample.id)
+            if sample.truncated:
+                self.loop_rows[sample.loop_rule] += 1
         for sample, match, difference in zip(chunk.samples, chunk.match_text, chunk.differences):
             if match is None:
                 self.retokenized[sample.retokenized] += 1
@@ -94,6 +97,7 @@ class _Stats:
             "by_source": self.by_source,
             "by_mode": [[mode, kind, n] for (mode, kind), n in self.by_mode.items()],
             "conversations": sorted(self.conversations),
+            "loop_rows": dict(self.loop_rows),
             "output_tokens": self.output_tokens,
             "from_server": self.from_server,
             "text_differs": self.text_differs,
@@ -114,6 +118,7 @@ class _Stats:
         for mode, kind, n in part["by_mode"]:
             self.by_mode[mode, kind] += n
         self.conversations.update(part["conversations"])
+        self.loop_rows.update(part.get("loop_rows", {}))
         self.output_tokens += part["output_tokens"]
         self.from_server += part["from_server"]
         self.text_differs += part["text_differs"]
@@ -293,6 +298,7 @@ def _write_manifest(
         mask_convention=mask_convention(config),
         modes=stats.modes(tally.identities),
         conversations=len(stats.conversations),
+        loop_rows=dict(sorted(stats.loop_rows.items())),
         conversation_turns_folded=tally.folded,
         ids_from={FROM_SERVER: stats.from_server, RETOKENIZED: sum(stats.retokenized.values())},
         retokenized_because=dict(sorted(stats.retokenized.items())),

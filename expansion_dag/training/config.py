@@ -12,6 +12,7 @@ DEFAULT_MAX_LENGTH = 32_768  # Qwen3's native context
 DEFAULT_CHUNK_ROWS = 512  # peak memory: about 250 bytes per token of a chunk (3 in flight)
 DEFAULT_ROWS_PER_FILE = 50_000  # about 100M tokens, a few hundred MB, per shard
 REASONING_POLICIES = ("keep", "drop")
+LOOP_PREFIX_POLICIES = ("keep", "drop")
 CONVERSATIONS_NAME = "conversations.jsonl"
 #: One file serves both trainers: each reads ``{"id", "input_ids", "loss_mask"}`` lines unchanged.
 PRETOKENIZED_NAME = "pretokenized.jsonl"
@@ -42,6 +43,7 @@ class TrainingSetConfig:
     formats: tuple[str, ...]  # outputs written (FORMATS); "parquet" always
     train_newline_after_end_of_turn: bool  # the mask convention (MASK_CONVENTION)
     reasoning: str  # "keep": reasoning_content in the model's own format; "drop"
+    loop_prefix: str  # "keep": a stopped loop's text before it is a row, cut (``truncated: loop``); "drop"
     max_length: int = DEFAULT_MAX_LENGTH  # the training context: longer samples are left out
     min_length: int  # shorter samples are left out
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # records held and tokenized at once
@@ -59,6 +61,8 @@ class TrainingSetConfig:
                 f"and the dataset card read it), not {list(formats)!r}"
             )
         object.__setattr__(self, "formats", tuple(sorted(set(formats), key=list(FORMATS).index)))
+        if self.loop_prefix not in LOOP_PREFIX_POLICIES:
+            raise ValueError(f"loop_prefix must be one of {LOOP_PREFIX_POLICIES}, not {self.loop_prefix!r}")
         if self.reasoning not in REASONING_POLICIES:
             raise ValueError(
                 f"reasoning must be one of {REASONING_POLICIES}, not {self.reasoning!r}"

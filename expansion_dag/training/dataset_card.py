@@ -190,6 +190,7 @@ def dataset_card(manifest: Manifest) -> str:
             if manifest.conversations or manifest.conversation_turns_folded
             else []
         ),
+        *([loop_rows_line(manifest)] if manifest.loop_rows else []),
         "",
         "| source | samples | tokens |",
         "|---|---:|---:|",
@@ -225,6 +226,17 @@ def dataset_card(manifest: Manifest) -> str:
         files = ", ".join(f"`{n}` (sha256 `{digests[n][:16]}`)" for n in names)
         lines += [f"### {output}", "", f"{files}. {what.format(**values)}", "", "```sh", command.format(**values), "```", ""]
     return "\n".join(lines)
+
+
+def loop_rows_line(manifest: Manifest) -> str:
+    """How many samples are answers cut before a loop the client stopped, by the rule that stopped it."""
+    rows = sum(manifest.loop_rows.values())
+    rules = ", ".join(f"{rule} {n:,}" for rule, n in manifest.loop_rows.items())
+    return (
+        f"{rows:,} of the samples ({rows / max(manifest.samples, 1):.1%}) are answers cut before a loop the client "
+        f"stopped (`truncated: loop`; by rule: {rules}): the text the model wrote before it, its sampled ids as "
+        "they are, with no end of turn."
+    )
 
 
 def manifest_markdown(manifest: Manifest) -> str:
@@ -264,6 +276,8 @@ def manifest_markdown(manifest: Manifest) -> str:
     if manifest.conversations or manifest.conversation_turns_folded:
         lines += ["", f"{manifest.conversations:,} of the samples are whole conversations (every assistant "
                   f"turn trained), holding {manifest.conversation_turns_folded:,} records of earlier turns."]
+    if manifest.loop_rows:
+        lines += ["", loop_rows_line(manifest)]
     lines += ["", *token_ids_lines(manifest)[:3]]
     lines += ["", "| left out | records |", "|---|---:|"]
     lines += [f"| {reason} | {count:,} |" for reason, count in manifest.left_out.items()]

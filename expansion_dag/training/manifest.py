@@ -61,6 +61,8 @@ class Manifest:
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
     conversations: int = 0  # rows that are whole regenerated conversations
     conversation_turns_folded: int = 0  # records of their earlier turns: in those rows, not rows themselves
+    # Rows cut before a stopped loop (``loop_prefix: keep``; the rows' ``truncated: loop``), by rule.
+    loop_rows: dict[str, int] = field(default_factory=dict)
     # Rows by where their ids come from ({"server", "retokenized"}: training_set.FROM_SERVER, RETOKENIZED),
     # and why each re-tokenized row is (training_set.NO_IDS...).
     ids_from: dict[str, int] = field(default_factory=dict)

@@ -23,6 +23,9 @@ SCHEMA = pa.schema(
         ("ids_from", pa.string()),  # FROM_SERVER or RETOKENIZED
         # A row from ids: whether they decode to the text the server returned (the ids win either way).
         ("ids_match_text", pa.bool_()),
+        # A row cut before a stopped loop: "loop" and the rule that stopped it; null for a whole answer.
+        ("truncated", pa.string()),
+        ("loop_rule", pa.string()),
     ]
 )
 # Spelled out so that a pyarrow upgrade changing its defaults cannot silently change the bytes.
@@ -58,6 +61,8 @@ def _table(chunk: _Chunk, config: TrainingSetConfig) -> pa.Table:
             pa.array(lengths.astype(np.int32)),
             pa.array([RETOKENIZED if m is None else FROM_SERVER for m in chunk.match_text], pa.string()),
             pa.array(chunk.match_text, pa.bool_()),
+            pa.array([s.truncated or None for s in chunk.samples], pa.string()),
+            pa.array([s.loop_rule or None for s in chunk.samples], pa.string()),
         ],
         schema=SCHEMA,
     )

@@ -9,7 +9,8 @@ aside as not whole) and whose build (the training configuration, tokenizer, iden
 folder's code: ``fingerprint``) are unchanged as they are, builds the others, in ``workers``
 processes where asked, and assembles the set: the parts' Parquet files linked in order, their JSONL
 lines concatenated, their counts added. A changed build rebuilds every part, and the manifest's
-``parts`` says which happened.
+``parts`` says which happened. The store's failure records are one more part, last, built again
+when they change: counts only, but for a stopped loop's text before it (``loop_prefix: keep``).
 
 The rows are those a single pass over the same records gives (``build_training_set``), in the same
 order; the Parquet files split at part boundaries.
@@ -54,8 +55,7 @@ from expansion_dag.training.build import (
 )
 from expansion_dag.training.config import FORMATS, BuildTrace, TrainingSetConfig
 from expansion_dag.training.manifest import Manifest
-from expansion_dag.training.mode_rules import _mode_rules
-from expansion_dag.training.samples import _screened_chunks, _Tally
+from expansion_dag.training.samples import _Tally
 
 PART_DONE = "part.json"
 STATE_NAME = "build.json"  # in parts_dir: what the parts there were built with
@@ -115,20 +115,38 @@ def build_training_set_in_parts(
         parts, tokenizer, config, parts_dir=parts_dir, identities=identities, known=known, workers=workers,
         owner=owner,
     )
+    # The failure records are one more part, last, not counted in ``summary`` (a part per segment):
+    # most give only counts, a stopped loop's text before it a row where ``loop_prefix: keep`` says so.
+    parts = [*parts, _Failures(failures)]
+    build_parts(parts[-1:], tokenizer, config, parts_dir=parts_dir, identities=identities, known=known, owner=owner)
     fingerprint = _build_state(tokenizer, config, identities, known or {})["fingerprint"]
     keys = [_part_key(part, fingerprint) for part in parts]
     tally = _Tally(identities, known or {}, trace)
 
     def write(directory: Path) -> Manifest:
         files, stats = _assemble(keys, parts_dir, directory, config, tally)
-        # Failure records never make rows: screened for their counts alone.
-        for samples in _screened_chunks(failures, config, tally, _mode_rules(tokenizer, identities)):
-            assert not samples, "a failure record gave a row"
         return _write_manifest(directory, files, stats, tally, tokenizer, config, parts=summary)
 
     manifest = _publish(Path(out_dir), write)
     _prune(parts_dir, keys, {part.name for part in parts}, fingerprint, owner)
     return manifest
+
+
+class _Failures:
+    """The store's failure records as a part, named the same in every build (so that the last
+    build's is pruned) and told apart by their digest (``taken``: a changed record, a new part)."""
+
+    name = "failures"
+    set_aside: tuple[int, ...] = ()
+
+    def __init__(self, records: Iterable[Mapping[str, Any]]):
+        self._records = list(records)
+        blob = json.dumps(self._records, sort_keys=True).encode()
+        self.size = len(blob)
+        self.taken = frozenset({hashlib.sha256(blob).hexdigest()})
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        return iter(self._records)
 
 
 def part_names(

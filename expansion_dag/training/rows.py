@@ -167,10 +167,11 @@ def _server_segments(row: _Row, rules: _ModeRules, tokenizer: PreTrainedTokenize
     prompt, answer = unpack(sample.prompt_ids or ""), row.output or []
     row.output = None  # the row's segments hold it from here
     eot = rules.end_of_turn_ids
-    if not (answer[-len(eot) :] == eot or (answer and answer[-1] in rules.special_ids)):
+    # A row cut before its loop is the sampled ids as they are: the model wrote no end there.
+    if not sample.truncated and not (answer[-len(eot) :] == eot or (answer and answer[-1] in rules.special_ids)):
         answer.extend(eot)  # in place: a chunk's answers are most of its memory
     if not sample.conversation:
-        return [prompt, answer, rules.trailer_ids]
+        return [prompt, answer, [] if sample.truncated else rules.trailer_ids]
     if texts is None or rules.token_bytes is None:
         return None
     if tokenizer.backend_tokenizer.decode(prompt, skip_special_tokens=False) != "".join(texts[:-2]):

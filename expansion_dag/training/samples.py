@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from expansion_dag.core import (
@@ -32,6 +33,8 @@ from expansion_dag.core import (
     Identity,
     ModeIdentities,
     base_prompt_id,
+    pack,
+    unpack,
 )
 from expansion_dag.training.config import BuildTrace, TrainingSetConfig
 from expansion_dag.training.mode_rules import _mode_rules, _ModeRules
@@ -48,8 +51,12 @@ LEFT_OUT_REASONS = (
 )
 #: An earlier turn of a conversation: its answer is in the row of the conversation's last turn.
 FOLDED = "folded"
-#: ``AnswerJudge``'s verdict on an answer that becomes a training row.
+#: ``AnswerJudge``'s verdict on an answer that becomes a training row; on a stopped loop whose text
+#: before the loop becomes one, cut (``loop_prefix: keep``): counted apart wherever rows are.
 ROW = "row"
+LOOP_ROW = "row_cut_at_loop"
+#: The mark of a row cut before its loop (the Parquet column ``truncated``, beside ``loop_rule``).
+TRUNCATED_LOOP = "loop"
 THINK_TAGS = ("<think>", "</think>")
 #: Answers the model finished (``tool_calls``: it stopped at a tool call the server parsed);
 #: anything else (``abort``, ``unknown``...) is left out as unfinished.
@@ -81,6 +88,9 @@ class _Sample:
     output_ids: str | None = None
     retokenized: str = ""
     said: str = ""  # the text the server returned, think block inline: what the sampled ids must decode to
+    # A stopped loop's text before it (``TRUNCATED_LOOP``) and the rule that stopped it; "" for a whole answer.
+    truncated: str = ""
+    loop_rule: str = ""
 
 
 def _split_reasoning(reasoning_content: str | None, content: str | None) -> tuple[str, str]:
@@ -120,18 +130,16 @@ def _screen(
     if config.drop_truncated and "length" in finishes:
         return "truncated"
     if not answered:
+        if config.loop_prefix == "keep" and record.get("loop_cut") is not None:
+            return _before_loop(record, config, mode, rules[mode])
         return _unanswered(record)
     reasoning, answer = _split_reasoning(record.get("reasoning_content"), record.get("content"))
     tool_calls = list(record.get("tool_calls") or ()) or None
     if not answer.strip() and not tool_calls:
         return "empty"
-    if any(tag in answer for tag in THINK_TAGS):
-        return "think_tag_in_content"
-    thinking = rules[mode].thinking
-    if thinking is True and not reasoning.strip():
-        return "reasoning_missing"
-    if thinking is False and reasoning.strip():
-        return "reasoning_unexpected"
+    failed_gate = _failed_gate(reasoning, answer, rules[mode])
+    if failed_gate:
+        return failed_gate
     retokenized = _why_retokenized(record, reasoning, config, rules[mode])
     return _Sample(
         id=record.get("conversation_id") or record["prompt_id"],
@@ -148,6 +156,57 @@ def _screen(
         output_ids=None if retokenized else record[OUTPUT_IDS],
         retokenized=retokenized,
         said="" if retokenized else _said(record),
+    )
+
+
+def _failed_gate(reasoning: str, answer: str, rules: _ModeRules) -> str:
+    """The quality gate an answer fails, of those on its reasoning and think tags ("" for none)."""
+    if any(tag in answer for tag in THINK_TAGS):
+        return "think_tag_in_content"
+    if rules.thinking is True and not reasoning.strip():
+        return "reasoning_missing"
+    if rules.thinking is False and reasoning.strip():
+        return "reasoning_unexpected"
+    return ""
+
+
+def _before_loop(record: Mapping[str, Any], config: TrainingSetConfig, mode: str, rules: _ModeRules) -> _Sample | str:
+    """The sample of a stopped loop's text before the loop (``loop_cut`` characters of its content):
+    the sampled ids up to the last token that ends there, exactly (no end of turn is added: the
+    model wrote none), or where the record has no ids, the text to be tokenized again."""
+    content, reasoning = record.get("content") or "", record.get("reasoning_content") or ""
+    said = _said(record)
+    before = said[: len(said) - len(content) + int(record["loop_cut"])]
+    retokenized = _why_retokenized(record, reasoning, config, rules) or ("" if rules.token_bytes is not None else NOT_BYTE_LEVEL)
+    output_ids, tokens = None, _output_tokens(record) * len(before) // max(len(said), 1)
+    if not retokenized:
+        ids = unpack(record[OUTPUT_IDS])
+        ends = np.cumsum(rules.token_bytes[np.asarray(ids, dtype=np.int64)]) if ids else np.zeros(0, np.int64)
+        tokens = int(np.searchsorted(ends, len(before.encode()), side="right"))
+        before = before.encode()[: int(ends[tokens - 1]) if tokens else 0].decode(errors="ignore")
+        output_ids = pack(ids[:tokens])
+    answer = before[len(said) - len(content) :]
+    if not answer.strip() or _failed_gate(reasoning, answer, rules):
+        # Nothing before the loop, or no answer a row may hold (reasoning missing while thinking is
+        # on...): the loop is what happened.
+        return "degenerate"
+    return _Sample(
+        id=record["prompt_id"],
+        source=record["source"],
+        mode=mode,
+        prompt=[_message(m) for m in record["messages"]],
+        reasoning=reasoning if config.reasoning == "keep" else "",
+        answer=answer,
+        tool_calls=None,
+        tools=list(record.get("tools") or ()) or None,
+        conversation=False,
+        output_tokens=tokens,
+        prompt_ids=None if retokenized else record[PROMPT_IDS],
+        output_ids=output_ids,
+        retokenized=retokenized,
+        said="" if retokenized else before,
+        truncated=TRUNCATED_LOOP,
+        loop_rule=record.get("loop_rule") or "",
     )
 
 
@@ -200,7 +259,14 @@ class AnswerJudge:
 
     def __call__(self, record: Mapping[str, Any]) -> str:
         screened = _screen(record, self._config, self._identities, self._rules)
-        return screened if isinstance(screened, str) else ROW
+        if isinstance(screened, str):
+            return screened
+        return LOOP_ROW if screened.truncated else ROW
+
+    def kept_tokens(self, record: Mapping[str, Any]) -> int:
+        """The output tokens of ``record`` its row holds (0 for none): a row cut before a loop, its part."""
+        screened = _screen(record, self._config, self._identities, self._rules)
+        return 0 if isinstance(screened, str) else screened.output_tokens
 
 
 @dataclass

@@ -231,9 +231,12 @@ def test_a_fleet_whose_model_loops_on_a_tenth_of_prompts_finishes_and_asks_no_an
     store = CompletionStore(tmp_path / "storage" / "completions")
     latest = list(store.latest_records())
     assert sum(r["status"] == "failed" and r["error"] == "degenerate" for r in latest) == loops
-    # The training set holds every other answer; the loops are counted and left out, as what they are.
+    # The training set holds every other answer, and of each loop at most the text before it, cut
+    # and counted apart (loop_prefix: keep); here none: the simulator's loops carry no reasoning
+    # while its model thinks, and a conversation's turn keeps none, so each is left out as a loop.
     manifest = json.loads((tmp_path / "storage" / "training_set" / "manifest.json").read_text())
-    assert manifest["left_out"]["degenerate"] == loops and manifest["left_out"]["failed"] == 0
+    assert manifest["left_out"]["degenerate"] + sum(manifest["loop_rows"].values()) == loops
+    assert manifest["left_out"]["failed"] == 0
     # (A conversation's earlier turns are in its one row, folded.)
     folded = manifest["conversation_turns_folded"]
     assert manifest["samples"] == len(latest) - sum(manifest["left_out"].values()) - folded > 0

@@ -10,6 +10,10 @@ must stop every one of the second early. The legitimate answers repeat a shape t
   statements, and short runs of identical lines (``pass``, separators, ``x += 1``);
 - ``arithmetic``: long additions, repeated subtraction, Collatz sequences, compound interest year by
   year, factorials, Fibonacci, long division, counting;
+- ``derivation``: worked arithmetic of several thousand tokens whose lines share a shape while
+  their numbers change without counting: running sums, long multiplication digit by digit,
+  recurrences, tables of values, amortization schedules (as tables and as sentences), conversion
+  to another base by repeated division;
 - ``reasoning``: thinking that checks case after case with the same sentence frame;
 - ``lyrics``: songs whose chorus is sung two or three times back to back.
 
@@ -186,6 +190,71 @@ def _arithmetic(rng: random.Random) -> str:
     return "Counting: " + ", ".join(str(i) for i in range(1, n + 1)) + "."
 
 
+def _derivation(rng: random.Random) -> str:
+    style = rng.randrange(6)
+    if style == 0:
+        total, lines = rng.randint(0, 999), []
+        frame = rng.choice(["{t} + {x} = {s}", "Adding {x}: {t} + {x} = {s}", "Step {k}: {t} + {x} = {s}.", "{t} + {x} = {s}, carried forward."])
+        for k in range(1, rng.randint(250, 700)):
+            x = rng.randint(1, 9999)
+            lines.append(frame.format(k=k, t=total, x=x, s=total + x))
+            total += x
+        return "Adding the numbers one by one:\n\n" + "\n".join(lines) + f"\n\nThe total is {total}."
+    if style == 1:
+        a, b = rng.randint(10**14, 10**22), rng.randint(10**8, 10**14)
+        lines = [f"Multiply {a} by {b}, one digit of {b} at a time, from the right."]
+        for place, digit in enumerate(reversed(str(b))):
+            d, carry, digits = int(digit), 0, []
+            lines.append(f"\nDigit {d} (times 10^{place}):")
+            for x in reversed(str(a)):
+                p = int(x) * d
+                lines.append(f"{x} × {d} = {p}, plus carry {carry} makes {p + carry}: write {(p + carry) % 10}, carry {(p + carry) // 10}.")
+                carry = (p + carry) // 10
+            lines.append(f"Partial product: {a * d}, shifted: {a * d * 10**place}.")
+        return "\n".join(lines) + f"\n\nAdding the partial products gives {a * b}."
+    if style == 2:
+        # A full period (Hull-Dobell: mult - 1 divisible by 4 and 5, inc prime to 10): no value comes twice.
+        m, mult, inc = rng.choice([1000, 65536]), 20 * rng.randint(1, 60) + 1, 10 * rng.randint(0, 1234) + rng.choice([1, 3, 7, 9])
+        x, lines = rng.randint(1, m - 1), []
+        for n in range(1, rng.randint(200, 500)):
+            nxt = (mult * x + inc) % m
+            lines.append(f"x({n}) = ({mult} × {x} + {inc}) mod {m} = {mult * x + inc} mod {m} = {nxt}")
+            x = nxt
+        return "Iterating the recurrence:\n\n" + "\n".join(lines)
+    if style == 3:
+        c2, c1, c0 = rng.randint(1, 9), rng.randint(1, 20), rng.randint(1, 99)
+        step, x0 = rng.choice([0.1, 0.25, 0.5, 1]), rng.randint(-20, 0)
+        lines = [f"A table of values of f(x) = {c2}x^2 - {c1}x + {c0}:", "", "| x | f(x) |", "|---|---|"]
+        for i in range(rng.randint(200, 500)):
+            x = round(x0 + i * step, 2)
+            w = f"{x:g}" if x >= 0 else f"({x:g})"
+            lines.append(f"| {x:g} | {c2} × {w}^2 - {c1} × {w} + {c0} = {c2 * x * x - c1 * x + c0:.4f} |")
+        return "\n".join(lines)
+    if style == 4:
+        balance, rate, months = rng.randint(5000, 90000), rng.choice([0.25, 0.4, 0.5, 0.75]), rng.choice([120, 180, 240, 360])
+        payment = round(balance * (rate / 100) / (1 - (1 + rate / 100) ** -months), 2)
+        table = rng.random() < 0.5
+        lines = [f"Loan {balance}.00 at {rate}% a month over {months} months: payment {payment:.2f}.", ""]
+        if table:
+            lines += ["| Month | Interest | Principal | Balance |", "|---|---|---|---|"]
+        for m in range(1, months + 1):
+            interest = round(balance * rate / 100, 2)
+            principal = round(min(payment - interest, balance), 2)
+            new = round(balance - principal, 2)
+            if table:
+                lines.append(f"| {m} | {interest:.2f} | {principal:.2f} | {new:.2f} |")
+            else:
+                lines.append(f"Month {m}: interest {balance:.2f} × {rate}% = {interest:.2f}, principal {payment:.2f} - {interest:.2f} = {principal:.2f}, balance {new:.2f}.")
+            balance = new
+        return "\n".join(lines)
+    x, lines = rng.randint(10**40, 10**60), []
+    base = rng.choice([2, 3, 7, 16])
+    while x:
+        lines.append(f"{x} ÷ {base} = {x // base} remainder {x % base}")
+        x //= base
+    return f"Converting to base {base} by repeated division:\n\n" + "\n".join(lines) + "\n\nReading the remainders from the bottom up gives the digits."
+
+
 def _reasoning(rng: random.Random) -> str:
     target = rng.randint(50, 500)
     lines = [f"We need a pair that sums to {target}. Let me check each candidate."]
@@ -215,6 +284,7 @@ KINDS: dict[str, Callable[[random.Random], str]] = {
     "arithmetic": _arithmetic,
     "reasoning": _reasoning,
     "lyrics": _lyrics,
+    "derivation": _derivation,
 }
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from expansion_dag.core import FAILED, IDS_LEFT_OUT, OK, OUTPUT_IDS, PROMPT_IDS, unpack
 from expansion_dag.generation import MIN_ANSWERS, Server, WorkItem, generate_shard
-from expansion_dag.servers import SGLANG, dialect_for
+from expansion_dag.servers import SGLANG, dialect_for, find_loop
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_engine, default_sampling, repetitive_answers, wait_for
+from expansion_dag_tests.helpers import default_engine, default_sampling, loop_thresholds, repetitive_answers, wait_for
 
 SHARD = "shard-00"
 FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
@@ -81,6 +81,10 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
         # are one token each, so the text says what the count should be.
         assert record["streamed_tokens"] == len(record["content"].split())
         assert record["streamed_chunks"] <= 1 + record["streamed_tokens"] // interval
+        # Where the loop began, and the prompt, for a row of the text before it (loop_prefix).
+        cut = record["loop_cut"]
+        assert record["messages"][-1]["content"].startswith("Tell me fact number") and 0 < cut < len(record["content"]) / 2
+        assert find_loop(record["content"][:cut], loop_thresholds()) is None
         # vLLM streams the ids with the text: a stopped answer keeps those it received; SGLang sends
         # them only once the answer is over.
         if backend == "vllm":
@@ -94,6 +98,30 @@ def test_looping_answers_are_stopped_recorded_as_degenerate_and_free_their_slot(
     assert report.output_tokens_by_outcome["degenerate"] == sum(r["streamed_tokens"] for r in degenerate)
     assert report.useful_token_share(drop_truncated=True) > 0.5
     assert set(report.dropped_slot_seconds(drop_truncated=True)) == {"degenerate"}
+    assert not report.loop_retried  # loop_retries 0: a stopped loop is final
+
+
+@pytest.mark.parametrize("sim", [dict(loop_rate=0.25), dict(looping_prompt_share=0.25)], ids=["unlucky", "looping-prompts"])
+def test_a_looping_prompt_is_asked_once_more_with_another_seed_when_loop_retries_says(tmp_path, sim):
+    report, records, _ = run_shard(tmp_path, sim, default_engine(**FAST, loop_retries=1))
+    assert len(records) == 40  # one record a prompt: the second try's outcome
+    retried = [r for r in records if "loop_retry" in r]
+    assert report.loop_retried["asked"] == len(retried) >= 5
+    for record in retried:
+        assert record["loop_retry"]["first_rule"] == "exact" and record["loop_retry"]["first_tokens"] > 0
+        assert isinstance(record["loop_retry"]["seed"], int)
+    completed = [r for r in retried if r["status"] == OK]
+    assert report.loop_retried["completed"] == len(completed)
+    looped_again = [r for r in retried if r["status"] == FAILED]
+    if "loop_rate" in sim:
+        # An unlucky sample (every 4th, retries included): another one mostly is not.
+        assert len(completed) >= len(retried) / 2 and report.ok == 40 - len(looped_again)
+    else:
+        # A prompt that always loops loops again: its second stop is final.
+        assert completed == [] and all(r["error"] == "degenerate" for r in looped_again)
+    # The first stops' tokens were spent too.
+    first = sum(r["loop_retry"]["first_tokens"] for r in retried)
+    assert report.output_tokens_by_outcome["degenerate"] == first + sum(r["streamed_tokens"] for r in looped_again)
 
 
 def test_without_early_stopping_loops_run_to_the_cap_and_the_waste_shows(tmp_path):

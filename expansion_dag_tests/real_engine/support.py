@@ -9,7 +9,6 @@ the project's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import collections
 import json
 import os
@@ -246,14 +245,9 @@ class EngineServer:
         [token] = self._tokenize(prompt=text, add_special_tokens=False)
         return token
 
-    def metrics(self, http: httpx.Client | None = None) -> dict[str, float]:
-        """The engine's Prometheus series, summed over labels, and per label value where ``by_label`` says.
-
-        ``http``: a kept-alive client, for a poller that must sample often on a busy machine."""
-        url = self.url + "/metrics"
-        # A kept-alive client reads with its own timeout (a poller's is short).
-        response = http.get(url, headers=self.headers()) if http else httpx.get(url, headers=self.headers(), timeout=10)
-        text = response.text
+    def metrics(self) -> dict[str, float]:
+        """The engine's Prometheus series, summed over labels, and per label value where ``by_label`` says."""
+        text = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=10).text
         totals: dict[str, float] = collections.defaultdict(float)
         for line in text.splitlines():
             if not line.startswith(f"{self.backend}:"):
@@ -284,12 +278,12 @@ class EngineServer:
         """Requests the engine aborted (their client went)."""
         raise NotImplementedError
 
-    def queue(self, http: httpx.Client | None = None) -> tuple[int, int]:
+    def queue(self) -> tuple[int, int]:
         """Requests running and waiting at the engine now."""
         raise NotImplementedError
 
-    def running(self, http: httpx.Client | None = None) -> int:
-        return self.queue(http)[0]
+    def running(self) -> int:
+        return self.queue()[0]
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -337,8 +331,8 @@ class VllmServer(EngineServer):
     def aborted(self, start: dict[str, float], end: dict[str, float]) -> int:
         return self.finished(start, end, "abort")
 
-    def queue(self, http: httpx.Client | None = None) -> tuple[int, int]:
-        m = self.metrics(http)
+    def queue(self) -> tuple[int, int]:
+        m = self.metrics()
         return int(m.get("vllm:num_requests_running", 0)), int(m.get("vllm:num_requests_waiting", 0))
 
 
@@ -373,15 +367,15 @@ class SglangServer(EngineServer):
         """Finished requests that were streamed."""
         return _delta(start, end, "sglang:num_requests_total:true")
 
-    def load(self, http: httpx.Client | None = None) -> dict[str, Any]:
+    def load(self) -> dict[str, Any]:
         """Its one data-parallel rank's ``/v1/loads`` entry: running, waiting, slots."""
-        response = (http or httpx).get(self.url + "/v1/loads", headers=self.headers(), timeout=10)
+        response = httpx.get(self.url + "/v1/loads", headers=self.headers(), timeout=10)
         response.raise_for_status()
         [rank] = response.json()["loads"]
         return rank
 
-    def queue(self, http: httpx.Client | None = None) -> tuple[int, int]:
-        rank = self.load(http)
+    def queue(self) -> tuple[int, int]:
+        rank = self.load()
         return rank["num_running_reqs"], rank["num_waiting_reqs"]
 
 
@@ -520,12 +514,11 @@ def run_pipeline(deployment: Deployment, server: EngineServer, shard: str) -> No
 LOOP_TEXT = " loop"
 #: What a looping answer is asked for.
 LOOP_MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-#: A loop is seen after ~32 tokens of ``LOOP_TEXT`` (160 characters), checked every 8 characters:
-#: long enough for the server's running requests, polled meanwhile, to show all of them running.
+#: A loop is seen after ~32 tokens of ``LOOP_TEXT`` (160 characters), checked every 8 characters.
 LOOP_THRESHOLDS = loop_thresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
 #: Bound on the wait for stopped streams' slots to empty; they are expected to in well under a second.
 FREE_TIMEOUT_S = 15.0
-#: Bound on the wait to see the looping streams all running before they are read: a hang only.
+#: Bound on the wait for the looping streams' first events before they are read: a hang only.
 RUNNING_TIMEOUT_S = 60.0
 #: Greedy: the forced token always wins, so every answer is exactly the same loop.
 GREEDY = default_sampling(temperature=0.0, top_p=1.0, top_k=-1)
@@ -566,16 +559,41 @@ def stream_client(server: EngineServer, transport: httpx.AsyncBaseTransport | No
                        api_key=server.api_key, transport=transport)
 
 
-class _HeldBody(httpx.AsyncByteStream):
-    """An answer's body, read only once ``release`` is set."""
+class _Gate:
+    """The streams' first events, counted as they come; the bodies are read once all have come."""
 
-    def __init__(self, inner: httpx.AsyncByteStream, release: asyncio.Event):
+    def __init__(self, count: int):
+        self.count = count
+        self.heard = 0
+        self.heard_at_release = 0
+        self.release = asyncio.Event()
+
+    def heard_one(self) -> None:
+        self.heard += 1
+        if self.heard >= self.count:
+            self.open()
+
+    def open(self) -> None:
+        if not self.release.is_set():
+            self.heard_at_release = self.heard
+            self.release.set()
+
+
+class _HeldBody(httpx.AsyncByteStream):
+    """An answer's body, its first bytes received (the server is generating it) and then held,
+    unread by the client, until ``gate`` releases every stream at once."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, gate: _Gate):
         self._inner = inner
-        self._release = release
+        self._gate = gate
 
     async def __aiter__(self):
-        await self._release.wait()
-        async for chunk in self._inner:
+        chunks = aiter(self._inner)
+        first = await anext(chunks, b"")
+        self._gate.heard_one()
+        await self._gate.release.wait()
+        yield first
+        async for chunk in chunks:
             yield chunk
 
     async def aclose(self) -> None:
@@ -583,17 +601,15 @@ class _HeldBody(httpx.AsyncByteStream):
 
 
 class _HeldBodies(httpx.AsyncBaseTransport):
-    """The client's own transport, each answer's body held back until ``release``: the streams stay
-    open at the server, generating, until the poller has seen them running. Racing the seconds a
-    detector takes to stop them, a poller on a busy machine could miss them all."""
+    """The client's own transport, each answer's body held (``_HeldBody``)."""
 
-    def __init__(self, release: asyncio.Event):
+    def __init__(self, gate: _Gate):
         self._inner = asyncio_transport(tls=ssl.create_default_context())
-        self._release = release
+        self._gate = gate
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self._inner.handle_async_request(request)
-        response.stream = _HeldBody(response.stream, self._release)
+        response.stream = _HeldBody(response.stream, self._gate)
         return response
 
     async def aclose(self) -> None:
@@ -605,14 +621,16 @@ def stop_looping_streams(
     count: int, stream_interval: int,
 ) -> tuple[list[DegenerateError], float, int]:
     """``count`` looping streams at once through the client's own path (``send_chat``), each
-    stopped by its loop detector, while the server's running requests are polled.
+    stopped by its loop detector, none read before the server has sent each its first event.
 
-    Returns the client's errors, when the last stream closed (``time.monotonic``) and the most
-    requests seen running at the server.
+    Returns the client's errors, when the last stream closed (``time.monotonic``) and how many
+    streams the server was generating at once when they were read: each had sent an event and none
+    was stopped yet (the server's own word, where a poller of its load races the streams' seconds
+    on a busy machine; that none ran to its end is the callers' to assert).
     """
 
-    async def stop_one(release: asyncio.Event) -> DegenerateError:
-        async with stream_client(server, _HeldBodies(release)) as c:
+    async def stop_one(gate: _Gate) -> DegenerateError:
+        async with stream_client(server, _HeldBodies(gate)) as c:
             with pytest.raises(DegenerateError) as caught:
                 await asyncio.wait_for(
                     send_chat(c, server.url, request, dialect, thresholds, stream_interval=stream_interval),
@@ -620,40 +638,22 @@ def stop_looping_streams(
                 )
             return caught.value
 
-    async def stop_all(http: httpx.Client) -> tuple[list[DegenerateError], float, int]:
-        # One kept-alive connection, warmed by a first reading before any stream starts: a new
-        # connection a reading made the poller too slow to see the streams' two seconds on a
-        # machine busy with other tests.
-        most_running = server.running(http)
-        polling = True
-        release = asyncio.Event()
+    async def stop_all() -> tuple[list[DegenerateError], float, int]:
+        gate = _Gate(count)
 
-        async def poll() -> None:
-            nonlocal most_running
-            deadline = time.monotonic() + RUNNING_TIMEOUT_S
-            while polling:
-                # CI once saw one reading of a kept-alive connection hang for the whole 20 s the
-                # streams ran: a reading that stalls is dropped, and the next one, on a new
-                # connection, sees them.
-                with contextlib.suppress(httpx.TimeoutException):
-                    most_running = max(most_running, await asyncio.to_thread(server.running, http))
-                # Every stream seen running (or, should the server never run them all, the
-                # deadline): the clients read on, and their detectors stop them.
-                if most_running >= count or time.monotonic() > deadline:
-                    release.set()
-                await asyncio.sleep(0.01)
+        async def open_gate_at_deadline() -> None:
+            # Should the server never run them all: the streams are read, and the count says so.
+            await asyncio.sleep(RUNNING_TIMEOUT_S)
+            gate.open()
 
-        poller = asyncio.create_task(poll())
+        deadline = asyncio.create_task(open_gate_at_deadline())
         try:
-            stopped = await asyncio.gather(*(stop_one(release) for _ in range(count)))
-            closed_at = time.monotonic()
+            stopped = await asyncio.gather(*(stop_one(gate) for _ in range(count)))
         finally:
-            polling = False
-            await asyncio.wait_for(poller, 15)
-        return stopped, closed_at, most_running
+            deadline.cancel()
+        return stopped, time.monotonic(), gate.heard_at_release
 
-    with httpx.Client(timeout=httpx.Timeout(2.0)) as http:
-        return asyncio.run(stop_all(http))
+    return asyncio.run(stop_all())
 
 
 def answer_at_once(

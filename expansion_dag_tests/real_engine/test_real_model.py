@@ -121,12 +121,15 @@ def test_the_real_model_is_served_with_the_slots_its_server_was_given_and_none_c
     fleet = real_run.deployment.metadata("completions", SHARD)["effective_config"]["fleet"]
     assert (fleet["model_path"], fleet["simulator"]) == (str(real_run.server.model_dir), False)
     assert (fleet["context_length"], fleet["slots"]) == (REAL_CONTEXT_LENGTH, REAL_SLOTS)
+    shard = real_run.deployment.metadata("completions", SHARD)
     if real_run.engine == "vllm":
         # vLLM reports no slots: launched by the project, its command's --max-num-seqs is known.
         assert fleet["slots_source"] == SLOTS_LAUNCHED
+        assert shard["stream_interval_set_by"] == "request"
         assert "--max-num-seqs {max_running_requests}" in fleet["launch_command"]
     else:
         assert fleet["slots_source"] == SLOTS_FROM_SERVER
+        assert shard["stream_interval_set_by"] == "server launch"
 
 
 def test_answers_end_with_the_end_of_turn_on_their_own_well_before_the_cap(real_run: RealRun):
@@ -158,13 +161,29 @@ def test_each_row_trains_on_the_ids_the_server_sampled_ending_with_the_end_of_tu
     tokenizer = load_tokenizer(str(real_run.server.model_dir))
     end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     by_id = {r["prompt_id"]: r for r in real_run.records}
-    rows = real_run.rows
-    # Every answer that ended is a row; the others (cut at the cap, stopped as loops) are counted out.
-    assert sorted(rows["id"]) == sorted(r["prompt_id"] for r in stopped(real_run))
-    assert rows.height == len(real_run.records) - sum(real_run.manifest.left_out.values())
-    assert real_run.manifest.ids_from == {"server": rows.height, "retokenized": 0}
-    real_run.figures["retokenization"] = real_run.manifest.retokenization
-    for row in rows.iter_rows(named=True):
+    rows, manifest = real_run.rows, real_run.manifest
+    # Every answer that ended is a row, and so is a stopped loop's text before it (``loop_prefix:
+    # keep``); the others (cut at the cap, nothing before the loop) are counted out.
+    whole, cut = rows.filter(pl.col("truncated").is_null()), rows.filter(pl.col("truncated") == "loop")
+    assert sorted(whole["id"]) == sorted(r["prompt_id"] for r in stopped(real_run))
+    assert set(cut["id"]) <= {r["prompt_id"] for r in real_run.records if r.get("loop_cut") is not None}
+    assert cut.height == sum(manifest.loop_rows.values())
+    assert rows.height == len(real_run.records) - sum(manifest.left_out.values())
+    # SGLang streams no ids before an answer's end: a row cut before a loop is its text, tokenized.
+    retokenized = cut.height if real_run.engine == "sglang" else 0
+    assert manifest.ids_from == {"server": rows.height - retokenized, "retokenized": retokenized}
+    real_run.figures["retokenization"] = manifest.retokenization
+    real_run.figures["rows_cut_at_loop"] = cut.height
+    for row in cut.iter_rows(named=True):
+        prompt = real_run.server.tokenize(by_id[row["id"]]["messages"])
+        assert row["input_ids"][: len(prompt)] == prompt, row["id"]
+        if retokenized:
+            continue
+        # vLLM's: the sampled ids up to the loop, as sampled, with no end of turn the model never wrote.
+        kept = row["input_ids"][len(prompt) :]
+        assert kept == unpack(by_id[row["id"]][OUTPUT_IDS])[: len(kept)] and end_of_turn not in kept, row["id"]
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(kept), row["id"]
+    for row in whole.iter_rows(named=True):
         record = by_id[row["id"]]
         ids, mask = row["input_ids"], row["loss_mask"]
         sampled = unpack(record[OUTPUT_IDS])

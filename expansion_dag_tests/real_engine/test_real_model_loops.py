@@ -60,6 +60,9 @@ def test_the_real_model_loops_are_stopped_early_with_the_rule_named(real_vllm_se
         assert error.rule in LOOP_RULES and f"rule {error.rule}:" in error.message, (rule, error.message)
         # Early: within the first third of the cap, and the loop's text is what it stopped on.
         assert error.tokens < MAX_TOKENS / 3
+        # vLLM streamed as the request asked: the first token alone, then STREAM_INTERVAL an event
+        # (the count is the server's own, from each event's usage).
+        assert (error.tokens - 1) % STREAM_INTERVAL == 0, error.tokens
         assert error.loop.span in error.content
         if error.rule == "counter":
             assert error.loop.repeats >= loop_thresholds().counter_repeats and "a(" in error.loop.span

@@ -63,7 +63,7 @@ def test_a_stopped_stream_frees_its_slot_at_once(sglang_server: SglangServer, fi
     before = server.metrics()
 
     started = time.monotonic()
-    stopped, closed_at, most_running = stop_looping_streams(
+    stopped, closed_at, running_at_once = stop_looping_streams(
         server, request, SGLANG, LOOP_THRESHOLDS, count=SLOTS, stream_interval=STREAM_INTERVAL
     )
     wait_until_free(server)
@@ -77,7 +77,7 @@ def test_a_stopped_stream_frees_its_slot_at_once(sglang_server: SglangServer, fi
     measured = figures["sglang"]["stopped_stream"] = {
         "requests": SLOTS,
         "max_tokens_each": max_tokens,
-        "most_running_seen": most_running,
+        "running_at_once": running_at_once,
         "tokens_asked": max_tokens * SLOTS,
         "tokens_generated": int(generated_tokens),
         "tokens_seen_by_client": sum(client_tokens),
@@ -87,7 +87,7 @@ def test_a_stopped_stream_frees_its_slot_at_once(sglang_server: SglangServer, fi
         "aborted": server.aborted(before, settled),
         "generated_to_their_end": server.generated(before, settled),
     }
-    assert most_running == SLOTS, measured
+    assert running_at_once == SLOTS, measured
     for e in stopped:  # the client saw the loop it was made to write, and stopped early
         assert e.loop.span == LOOP_TEXT and 0 < e.tokens < max_tokens // 4
         # Counted from the events by the stream interval SGLang runs with: no event between the

@@ -95,7 +95,7 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(roomy_vll
 
     started = time.monotonic()
     # The requests are really running at the server, all SLOTS of them, when the client stops them.
-    stopped, closed_at, most_running = stop_looping_streams(
+    stopped, closed_at, running_at_once = stop_looping_streams(
         server, request, VLLM, LOOP_THRESHOLDS, count=SLOTS, stream_interval=STREAM_INTERVAL
     )
 
@@ -114,7 +114,7 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(roomy_vll
     measured = figures["vllm"]["stopped_stream"] = {
         "requests": SLOTS,
         "max_tokens_each": max_tokens,
-        "most_running_seen": int(most_running),
+        "running_at_once": running_at_once,
         "tokens_asked": max_tokens * SLOTS,
         "tokens_generated": generated,
         "tokens_seen_by_client": sum(client_tokens),
@@ -124,7 +124,7 @@ def test_a_stopped_stream_frees_its_slot_and_the_server_stops_decoding(roomy_vll
         "finished_abort": delta(before, settled, "vllm:request_success_total:abort"),
         "finished_length": delta(before, settled, "vllm:request_success_total:length"),
     }
-    assert most_running == SLOTS, measured
+    assert running_at_once == SLOTS, measured
     for e in stopped:  # the client saw the loop it was made to write, and stopped early
         assert e.loop.span == LOOP_TEXT and 0 < e.tokens < max_tokens // 4
         # The client's count of a stopped answer's tokens (the server's own, per chunk) is exact.

@@ -25,6 +25,7 @@ from expansion_dag.training import (
 from expansion_dag_tests.helpers import LEASE_TIMEOUT_S, default_training, one_mode
 from expansion_dag_tests.store.test_lease import Said
 from expansion_dag_tests.training.test_training_set import MODEL, record
+from expansion_dag_tests.training.test_training_set_ids import stopped_loop
 
 FORMATS = ("parquet", "specforge-pretokenized", "specforge-conversations")
 
@@ -75,6 +76,12 @@ def assert_same_set(parts_dir_set, one_pass_set):
     assert counts(Manifest.read(parts_dir_set)) == counts(Manifest.read(one_pass_set))
 
 
+def segments_files(parts_dir, name):
+    """``name`` in each part of a segment (the failure records' part left out), sorted."""
+    return sorted(f for f in parts_dir.glob(f"*/{name}")
+                  if json.loads((f.parent / PART_DONE).read_text())["name"] != "failures")
+
+
 def test_a_second_night_builds_only_its_own_parts_and_the_set_is_the_one_pass_set(qwen3, tmp_path):
     store = CompletionStore(tmp_path / "completions")
     night(store, "shard-00", [record(i) for i in range(0, 6)])
@@ -110,6 +117,27 @@ def test_a_failure_stays_counted_until_a_later_night_answers_it(qwen3, tmp_path)
     assert (manifest.samples, manifest.left_out["failed"], manifest.parts["built"]) == (2, 0, 1)
 
 
+def test_a_stopped_loops_text_is_a_row_of_the_set_in_parts_until_a_later_night_answers_it(qwen3, tmp_path):
+    store = CompletionStore(tmp_path / "completions")
+    loop, _ = stopped_loop(qwen3, 3, "First, add the two numbers: 7 + 5 = 12. " + "Wait, let me reconsider the problem from the start. " * 12)
+    night(store, "shard-00", [record(1), record(2), loop])
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    in_one_pass(store, qwen3, tmp_path / "one-pass")
+    assert (manifest.samples, manifest.loop_rows) == (3, {"exact": 1})
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+    # Asked again and answered whole: the whole answer is the row, the cut one gone.
+    night(store, "shard-00", [record(3)])
+    manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
+    in_one_pass(store, qwen3, tmp_path / "one-pass")
+    assert (manifest.samples, manifest.loop_rows, manifest.parts["built"]) == (3, {}, 1)
+    assert_same_set(tmp_path / "set", tmp_path / "one-pass")
+    # loop_prefix: drop leaves it out, counted as degenerate, in parts as in one pass.
+    dropped = CompletionStore(tmp_path / "dropped")
+    night(dropped, "shard-00", [record(1), loop])
+    manifest = in_parts(dropped, qwen3, tmp_path / "dropped-set", tmp_path / "dropped-parts", loop_prefix="drop")
+    assert (manifest.samples, manifest.loop_rows, manifest.left_out["degenerate"]) == (1, {}, 1)
+
+
 def test_a_changed_setting_rebuilds_every_part_and_the_manifest_says_which(qwen3, tmp_path):
     store = CompletionStore(tmp_path / "completions")
     night(store, "shard-00", [record(i) for i in range(4)])
@@ -120,8 +148,7 @@ def test_a_changed_setting_rebuilds_every_part_and_the_manifest_says_which(qwen3
     assert manifest.parts["rebuilt_all_because"] == "changed since the last build: config.train_newline_after_end_of_turn"
     assert all(row["loss_mask"][-1] == 1 for row in rows(tmp_path / "set"))
     # The parts of the old setting are gone: only this build's are kept.
-    kept = [p for p in (tmp_path / "parts").iterdir() if p.is_dir()]
-    assert len(kept) == 2
+    assert len(segments_files(tmp_path / "parts", PART_DONE)) == 2
     assert json.loads((tmp_path / "parts" / "build.json").read_text())["config"]["train_newline_after_end_of_turn"]
 
 
@@ -141,7 +168,7 @@ def test_a_damaged_part_is_built_again_and_the_others_are_kept(qwen3, tmp_path):
     night(store, "shard-01", [record(i) for i in range(4, 8)])
     in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
     # A part's record torn (a disk that filled, a download cut short): never read as built.
-    [torn, *_] = sorted((tmp_path / "parts").glob("*/part.json"))
+    [torn, *_] = segments_files(tmp_path / "parts", PART_DONE)
     torn.write_text(torn.read_text()[:20])
     manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
     assert manifest.parts == {"parts": 2, "built": 1, "reused": 1, "rebuilt_all_because": None}
@@ -156,7 +183,7 @@ def test_a_part_whose_record_survived_a_crash_but_not_its_data_is_built_again(qw
     night(store, "shard-01", [record(i) for i in range(4, 8)])
     in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
     # What a machine crash leaves of a file whose data was still in the page cache: its name, no bytes.
-    [emptied, *_] = sorted((tmp_path / "parts").glob(f"*/{lost}"))
+    [emptied, *_] = segments_files(tmp_path / "parts", lost)
     emptied.write_bytes(b"")
     assert (emptied.parent / PART_DONE).exists()
     manifest = in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts")
@@ -261,5 +288,5 @@ def test_a_part_of_a_segment_the_set_did_not_see_is_kept_and_a_part_of_another_b
     # A changed setting makes another build: the parts of the earlier one are no build's now.
     in_parts(store, qwen3, tmp_path / "set", tmp_path / "parts", train_newline_after_end_of_turn=True)
     changed = default_training(formats=FORMATS, train_newline_after_end_of_turn=True)
-    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == sorted(
-        [*part_names(parts, qwen3, changed, one_mode(MODEL)), "build.json"])
+    left = {p.name for p in (tmp_path / "parts").iterdir()} - {*part_names(parts, qwen3, changed, one_mode(MODEL)), "build.json"}
+    assert [json.loads((tmp_path / "parts" / name / PART_DONE).read_text())["name"] for name in left] == ["failures"]

@@ -15,14 +15,17 @@ from expansion_dag.core import (
     render_prompts,
     unpack,
 )
+from expansion_dag.servers import find_loop, loop_cut
 from expansion_dag.training import (
+    LOOP_ROW,
+    AnswerJudge,
     BuildTrace,
     build_training_set,
     check_round_trip,
     expected_renders,
     sample_rows,
 )
-from expansion_dag_tests.helpers import default_training, one_mode
+from expansion_dag_tests.helpers import default_training, loop_thresholds, one_mode
 from expansion_dag_tests.training import test_training_set_conversations as conversations
 from expansion_dag_tests.training.test_training_set import (
     MODEL,
@@ -148,6 +151,62 @@ def test_an_answer_cut_without_an_end_of_turn_gets_the_templates(qwen3, tmp_path
     assert row["loss_mask"][-2:] == [1, 0]
 
 
+def stopped_loop(tokenizer, i, content):
+    """The failure record of an answer the client stopped as a loop (``content`` as streamed, no
+    end of turn), with the ids a vLLM server streamed with it and where its loop began."""
+    loop = find_loop(content, loop_thresholds())
+    rec = record(i, content=content, reasoning=REASONING)
+    for name in ("finish_reason", "completion_tokens", "prompt_tokens", "latency_s"):
+        del rec[name]
+    output_ids = sampled(tokenizer, rec, spelled=None)[:-1]
+    rec |= {
+        "status": "failed", "error": "degenerate", "outcome": "content", "loop_rule": loop.rule,
+        "loop_span": loop.span, "loop_cut": loop_cut(content, loop), "streamed_tokens": len(output_ids),
+        PROMPT_IDS: pack(server_prompt_ids(tokenizer, rec)), OUTPUT_IDS: pack(output_ids),
+    }
+    return rec, output_ids
+
+
+def test_a_stopped_loops_text_before_the_loop_is_a_row_of_the_sampled_ids_cut_on_a_token(qwen3, tmp_path):
+    span = "Wait, let me reconsider the problem from the start. "
+    rec, output_ids = stopped_loop(qwen3, 1, "First, add the two numbers: 7 + 5 = 12. " + span * 12)
+    manifest, rows = build([rec, record(2, reasoning=REASONING)], qwen3, tmp_path)
+    row, whole = (next(r for r in rows if r["id"] == i) for i in ("p0001", "p0002"))
+    prompt_ids = server_prompt_ids(qwen3, rec)
+    kept = row["input_ids"][len(prompt_ids) :]
+    # The sampled ids up to the end of the loop's first copy, as they are: no end of turn after them.
+    assert row["input_ids"][: len(prompt_ids)] == prompt_ids and kept == output_ids[: len(kept)]
+    assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * len(kept)
+    text = decode(qwen3, kept)
+    said = f"<think>\n{REASONING}\n</think>\n\n{rec['content'][: rec['loop_cut']]}"
+    assert said.startswith(text) and len(text) >= len(said) - 1 and text.count("Wait, let me reconsider") == 1
+    assert (row["truncated"], row["loop_rule"], row["ids_from"], row["ids_match_text"]) == ("loop", "exact", "server", True)
+    # Counted apart: the manifest and the card; a whole answer beside it is marked as none.
+    assert manifest.samples == 2 and manifest.loop_rows == {"exact": 1} and manifest.left_out["degenerate"] == 0
+    assert whole["truncated"] is None and whole["loop_rule"] is None
+    assert "1 of the samples (50.0%) are answers cut before a loop" in (tmp_path / "ts" / "README.md").read_text()
+    judge = AnswerJudge(qwen3, default_training(), one_mode(MODEL))
+    assert judge(rec) == LOOP_ROW and judge.kept_tokens(rec) == len(kept)
+    # loop_prefix: drop leaves the loop out whole, as before.
+    dropped, rows = build([rec], qwen3, tmp_path, "dropped", loop_prefix="drop")
+    assert rows == [] and dropped.left_out["degenerate"] == 1 and dropped.loop_rows == {}
+    assert AnswerJudge(qwen3, default_training(loop_prefix="drop"), one_mode(MODEL))(rec) == "degenerate"
+
+
+def test_a_stopped_loop_without_ids_is_a_row_of_its_text(qwen3, tmp_path):
+    rec, _ = stopped_loop(qwen3, 1, "First, add the two numbers. " + "Then check it again. " * 30)
+    no_ids = {k: v for k, v in rec.items() if k not in (PROMPT_IDS, OUTPUT_IDS)}  # SGLang sends none before the end
+    manifest, [row] = build([no_ids], qwen3, tmp_path)
+    assert row["ids_from"] == "retokenized" and row["truncated"] == "loop"
+    # The text rendered by the template, which closes the turn (no ids say where the model stopped).
+    assert "First, add the two numbers. Then check it again" in decode(qwen3, row["input_ids"])
+    assert decode(qwen3, row["input_ids"]).count("check it again") == 1
+    # A loop from the first word keeps its first copy: what the model wrote once.
+    at_once, _ = stopped_loop(qwen3, 2, "Then check it again. " * 30)
+    _, [row] = build([at_once], qwen3, tmp_path, "at-once")
+    assert decode(qwen3, row["input_ids"]).count("check it again") == 1
+
+
 def test_dropped_reasoning_is_re_tokenized_since_no_one_sampled_that_sequence(qwen3, tmp_path):
     rec = record(1, reasoning=REASONING)
     manifest, [row] = build([with_ids(qwen3, rec, sampled(qwen3, rec))], qwen3, tmp_path, reasoning="drop")
@@ -158,12 +217,13 @@ def test_dropped_reasoning_is_re_tokenized_since_no_one_sampled_that_sequence(qw
 def test_round_trip_checks_rows_from_ids_against_their_records(qwen3, tmp_path):
     records = [with_ids(qwen3, r, sampled(qwen3, r)) for r in (record(i, reasoning=REASONING) for i in range(4))]
     records.append(record(9))  # and one without ids, beside them
+    records.append(stopped_loop(qwen3, 10, "First, add them. " + "Wait, let me reconsider the problem. " * 15)[0])
     config = default_training()
     trace = BuildTrace()
     build_training_set(records, qwen3, config, tmp_path / "ts", identities=one_mode(MODEL), trace=trace)
     expected = expected_renders(records, qwen3, config, identities=one_mode(MODEL))
-    rows = sample_rows(tmp_path / "ts", 5)
-    assert trace.renders == expected and check_round_trip(rows, expected, qwen3).ok
+    rows = sample_rows(tmp_path / "ts", 6)
+    assert len(rows) == 6 and trace.renders == expected and check_round_trip(rows, expected, qwen3).ok
     shifted = dict(rows[0], loss_mask=[0] + rows[0]["loss_mask"][:-1])
     swapped = dict(rows[1], input_ids=[rows[1]["input_ids"][0] + 1] + rows[1]["input_ids"][1:])
     assert check_round_trip([shifted, swapped], expected, qwen3).failed == 2

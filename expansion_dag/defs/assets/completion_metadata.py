@@ -25,6 +25,8 @@ def shard_metadata(
     metadata |= _waste_metadata(report, drop_truncated) | {"degenerate_total": standing.figures.degenerate}
     # This run's stopped loops by the detector's rule that saw each.
     metadata["degenerate_by_rule"] = dg.MetadataValue.json(dict(report.degenerate_by_rule))
+    if report.loop_retried:  # generation.loop_retries: loops asked again, and the second answers that ended
+        metadata["loop_retries"] = dg.MetadataValue.json(dict(report.loop_retried))
     metadata |= _yield_metadata(report)
     if work.conversations:
         metadata |= {"conversations": work.conversations, "conversations_ended_early": standing.figures.ended}
@@ -61,6 +63,8 @@ def _yield_metadata(report: ShardReport) -> dict[str, Any]:
         "answer_yield": answers.summary(),
         "answers_judged": answers.judged,
         "answers_to_rows": answers.rows,
+        # Of those, stopped loops whose text before the loop becomes a row, cut (``loop_prefix: keep``).
+        "answers_to_rows_cut_at_loop": answers.loop_rows,
         "answers_left_out_by_reason": dg.MetadataValue.json(answers.left_out()),
         "yield_gate": answers.gate_state,
     }
@@ -123,6 +127,10 @@ def _metadata(
         "shard": shard,
         "server": target.url,
         "server_is_fallback": target.fell_back,
+        # A loop is seen only as an event comes: the tokens an event holds, and whether the client
+        # asks for it in each request (vLLM) or the server streams at its launch setting (SGLang).
+        "stream_interval": target.server.stream_interval,
+        "stream_interval_set_by": "request" if target.server.dialect.stream_interval_per_request else "server launch",
         "simulated_fleet": simulated,
         "completions_total": standing.done,
         "failed_total": standing.failed,

@@ -143,7 +143,7 @@ def _choose_server(
     server = fleet.info.server(url)  # provisioned and probed as the run started
     if settings.stop_degenerate and server.stream_interval < fleet.stream_interval:
         # An attached SGLang server streams at its own launch setting; one event a token costs the
-        # client about 6x the CPU of 256-token events (BENCHMARKS.md, waste and tail).
+        # client tens of ms an answer (BENCHMARKS.md, waste and tail).
         context.log.warning(
             f"{url} streams {server.stream_interval} token(s) an event, fewer than the configured "
             f"{fleet.stream_interval}: launch it with --stream-interval {fleet.stream_interval} "

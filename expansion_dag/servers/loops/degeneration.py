@@ -18,7 +18,8 @@ break within a few lines, and the shape rules ask for more copies than legitimat
 (counting to 400, Fibonacci for 60 lines and 50 unit tests of one function are all legitimate
 in the tests' corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``). A list of numbers alone (digits and punctuation)
 needs more copies (``counter_repeats_numeric``, ``numbers_repeats_numeric``): counting to 400 and
-the first 100 primes are answers.
+the first 100 primes are answers. Worked arithmetic may repeat a shape for thousands of tokens; its
+arithmetic holds (``loop_derivation``), and ``numbers`` and ``resaid`` leave it alone.
 
 Characters, not tokens: the client sees text, and a token loop is a character loop.
 
@@ -111,16 +112,35 @@ LOOP_RULES = tuple(_SEEN)
 @dataclass(frozen=True)
 class Loop:
     """A detected loop: the rule that saw it, a repeated span (the last copy, as written), how many
-    copies (spans, lines or sentences) and how much of the text's end they cover."""
+    copies (spans, lines or sentences) and how much of the text's end they cover; ``start``: where
+    the copies the rule saw begin in the text (the span rules: about, in the text's shape)."""
 
     span: str
     repeats: int
     chars: int
     rule: str = "exact"
+    start: int = 0
 
     def describe(self) -> str:
         """What the rule saw: ``rule counter: a span repeated 64 times back to back, ...``."""
         return f"rule {self.rule}: " + _SEEN[self.rule].format(n=self.repeats, chars=len(self.span))
+
+
+def loop_cut(text: str, loop: Loop) -> int:
+    """Where ``text`` (the text the detector was fed, up to its stop) is cut to keep what came
+    before its loop: after the first copy of the span (``exact``: the copies are followed back
+    before ``loop.start`` for as long as they repeat; ``counter``, ``numbers``: one copy past the
+    copies' start, as the last copy is long), or before the first line or sentence said again
+    (``cycle``, ``resaid``: the first copy is the earlier one that it repeats)."""
+    start = min(max(loop.start, 0), len(text))
+    if loop.rule == "exact":
+        period = len(loop.span)
+        while start > 0 and text[start - 1] == text[start - 1 + period]:
+            start -= 1
+        return start + period
+    if loop.rule in ("counter", "numbers"):
+        return min(start + len(loop.span), len(text))
+    return start
 
 
 def find_loop(text: str, thresholds: LoopThresholds) -> Loop | None:
@@ -147,6 +167,8 @@ class LoopDetector:
         )
         self._pending: list[str] = []
         self._unchecked = 0
+        #: Characters checked so far: where the text the rules have seen ends.
+        self._checked = 0
         self.loop: Loop | None = None
 
     def feed(self, delta: str) -> Loop | None:
@@ -164,21 +186,22 @@ class LoopDetector:
 
     def _check(self, new: str) -> Loop | None:
         t = self._thresholds
+        self._checked += len(new)
         self._tail = (self._tail + new)[-t.window_chars :]
         self._shape.feed(new)
         # Every rule sees every piece of text, whichever fires: the unit rules keep their own memory.
         units = self._units.feed(new)
         exact = exact_loop(self._tail, min_repeats=t.min_repeats, min_chars=t.min_loop_chars, min_span=t.min_span_chars)
         if exact is not None:
-            return Loop(*exact, rule="exact")
+            return Loop(*exact, rule="exact", start=self._checked - exact[2])
         shaped = shape_loop(
             self._shape, counter=t.counter_repeats, counter_numeric=t.counter_repeats_numeric,
             numbers=t.numbers_repeats, numbers_numeric=t.numbers_repeats_numeric,
         )
         if shaped is not None:
             rule, span, repeats, chars = shaped
-            return Loop(span, repeats, chars, rule=rule)
+            return Loop(span, repeats, chars, rule=rule, start=self._checked - self._shape.held - chars)
         if units is not None:
-            rule, span, repeats, chars = units
-            return Loop(span, repeats, chars, rule=rule)
+            rule, span, repeats, chars, start = units
+            return Loop(span, repeats, chars, rule=rule, start=start)
         return None

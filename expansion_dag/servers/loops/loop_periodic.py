@@ -12,12 +12,16 @@ than the exact one: more than the shipped corpus of legitimate answers ever hold
 from __future__ import annotations
 
 import re
+from decimal import Decimal
+
+from expansion_dag.servers.loops.loop_derivation import derived_copies
 
 #: Characters at the text's end whose earlier occurrences propose the candidate periods.
 _PROBE_CHARS = 8
 #: What a run of digits becomes in the shape: a character no answer holds.
 _PLACEHOLDER = "\x00"
-_DIGITS = re.compile(r"[0-9]+")
+#: A number, its decimals included (``1234.56`` is one: a derivation's numbers are compared whole).
+_DIGITS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 _DIGIT_CHARS = "0123456789"
 #: A run of one character longer than three is three in the shape: ``MMGXLIIII...`` (a count of
 #: I's that wanders) and padding that grows with a number keep one shape.
@@ -76,7 +80,9 @@ class Shape:
         # The text's last run of digits, or of one character, may go on in the next delta: it waits.
         whole = self._held + delta
         text = whole.rstrip(_DIGIT_CHARS)
-        if len(text) == len(whole) and text:
+        if text.endswith(".") and text[-2:-1].isdigit():
+            text = text[:-1].rstrip(_DIGIT_CHARS)  # a decimal point may have its decimals next
+        elif len(text) == len(whole) and text:
             text = text.rstrip(text[-1])
         self._held = whole[len(text) :]
         self.numbers += _DIGITS.findall(text)
@@ -87,6 +93,11 @@ class Shape:
             self.text = self.text[cut:]
             if dropped:
                 del self.numbers[:dropped]
+
+    @property
+    def held(self) -> int:
+        """Characters fed that wait for the next delta, not yet in the shape."""
+        return len(self._held)
 
 
 def exact_loop(tail: str, *, min_repeats: int, min_chars: int, min_span: int) -> tuple[str, int, int] | None:
@@ -132,25 +143,52 @@ def shape_loop(
         rule, copies = "numbers", repeats
     else:
         return None
+    if rule == "numbers" and _a_derivation(span, values, per_copy):
+        return None
     return rule, _fill(span, values[-per_copy:]), copies, covered + sum(len(x) - 1 for x in values)
 
 
+#: The last copies a ``numbers`` loop is judged on, and how many of them must hold arithmetic for
+#: the copies to be a derivation, not a loop.
+_JUDGED_COPIES = 16
+_DERIVED_COPIES = 8
+
+
+def _a_derivation(span: str, values: list[str], per_copy: int) -> bool:
+    """Whether the last copies of ``span`` (``values`` their numbers) are worked arithmetic.
+
+    The copies are read a line each where the span holds a line's end (the span ends wherever the
+    text does): each copy is then the same text from check to check, and judged once.
+    """
+    start = span.find("\n") + 1
+    if start:
+        moved = span.count(_PLACEHOLDER, 0, start)
+        span, values = span[start:] + span[:start], values[moved : len(values) - per_copy + moved]
+    values = values[-(_JUDGED_COPIES + 1) * per_copy :]
+    copies = [_fill(span, values[i : i + per_copy]) for i in range(0, len(values), per_copy)]
+    return derived_copies(copies, values, per_copy) >= _DERIVED_COPIES
+
+
 def _counting_copies(numbers: list[str], per_copy: int) -> int:
-    """How many copies at the end have each number move by its own constant step, one at least not 0."""
-    if any(len(x) > _MAX_DIGITS for x in numbers):
+    """How many copies at the end have each number move by its own constant step, one at least not 0.
+
+    Read from the end, each number once, until a copy breaks the count (or a number is too long).
+    """
+    copies = len(numbers) // per_copy
+    if copies < 2 or any(len(x) > _MAX_DIGITS for x in numbers[-2 * per_copy :]):
         return 0
-    values = [int(x) for x in numbers]
-    copies = len(values) // per_copy
-    if copies < 2:
-        return 0
-    last = len(values) - per_copy
-    steps = [values[last + j] - values[last - per_copy + j] for j in range(per_copy)]
+    last = len(numbers) - per_copy
+    # Decimal: exact for at most _MAX_DIGITS characters, decimals included.
+    steps = [Decimal(numbers[last + j]) - Decimal(numbers[last - per_copy + j]) for j in range(per_copy)]
     if not any(steps):
         return 0
     copy = copies - 2
     while copy > 0:
         base = copy * per_copy
-        if any(values[base + j] - values[base - per_copy + j] != steps[j] for j in range(per_copy)):
+        earlier = numbers[base - per_copy : base]
+        if any(len(x) > _MAX_DIGITS for x in earlier):
+            break
+        if any(Decimal(numbers[base + j]) - Decimal(earlier[j]) != steps[j] for j in range(per_copy)):
             break
         copy -= 1
     return copies - copy

@@ -15,10 +15,13 @@ import collections
 import re
 from collections.abc import Iterable
 
+from expansion_dag.servers.loops.loop_derivation import states_arithmetic
+
 _WORDS = re.compile(r"\w+")
 #: A sentence ends at a full stop, a question or exclamation mark before a space, or a line's end.
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
-_LINE_END = re.compile(r"\n")
+#: (Captured: ``split`` keeps each end, so that where each unit begins is counted.)
+_SENTENCE_END = re.compile(r"((?<=[.!?])\s+|\n)")
+_LINE_END = re.compile(r"(\n)")
 #: A line or sentence that runs longer is cut there: the unfinished one is never re-read whole for
 #: every delta. A cut line is judged as it is; a cut "sentence" is no sentence: any two stretches of
 #: 2,000 characters of one language share most of their words, so ``resaid`` would see them all as
@@ -41,63 +44,86 @@ class Units:
         self._similarity = resaid_similarity
         self._min_words = resaid_min_words
         self._line = ""
+        #: Where the unfinished line and sentence begin in the text fed so far.
+        self._line_at = 0
+        self._sentence_at = 0
         self._lines: collections.deque[str] = collections.deque(maxlen=cycle_lines)
+        self._line_starts: collections.deque[int] = collections.deque(maxlen=cycle_lines)
         self._sentence = ""
         #: Word sets of the last sentences long enough to judge.
         self._said: collections.deque[frozenset[str]] = collections.deque(maxlen=resaid_lookback)
         #: The sentences, one after another, each nearly the same as an earlier one: how many, their characters.
         self._streak = 0
         self._streak_chars = 0
+        self._streak_at = 0
 
-    def feed(self, delta: str) -> tuple[str, str, int, int] | None:
-        """(rule, span, repeats, chars) once the text ends in a loop of lines or sentences."""
+    def feed(self, delta: str) -> tuple[str, str, int, int, int] | None:
+        """(rule, span, repeats, chars, start) once the text ends in a loop of lines or sentences:
+        ``start`` is where its first line or sentence begins in the text fed."""
         found = self._feed_lines(delta)
         return self._feed_sentences(delta) or found
 
-    def _feed_lines(self, delta: str) -> tuple[str, str, int, int] | None:
-        complete, self._line, _ = _completed(self._line + delta, _LINE_END)
+    def _feed_lines(self, delta: str) -> tuple[str, str, int, int, int] | None:
+        complete, self._line, rest_at, _ = _completed(self._line + delta, _LINE_END)
         found = None
-        for line in complete:
+        for line, at in complete:
             line = line.strip()
             if not line:
                 continue
             self._lines.append(line)
+            self._line_starts.append(self._line_at + at)
             if len(self._lines) == self._lines.maxlen and found is None:
                 counts = collections.Counter(self._lines)
                 if len(counts) <= self._cycle_distinct:
                     span = "\n".join(line for line, _ in counts.most_common())
-                    found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in self._lines))
+                    found = ("cycle", span, len(self._lines), sum(len(x) + 1 for x in self._lines), self._line_starts[0])
+        self._line_at += rest_at
         return found
 
-    def _feed_sentences(self, delta: str) -> tuple[str, str, int, int] | None:
-        complete, self._sentence, cut = _completed(self._sentence + delta, _SENTENCE_END)
+    def _feed_sentences(self, delta: str) -> tuple[str, str, int, int, int] | None:
+        complete, self._sentence, rest_at, cut = _completed(self._sentence + delta, _SENTENCE_END)
         if cut:
             complete.pop()
             self._streak = self._streak_chars = 0
         found = None
-        for sentence in complete:
+        for sentence, at in complete:
             words = _WORDS.findall(sentence.lower())
             if len(words) < self._min_words:
                 continue
             said = frozenset(words)
             if _said_before(said, self._said, self._similarity):
+                if _a_step_of_arithmetic(sentence, words):
+                    continue  # read only when like an earlier one: most sentences are not
+                if not self._streak:
+                    self._streak_at = self._sentence_at + at
                 self._streak += 1
                 self._streak_chars += len(sentence) + 1
                 if self._streak >= self._resaid_sentences and found is None:
-                    found = ("resaid", sentence, self._streak, self._streak_chars)
+                    found = ("resaid", sentence, self._streak, self._streak_chars, self._streak_at)
             else:
                 self._streak = self._streak_chars = 0
             self._said.append(said)
+        self._sentence_at += rest_at
         return found
 
 
-def _completed(text: str, end: re.Pattern[str]) -> tuple[list[str], str, bool]:
-    """The units ``text`` completes, the unfinished rest, and whether the last unit is that rest,
-    cut for its length."""
-    *complete, rest = end.split(text)
+def _a_step_of_arithmetic(sentence: str, words: list[str]) -> bool:
+    """Mostly numbers, in an equation that holds (``7 × 1 = 7, plus carry 0 makes 7: write 7.``):
+    a derivation's step, however like the steps before (each digit of a number times 1)."""
+    return 2 * sum(w.isdigit() for w in words) > len(words) and states_arithmetic(sentence)
+
+
+def _completed(text: str, end: re.Pattern[str]) -> tuple[list[tuple[str, int]], str, int, bool]:
+    """The units ``text`` completes, each with where it begins in ``text``; the unfinished rest and
+    where it begins; and whether the last unit is that rest, cut for its length."""
+    *parts, rest = end.split(text)
+    complete, at = [], 0
+    for unit, separator in zip(parts[::2], parts[1::2]):
+        complete.append((unit, at))
+        at += len(unit) + len(separator)
     if len(rest) > _MAX_UNIT_CHARS:
-        return [*complete, rest], "", True
-    return complete, rest, False
+        return [*complete, (rest, at)], "", len(text), True
+    return complete, rest, at, False
 
 
 def _said_before(said: frozenset[str], earlier: Iterable[frozenset[str]], similarity: float) -> bool:

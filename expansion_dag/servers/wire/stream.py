@@ -32,7 +32,8 @@ from expansion_dag.servers.wire.tools import ToolCallDeltas, tool_call_deltas
 
 
 class DegenerateError(RequestError):
-    """The answer fell into a loop and was stopped: its text is kept for inspection, never trained on.
+    """The answer fell into a loop and was stopped: its text is kept for inspection; only the text
+    before the loop may become a training row (``generation.loop_prefix``).
 
     Not retried: with the same prompt and settings the model is likely to loop again, and each try
     would cost the decode the early stop saved.
@@ -52,8 +53,11 @@ class DegenerateError(RequestError):
         tokens: int,
         prompt_ids: array.array | None = None,
         output_ids: array.array | None = None,
+        in_reasoning: bool = False,
     ):
         super().__init__(message, status=200)
+        #: Whether the loop is in the reasoning, not the content.
+        self.in_reasoning = in_reasoning
         self.content = content
         self.reasoning = reasoning
         #: The ids received before the stop (vLLM streams them with each delta; SGLang only at
@@ -249,6 +253,7 @@ class ChatStream:
             tokens=self.streamed_tokens,
             prompt_ids=self._prompt_ids,
             output_ids=self._output_ids,
+            in_reasoning=self._detectors is not None and self._detectors[0].loop is None,
         )
 
 

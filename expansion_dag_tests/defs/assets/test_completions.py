@@ -8,6 +8,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL
 from expansion_dag.core import Identity, count_prompt_tokens, load_tokenizer
 from expansion_dag.defs import SHARD_KEYS
 from expansion_dag.defs.assets import budgeted_prompts, completions, shard_prompts, training_set
@@ -279,8 +280,11 @@ def test_a_server_streaming_finer_than_configured_is_named_in_a_warning(tmp_path
                                     selection=["shard_prompts", "completions"])
         [materialization] = result.asset_materializations_for_node("completions")
         warnings = [e.user_message for e in instance.all_logs(result.run_id) if "token(s) an event" in e.user_message]
-        return materialization.metadata["effective_config"].value["fleet"]["stream_interval"], warnings
+        metadata = materialization.metadata
+        assert metadata["stream_interval_set_by"].value == "server launch"  # SGLang's: no request changes it
+        assert metadata["stream_interval"].value == metadata["effective_config"].value["fleet"]["stream_interval"]
+        return metadata["stream_interval"].value, warnings
 
     interval, warnings = shard_run(1, tmp_path / "a")
-    assert interval == 1 and len(warnings) == 1 and "--stream-interval 256" in warnings[0]
-    assert shard_run(256, tmp_path / "b") == (256, [])
+    assert interval == 1 and len(warnings) == 1 and f"--stream-interval {DEFAULT_STREAM_INTERVAL}" in warnings[0]
+    assert shard_run(DEFAULT_STREAM_INTERVAL, tmp_path / "b") == (DEFAULT_STREAM_INTERVAL, [])

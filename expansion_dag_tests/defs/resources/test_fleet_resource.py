@@ -11,7 +11,7 @@ import dagster as dg
 import httpx
 import pytest
 
-from expansion_dag.config import SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND
+from expansion_dag.config import DEFAULT_STREAM_INTERVAL, SGLANG_LAUNCH_COMMAND, SIMULATOR_LAUNCH_COMMAND
 from expansion_dag.core import FleetError, pid_alive
 from expansion_dag.defs.resources import FleetResource
 from expansion_dag.servers import OWNER_ENV, SLOTS_FROM_SERVER, SLOTS_LAUNCHED, ServerRecord, tls_context
@@ -60,7 +60,7 @@ def test_a_keyed_fleet_launches_its_servers_with_the_key_in_a_file_and_records_n
     assert "sk-never-in-metadata" not in repr(config)
     assert config["simulator"] is True and config["slots"] == 16
     assert config["slots_source"] == SLOTS_FROM_SERVER
-    assert config["stream_interval"] == 256
+    assert config["stream_interval"] == DEFAULT_STREAM_INTERVAL  # launched with the configured interval
     assert sys.executable not in repr(config)
 
 
