@@ -38,7 +38,7 @@ DEFAULT_CONFIG = "default"
 MASK = "***"
 #: A streamed event every 64 tokens instead of every token (both servers' default): a network read
 #: costs the client far more than the parsing, so its CPU per answer falls with the events, while a
-#: loop is stopped only as an event comes. Replayed on the real model's loops, 64 stops them 92
+#: loop is stopped only as an event comes. Replayed on the real model's loops, 64 stops them 91
 #: tokens sooner than 256, and smaller events hardly sooner (the rules' own copies are the rest),
 #: for about 0.5 ms of client CPU an event (BENCHMARKS.md, the stream interval).
 DEFAULT_STREAM_INTERVAL = 64

@@ -184,6 +184,21 @@ def test_a_counter_whose_copies_carry_a_run_of_wandering_length_is_still_a_count
     assert loop.rule == "counter" and loop.repeats >= DEFAULT.counter_repeats
 
 
+def test_a_block_of_code_whose_one_number_counts_is_a_counter_loop():
+    # As the real model wrote it (bench_real_model.py, 64-token events, p0045: run to the cap of
+    # 4,096 tokens, 63 copies): a class of 170 characters again and again, its name's number counting.
+    block = ("class QueueDataStruct{}:\n    def __init__(self):\n        self.queue = QueueDataStruct()\n\n"
+             "    def enqueue(self, item1, item2):\n        self.queue.enqueue(item1)\n        self.queue.enqueue(item2)\n\n\n")
+    text = "```python\n" + "".join(block.format(i) for i in range(1, 64))
+    stop, loop = first_stop(text, piece=EVENT_CHARS)
+    assert loop.rule == "counter" and stop < len(text) / 3
+    # Its row keeps a few copies at most (where the count began is read off the text's shape), no loop.
+    cut = loop_cut(text[:stop], loop)
+    assert cut < 4 * len(block) and first_stop(text[:cut], piece=EVENT_CHARS) == (None, None)
+    # Ten such classes (1,700 characters) are an answer's.
+    assert first_stop("".join(block.format(i) for i in range(1, 11)), piece=EVENT_CHARS) == (None, None)
+
+
 def test_counting_that_a_legitimate_answer_does_is_left_alone():
     counting = "Counting: " + ", ".join(str(i) for i in range(1, 401)) + "."
     table = "\n".join(f"7 x {i} = {7 * i}" for i in range(1, 41))

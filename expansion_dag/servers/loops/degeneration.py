@@ -7,7 +7,8 @@ itself was read off a real model's answers (SmolLM2-135M-Instruct: the fixture
 - ``exact``: one span repeated back to back, the same characters each time, at least
   ``min_repeats`` times over at least ``min_loop_chars`` (``loop_periodic``);
 - ``counter``: one span repeated back to back whose numbers all count by constant steps
-  (``n + 584, n + 585, ...``, ``#define MAX_NAME 242``, ``243``, ...): an enumeration that never ends;
+  (``n + 584, n + 585, ...``, ``#define MAX_NAME 242``, ``243``, ...): an enumeration that never ends
+  (a long span, a block of code, in fewer copies: 2,048 characters of them);
 - ``numbers``: one span repeated back to back whose numbers change in any other way;
 - ``cycle``: a few lines recurring in any order (``loop_units``);
 - ``resaid``: sentence after sentence saying again, in nearly the same words, what an earlier one said.
@@ -37,7 +38,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from expansion_dag.servers.loops.loop_periodic import Shape, exact_loop, shape_loop
+from expansion_dag.servers.loops.loop_periodic import Shape, exact_loop, long_counter_loop, shape_loop
 from expansion_dag.servers.loops.loop_units import Units
 
 
@@ -197,7 +198,7 @@ class LoopDetector:
         shaped = shape_loop(
             self._shape, counter=t.counter_repeats, counter_numeric=t.counter_repeats_numeric,
             numbers=t.numbers_repeats, numbers_numeric=t.numbers_repeats_numeric,
-        )
+        ) or long_counter_loop(self._shape, counter=t.counter_repeats)
         if shaped is not None:
             rule, span, repeats, chars = shaped
             return Loop(span, repeats, chars, rule=rule, start=self._checked - self._shape.held - chars)

@@ -148,6 +148,35 @@ def shape_loop(
     return rule, _fill(span, values[-per_copy:]), copies, covered + sum(len(x) - 1 for x in values)
 
 
+#: A counting span of many characters is a loop in fewer copies: ``_LONG_COUNTER_CHARS`` of them, and
+#: at least ``_LONG_COUNTER_COPIES``. The real model wrote a class of 170 characters 63 times over,
+#: its name's number counting (``QueueDataStruct56``, ``57``, ...): at the ``counter`` rule's copies
+#: it fits no window, and ran to the cap.
+_LONG_COUNTER_CHARS = 2048
+_LONG_COUNTER_COPIES = 8
+
+
+def long_counter_loop(shape: Shape, *, counter: int) -> tuple[str, str, int, int] | None:
+    """``shape_loop``'s (rule, span, repeats, chars) of a ``counter`` loop of a span too long for
+    ``counter`` copies to fit the window: copies of words and numbers whose numbers count, over
+    ``_LONG_COUNTER_CHARS``."""
+    found = repeated_tail(shape.text, min_repeats=_LONG_COUNTER_COPIES, min_chars=_LONG_COUNTER_CHARS,
+                          max_period=len(shape.text) // _LONG_COUNTER_COPIES)  # fmt: skip
+    # A span whose ``counter`` copies fit the window is ``shape_loop``'s to judge.
+    if found is None or found[0] * counter <= len(shape.text):
+        return None
+    period, covered = found
+    span = shape.text[-period:]
+    per_copy = span.count(_PLACEHOLDER)
+    if per_copy == 0 or not any(c.isalpha() for c in span):
+        return None  # the exact rule's, or a list of numbers (the numeric thresholds')
+    values = shape.numbers[-(covered // period) * per_copy :]
+    counting = _counting_copies(values, per_copy)
+    if counting < max(_LONG_COUNTER_COPIES, -(-_LONG_COUNTER_CHARS // period)):
+        return None
+    return "counter", _fill(span, values[-per_copy:]), counting, covered + sum(len(x) - 1 for x in values)
+
+
 #: The last copies a ``numbers`` loop is judged on, and how many of them must hold arithmetic for
 #: the copies to be a derivation, not a loop.
 _JUDGED_COPIES = 16
