@@ -275,7 +275,7 @@ class Run:
 
 def project_phase(run: Run, url: str, store_root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     store = CompletionStore(store_root)
-    config = engine_config(GenerationConfig(), canary=False, progress_interval_s=60)
+    config = engine_config(GenerationConfig(loop_retries=run.args.loop_retries), canary=False, progress_interval_s=60)
     server = Server(url, run.args.slots, dialect=VLLM, stream_interval=run.args.stream_interval)
     started, cpu = time.perf_counter(), cpu_s()
     with store.writer("real") as writer:
@@ -288,6 +288,9 @@ def project_phase(run: Run, url: str, store_root: Path) -> tuple[dict[str, Any],
         "degenerate_by_rule": dict(report.degenerate_by_rule),
         "stopped_at_tokens": stats(stopped) if (stopped := [r["streamed_tokens"] for r in records if r.get("error") == "degenerate"]) else None,
         "client_cpu_ms_per_request": round(1000 * cpu / max(1, report.done), 2),
+        # --loop-retries: prompts asked again with another seed after a stopped loop, and how many
+        # of the second answers ended on their own.
+        "loop_retried": dict(report.loop_retried),
     }
     return result, records
 
@@ -447,6 +450,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--stream-interval", type=int, default=256, help="tokens per streamed event (the fleet's default)")
+    parser.add_argument("--loop-retries", type=int, default=0, help="project phase: generation.loop_retries (0: a stop is final)")
     parser.add_argument("--continue-tokens", type=int, default=768)
     parser.add_argument("--within", type=int, default=256, help="a stopped answer ending within this many more tokens is a false stop")
     parser.add_argument("--project-records", type=Path,
