@@ -260,6 +260,8 @@ class Run:
         verdicts: dict[str, int] = {}
         for record in records:
             tokens = record.get("completion_tokens") or record.get("streamed_tokens") or 0
+            # A prompt asked again after a loop (--loop-retries): its first answer's tokens were spent too.
+            tokens += (record.get("loop_retry") or {}).get("first_tokens", 0)
             verdict = self.judge(record)
             verdicts[verdict] = verdicts.get(verdict, 0) + 1
             generated += tokens
