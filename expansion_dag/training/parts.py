@@ -141,9 +141,12 @@ class _Failures:
 
     def __init__(self, records: Iterable[Mapping[str, Any]]):
         self._records = list(records)
-        blob = json.dumps(self._records, sort_keys=True).encode()
-        self.size = len(blob)
-        self.taken = frozenset({hashlib.sha256(blob).hexdigest()})
+        digest, self.size = hashlib.sha256(), 0
+        for record in self._records:  # one at a time: a store's stopped loops hold MBs of text
+            line = json.dumps(record, sort_keys=True).encode()
+            digest.update(line)
+            self.size += len(line)
+        self.taken = frozenset({digest.hexdigest()})
 
     def records(self) -> Iterator[dict[str, Any]]:
         return iter(self._records)
