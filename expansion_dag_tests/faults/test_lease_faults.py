@@ -48,7 +48,9 @@ def test_a_renewal_that_raises_stops_the_sender_naming_the_cause_and_the_fix(kin
     proxy = request.getfixturevalue("proxy") if kind == "s3" else None
     root = root_of(kind, request, tmp_path)
     said = Said()
-    store = CompletionStore(root / "completions", local_dir=tmp_path / "machine")
+    # The segment is uploaded at the writer's close only, once the credentials are renewed: a
+    # loaded machine's wait for the failure may outlast the writer's upload interval.
+    store = CompletionStore(root / "completions", local_dir=tmp_path / "machine", segment_interval_s=3600)
     holder = ShardLease(root, SHARD, run_id="run-broken", log=said, timeout_s=TIMEOUT_S, wait=True,
                         local_dir=tmp_path / "machine")
     with holder, store.writer(SHARD, check=holder.check) as writer:
