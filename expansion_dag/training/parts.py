@@ -1,28 +1,22 @@
 """A training set built in parts, each part once: a rebuild tokenizes only what is new.
 
-The expensive step of a build is rendering and tokenizing each record; a nightly expansion adds one
-night's records to a store of many nights. So the set is made of parts, each built from a fixed set
-of records (one segment of the store, ``SegmentPart``) and kept in ``parts_dir``: its Parquet rows,
-its trainers' JSONL lines and its counts (``part.json``, written last). A build takes every part
-whose records (segment name and size, the keys an earlier segment already answered, its lines set
-aside as not whole) and whose build (the training configuration, tokenizer, identities and this
-folder's code: ``fingerprint``) are unchanged as they are, builds the others, in ``workers``
-processes where asked, and assembles the set: the parts' Parquet files linked in order, their JSONL
-lines concatenated, their counts added. A changed build rebuilds every part, and the manifest's
-``parts`` says which happened. The store's failure records are one more part, last, built again
-when they change: counts only, but for a stopped loop's text before it (``loop_prefix: keep``).
+Rendering and tokenizing each record is the expensive step, and a night adds one night's records to
+a store of many. So the set is made of parts, each from a fixed set of records (one segment of the
+store, ``SegmentPart``), kept in ``parts_dir``: its Parquet rows, its trainers' JSONL lines and its
+counts (``part.json``, written last). A build takes as they are the parts whose records (segment
+name and size, the keys an earlier segment answered, its lines set aside) and build (configuration,
+tokenizer, identities, this folder's code: ``fingerprint``) are unchanged, builds the others (in
+``workers`` processes where asked), and assembles the set; the manifest's ``parts`` says which
+happened. The store's failure records are one more part, last, built again when they change:
+counts only, but for a stopped loop's text before it (``loop_prefix: keep``). The rows are those a
+single pass over the same records gives (``build_training_set``), in the same order.
 
-The rows are those a single pass over the same records gives (``build_training_set``), in the same
-order; the Parquet files split at part boundaries.
-
-``build_parts`` builds some parts alone (one shard's, in a Dagster run or pod of its own) into the
-same folder, and the build that assembles the set then takes them as they are. Builders of the
-same folder never clash: a part is built in a staging folder named by its builder (``Owner``: the
-builder's claim, ``expansion_dag.store.BuildClaim``) and renamed into place whole, and one that
-another builder placed first is kept. The assembling build removes only what no build needs:
-parts of another build (their fingerprint), parts of a segment it holds under another name, and
-staging folders whose builder is gone; never a part of a segment it does not know (another
-builder's, newer than what it read) nor anything a live builder is writing.
+``build_parts`` builds some parts alone (one shard's, in a run or pod of its own) into the same
+folder, for the assembling build to take. Builders never clash: a part is built in a staging folder
+named by its builder's claim (``Owner``, ``expansion_dag.store.BuildClaim``) and renamed into place
+whole; one another builder placed first is kept. The assembling build removes only what no build
+needs (parts of another fingerprint, of a segment it holds under another name, staging folders of
+gone builders), never a part of a segment it does not know nor what a live builder is writing.
 """
 
 from __future__ import annotations

@@ -1,33 +1,26 @@
 """A sample's render, split into the texts that are tokenized apart.
 
-Templates such as Qwen3's have no ``{% generation %}`` markers, so the assistant's part of a
-sample is found in its rendered text:
+Templates such as Qwen3's have no ``{% generation %}`` markers, so the assistant's part of a sample
+is found in its rendered text:
 
 * The prompt is rendered as the server rendered it (``add_generation_prompt=True``, the same
-  ``chat_template_kwargs``) and must be a prefix of the whole conversation's render; what follows,
-  up to the end-of-turn token, is the assistant's. So whatever the template puts into the
-  generation prompt (``<|im_start|>assistant\\n``; Qwen3's ``<think>\\n\\n</think>\\n\\n`` when
-  ``enable_thinking=False``) is prompt (mask 0), and the think tags around kept reasoning are the
-  assistant's (mask 1): in thinking mode Qwen3 writes them itself.
-* The whitespace the template adds after the end-of-turn token (ChatML's ``\\n`` after
-  ``<|im_end|>``) stays in ``input_ids`` (so they decode to the exact render) with mask 0 by
-  default: the model stops at ``<|im_end|>`` and never writes it. SpecForge's and speculators'
-  own renderers train it; ``train_newline_after_end_of_turn=True`` follows them (the mask
-  convention, ``MASK_CONVENTION``; each trainer's other differences: ``dataset_card.CONSUMER_NOTES``).
-* An earlier assistant turn of a conversation is found by rendering the conversation again with
-  that turn's content replaced by a marker: the renders agree up to the marker (the turn's role
-  header) and after it (the rest), so what differs is the turn as the template renders it there
-  (Qwen3 drops earlier turns' think blocks), followed by the template's end-of-turn text. A
-  conversation that does not split so is left out (``render_mismatch``), never guessed at.
-* Each turn gives three texts, what precedes it, its own part and that trailer, tokenized apart
-  and concatenated.
-  Tokenized whole, a render can merge characters across the boundary (Qwen's vocabulary with a
-  ChatML template like Qwen2.5's turns ``assistant\\n`` + an answer starting ``" \\n"`` into one
-  ``"\\n \\n"`` token), and no offset can split that token. Tokenized apart, the prompt's ids are
-  exactly those the server fed the model, and the answer's start where its generation started.
-* With ``reasoning="drop"`` Qwen3's template still renders an empty ``<think>\\n\\n</think>\\n\\n``
-  on the final turn. A mode with ``chat_template_kwargs={"enable_thinking": False}`` has it as
-  prompt, as the server renders it in non-thinking mode; otherwise it counts as written by the assistant.
+  ``chat_template_kwargs``) and must be a prefix of the conversation's render; what follows, up to
+  the end-of-turn token, is the assistant's. So the generation prompt (``<|im_start|>assistant\\n``;
+  Qwen3's empty think block when ``enable_thinking=False``) is prompt (mask 0), and the think tags
+  around kept reasoning are the assistant's (mask 1): in thinking mode Qwen3 writes them itself.
+* The whitespace after the end-of-turn token (ChatML's ``\\n``) stays in ``input_ids`` with mask 0
+  by default: the model never writes it. ``train_newline_after_end_of_turn=True`` follows SpecForge
+  and speculators, which train it (``MASK_CONVENTION``; ``dataset_card.CONSUMER_NOTES``).
+* An earlier assistant turn is found by rendering the conversation again with that turn replaced by
+  a marker: the renders agree before and after it, so what differs is the turn as the template
+  renders it there (Qwen3 drops earlier turns' think blocks). A conversation that does not split so
+  is left out (``render_mismatch``), never guessed at.
+* Each turn gives three texts (what precedes it, its own part, the trailer), tokenized apart and
+  concatenated: tokenized whole, a render can merge characters across a boundary into one token
+  (Qwen's vocabulary turns ``assistant\\n`` + ``" \\n"`` into ``"\\n \\n"``). Apart, the prompt's ids
+  are exactly those the server fed the model.
+* With ``reasoning="drop"`` Qwen3 still renders an empty think block on the final turn: prompt for
+  a mode with ``enable_thinking: False`` (as the server renders it), else the assistant's.
 """
 
 from __future__ import annotations

@@ -1,32 +1,25 @@
 """Samples to rows: each sample's token ids and loss mask, chunk by chunk, from the server's ids or
-its render tokenized.
+its render tokenized. A row says where its ids come from (``ids_from``):
 
-Rows from the server's ids (issue 38). A record that carries the ids the server ran and sampled
-(``token_ids``) is its row: the prompt ids, the sampled ids (closed by the end-of-turn token they
-end with, or the template's where the answer was cut before one) and the trailer's ids; the mask
-is 0 on the prompt and 1 on the sampled ids, the trailer by the convention. No render and no
-tokenization: that is what makes the build fast. A row says where its ids come from (``ids_from``):
-
-* ``server``: as above. Ids that do not decode to the text the server returned (compared without
-  whitespace and think tags, which reasoning parsers strip and move) win: the text is what a
-  parser made of them, the ids are what the target model sampled; the row says so
-  (``ids_match_text``), counted in the manifest.
+* ``server``: a record that carries the ids the server ran and sampled (``token_ids``) is its row:
+  the prompt ids, the sampled ids (closed by their end-of-turn token, or the template's where the
+  answer was cut before one) and the trailer's; mask 0 on the prompt, 1 on the sampled ids, the
+  trailer by the convention. No render and no tokenization: that is what makes the build fast. Ids
+  that do not decode to the returned text (compared without whitespace and think tags, which
+  reasoning parsers move) win: the ids are what the model sampled (``ids_match_text`` says so).
 * ``retokenized``: the render split and tokenized (``rendering``), for a record without ids (an
-  older server), one whose ids are not whole (fewer or more than ``completion_tokens``: never
-  trained from), or one whose row is not a sequence the model sampled (``reasoning="drop"`` on an
-  answer with reasoning). The manifest counts each reason.
+  older server), with ids not whole (not ``completion_tokens`` of them), or whose row is not a
+  sequence the model sampled (``reasoning="drop"`` with reasoning). The manifest counts each reason.
 
-A conversation's earlier turns are the server's own rendering of them in its last turn's prompt,
-not their own sampled ids: that prompt is the context the model answered the last turn in (Qwen3's
-template drops earlier turns' reasoning, so their sampled ids, reasoning first, are in no context
-the model ran), and a drafter learns to predict the target in the contexts it runs. They are found
-where the client's render puts them, by each token's bytes; a conversation whose server prompt does
-not decode to the client's render is re-tokenized (``prompt_not_located``).
+A conversation's earlier turns are the server's rendering of them in its last turn's prompt, not
+their own sampled ids: that prompt is the context the model answered in (Qwen3 drops earlier turns'
+reasoning), and a drafter learns the target in the contexts it runs. They are found where the
+client's render puts them, by each token's bytes; a server prompt that does not decode to the
+client's render is re-tokenized (``prompt_not_located``).
 
-What re-tokenizing would have changed is measured on a sample of the rows from ids (the first
-``MEASURED_PER_CHUNK`` of each chunk: the measurement re-tokenizes, the cost the ids save): rows
-whose ids differ and by how many tokens, and prompts whose server ids differ from the client's own
-render, id by id (``Manifest.retokenization``).
+What re-tokenizing would have changed is measured on the first ``MEASURED_PER_CHUNK`` rows from ids
+of each chunk: rows whose ids differ and by how many tokens, and prompts whose server ids differ
+from the client's render (``Manifest.retokenization``).
 """
 
 from __future__ import annotations

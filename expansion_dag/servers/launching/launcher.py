@@ -14,15 +14,14 @@
 - ``Launcher.launched_slots``: the running-request slots each command passes (vLLM's
   ``--max-num-seqs``, SGLang's ``--max-running-requests``), known without asking the server, which
   vLLM could not answer.
-- ``wait_ready`` waits for ``GET /health`` 200, treating refused connections (model loading) and
-  503 (warmup) as "not yet", and quotes the server's last log lines when it gives up.
+- ``wait_ready`` waits for ``GET /health`` 200 (a refused connection or a 503 is "not yet"), and
+  quotes the server's last log lines when it gives up.
 - The API key stays off the server's command line, which every user of the machine reads (``ps``):
   SGLang gets it in a YAML file of arguments readable by this user alone (``--config
   {api_key_file}``), removed once the server is ready; vLLM in its environment (``VLLM_API_KEY``);
   see :data:`KEY_DELIVERY`. A command that names ``{api_key}`` or ``--api-key`` is refused.
-- The key stays out of the log from its first line: SGLang (0.5.23) logs its arguments at start-up,
-  the key among them, so a keyed server's output reaches its log through ``log_filter.py``, which
-  masks it as it is written.
+- SGLang 0.5.23 logs its arguments, the key among them, at start-up: a keyed server's output
+  reaches its log through ``log_filter.py``, which masks the key as it is written.
 """
 
 from __future__ import annotations

@@ -1,36 +1,25 @@
 """Spotting a degenerate answer while it is generated: a loop, by one of five rules.
 
-A model stuck in a loop writes the same thing again and again until the cap. How it repeats
-itself was read off a real model's answers (SmolLM2-135M-Instruct: the fixture
+How a model repeats itself was read off a real model's answers (SmolLM2-135M-Instruct:
 ``expansion_dag_tests/data/real_model_answers.jsonl.gz``), and each way is a rule (``LOOP_RULES``):
 
-- ``exact``: one span repeated back to back, the same characters each time, at least
-  ``min_repeats`` times over at least ``min_loop_chars`` (``loop_periodic``);
-- ``counter``: one span repeated back to back whose numbers all count by constant steps
-  (``n + 584, n + 585, ...``, ``#define MAX_NAME 242``, ``243``, ...): an enumeration that never ends
-  (a long span, a block of code, in fewer copies: 2,048 characters of them);
-- ``numbers``: one span repeated back to back whose numbers change in any other way;
+- ``exact``: one span repeated back to back, the same characters each time (``loop_periodic``);
+- ``counter``: one span repeated whose numbers all count by constant steps (``#define MAX 242``,
+  ``243``, ...): an enumeration that never ends (a long span, a block of code, in fewer copies);
+- ``numbers``: one span repeated whose numbers change in any other way;
 - ``cycle``: a few lines recurring in any order (``loop_units``);
-- ``resaid``: sentence after sentence saying again, in nearly the same words, what an earlier one said.
+- ``resaid``: sentence after sentence saying again, in nearly the same words, what one said before.
 
-Legitimate repetition (a markdown table, a list, unit tests, step-by-step arithmetic, a chorus)
-repeats a *shape* with cells, items, names and numbers that change, and it ends: exact repeats
-break within a few lines, and the shape rules ask for more copies than legitimate answers hold
-(counting to 400, Fibonacci for 60 lines and 50 unit tests of one function are all legitimate
-in the tests' corpus, ``expansion_dag_tests/data/repetitive_answers.jsonl.gz``). A list of numbers alone (digits and punctuation)
-needs more copies (``counter_repeats_numeric``, ``numbers_repeats_numeric``): counting to 400 and
-the first 100 primes are answers. Worked arithmetic may repeat a shape for thousands of tokens; its
-arithmetic holds (``loop_derivation``), and ``numbers`` and ``resaid`` leave it alone.
+Legitimate repetition (a table, a list, unit tests, a chorus) repeats a *shape* whose cells change,
+and it ends: the shape rules ask for more copies than legitimate answers hold
+(``expansion_dag_tests/data/repetitive_answers.jsonl.gz``), a list of numbers alone more still
+(counting to 400 is an answer), and worked arithmetic whose arithmetic holds (``loop_derivation``)
+is left alone. Characters, not tokens: the client sees text, and a token loop is a character loop.
 
-Characters, not tokens: the client sees text, and a token loop is a character loop.
-
-Cost: the rules run every ``check_every_chars`` new characters. The span rules look only at the
-last ``window_chars`` (candidate periods from ``str.rfind``, one slice comparison each); the shape
-is built once per new character, and each line and sentence is judged once, when complete.
-
-Known limit: an answer that is *meant* to be one span repeated many times (a 40 x 40 matrix of
-zeros, "all work and no play" a hundred times) or to count past hundreds reads as a loop; such
-answers are rare and poor training data anyway.
+Cost: the rules run every ``check_every_chars`` new characters; the span rules look at the last
+``window_chars`` only, and each line and sentence is judged once, when complete. Known limit: an
+answer *meant* to be one span many times (a matrix of zeros) or to count past hundreds reads as a
+loop; such answers are rare and poor training data anyway.
 """
 
 from __future__ import annotations

