@@ -1,6 +1,6 @@
 """Borrowing on bounded queues (issue 33): the share of attempts a full queue refuses (SIMULATOR).
 
-The simulator's borrowing workload (``expansion_dag.sim.workloads``): four shards, each in its own
+The simulator's borrowing workload (``expansion_dag_tests.workloads.borrowing``): four shards, each in its own
 process as Dagster runs them, one simulated SGLang server each (8 slots, queues bounded at 2: a
 request beyond them is answered 503 "The request queue is full."), the servers in a process of their
 own. Shard 0 has 5 prompts and ends at once; the other three have 150 each and borrow its server, and
@@ -40,10 +40,10 @@ from harness import header, write_result  # (bench/ is on sys.path when run as a
 
 from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
 from expansion_dag.generation import EngineConfig, Server, WorkItem, generate_shard
-from expansion_dag.sim import (
+from expansion_dag.sim import FleetProcess
+from expansion_dag_tests.workloads.borrowing import (
     BORROWING_SERVER,
     BORROWING_SHARDS,
-    FleetProcess,
     borrowing_prompt,
     most_borrowed_at_once,
     refusals_by_phase,

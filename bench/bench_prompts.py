@@ -71,7 +71,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import harness  # noqa: E402  (bench/ is on sys.path when run as a script)
 from harness import Clock, reset_peak, stats, window_peak_mib  # noqa: E402
 
-from expansion_dag.samples.text_model import TextModel, lognormal_ints  # noqa: E402
+from expansion_dag_tests.workloads.text_model import TextModel, lognormal_ints  # noqa: E402
 
 FULL_ROWS = 654_676  # BAAI/Infinity-Instruct, config 0625
 FULL_BUDGET_PROMPTS = 193_010

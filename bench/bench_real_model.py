@@ -58,7 +58,7 @@ from harness import ROOT, RESULTS_DIR, cpu_s, free_ports, header, process_cpu_s,
 from expansion_dag.config import GenerationConfig, engine_config, sampling_settings, training_set_config
 from expansion_dag.core import OK, ModeIdentities, ModeMix, count_prompt_tokens, load_tokenizer
 from expansion_dag.generation import Server, WorkItem, generate_shard
-from expansion_dag.samples.chat_sources import (
+from expansion_dag_tests.workloads.chat_sources import (
     CODE_PROMPTS_II,
     CODE_TASKS,
     CONTEXT_PROMPTS,

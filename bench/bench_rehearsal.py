@@ -14,7 +14,7 @@ machine (at 0.002 ms and one event a token, simulators missed the client's 10 s 
 shards failed).
 
 The inputs are the reference run's, at ``--prompts``, written in a temporary folder (``--work-dir``)
-by ``expansion_dag.samples.rehearsal``: the six sources in their real layouts and schemas, a catalog
+by ``expansion_dag_tests.workloads.rehearsal``: the six sources in their real layouts and schemas, a catalog
 whose quotas add up to ``--prompts`` exactly, and a run configuration whose simulated answers
 average the reference run's length.
 
@@ -71,7 +71,7 @@ from harness import (  # (bench/ is on sys.path when run as a script)
 )
 
 from expansion_dag.cli import STAGES
-from expansion_dag.samples.rehearsal import (
+from expansion_dag_tests.workloads.rehearsal import (
     MAX_OUTPUT_TOKENS,
     MEAN_OUTPUT_TOKENS,
     OUTPUT_SIGMA,

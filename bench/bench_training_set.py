@@ -62,7 +62,7 @@ from harness import Clock, reset_peak, window_peak_mib
 
 from expansion_dag.config import GenerationConfig, sampling_settings
 from expansion_dag.core import DEFAULT_MODE, Identity, ModeIdentities, ModeMix
-from expansion_dag.samples.text_model import TextModel, lognormal_ints
+from expansion_dag_tests.workloads.text_model import TextModel, lognormal_ints
 
 #: The identity the generated records' keys belong to (``completion_key(prompt_id, "settings")``).
 BENCH_IDENTITY = Identity(model="bench", simulated=True, fingerprint="settings")

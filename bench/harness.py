@@ -34,6 +34,9 @@ from typing import Any
 from expansion_dag.core import free_port_block
 
 ROOT = Path(__file__).resolve().parent.parent
+# The workloads the benchmarks share with the tests are kept with the tests (expansion_dag_tests/workloads/).
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
 RESULTS_DIR = ROOT / "bench" / "results"
 #: Where generated inputs are cached between runs.
 DATA_DIR = Path(tempfile.gettempdir()) / "expansion_dag_bench"

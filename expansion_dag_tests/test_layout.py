@@ -21,10 +21,9 @@ ROOT = PACKAGE.parent
 #: The layers, bottom first: a folder imports its own modules and the folders before it, never after.
 LAYERS = ("core", "store", "prompts", "servers", "training", "generation", "config", "defs", "cli")
 #: Beside the layers: the simulator stands on the core alone (the product starts it as a process,
-#: never imports it), and the bundled sample datasets' maker imports nothing of the package. So the
-#: simulator reads the servers' contracts its own way, never with the client's wire types: a
-#: misreading shared by both would pass every test that pits one against the other.
-SIDE = {"sim": {"core"}, "samples": set()}
+#: never imports it). So it reads the servers' contracts its own way, never with the client's wire
+#: types: a misreading shared by both would pass every test that pits one against the other.
+SIDE = {"sim": {"core"}}
 #: Modules at the top, outside any folder: Dagster's one root of definitions, which wires them all
 #: and, for the direction between folders, counts as the shell's (the CLI runs it).
 TOP_LEVEL = {"expansion_dag", "expansion_dag.definitions"}
@@ -269,8 +268,9 @@ def _docstrings(tree: ast.Module) -> set[int]:
 
 
 def test_no_test_imports_or_runs_a_benchmark():
-    """A test that needs a benchmark's workload imports it from the package, where the benchmark
-    imports it too: a benchmark is free to change how it measures without breaking a test."""
+    """A test that needs a benchmark's workload imports it from ``expansion_dag_tests/workloads/``,
+    where the benchmark imports it too: a benchmark is free to change how it measures without
+    breaking a test."""
     scripts = {path.stem for path in BENCH.glob("*.py")}
     assert scripts, "no benchmark found: the rule would hold of nothing"
     found = []

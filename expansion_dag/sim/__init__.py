@@ -14,17 +14,8 @@ from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.sim.process import FleetProcess
 from expansion_dag.sim.server import READY_LINE, SimServer
-from expansion_dag.sim.workloads import (
-    BORROWING_SERVER,
-    BORROWING_SHARDS,
-    borrowing_prompt,
-    most_borrowed_at_once,
-    refusals_by_phase,
-    shard_of,
-)
 
 __all__ = [
-    "BORROWING_SERVER", "BORROWING_SHARDS", "DEFAULT_REASONING_SHARE", "FleetProcess", "OutputModel", "READY_LINE",
-    "SimServer", "SimServerConfig", "SimulatedFleet", "VllmDialect", "borrowing_prompt", "main",
-    "most_borrowed_at_once", "refusals_by_phase", "shard_of"
+    "DEFAULT_REASONING_SHARE", "FleetProcess", "OutputModel", "READY_LINE", "SimServer", "SimServerConfig",
+    "SimulatedFleet", "VllmDialect", "main",
 ]

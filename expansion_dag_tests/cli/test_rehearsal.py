@@ -1,5 +1,5 @@
 """The reference run rehearsed small on the simulator, as ``bench/bench_rehearsal.py`` runs it at full
-size: its inputs from ``expansion_dag.samples.rehearsal``, the command's own sequence
+size: its inputs from ``expansion_dag_tests.workloads.rehearsal``, the command's own sequence
 (``run_expansion``) in a process of its own. Its accounting, not its speed."""
 
 import json
@@ -21,7 +21,7 @@ from expansion_dag.cli import STAGES
 from expansion_dag.config import load_config
 from expansion_dag.core import OK, ModeIdentities, load_tokenizer
 from expansion_dag.generation import ShardWork, learn, shard_figures
-from expansion_dag.samples.rehearsal import MEAN_OUTPUT_TOKENS, write_config, write_sources
+from expansion_dag_tests.workloads.rehearsal import MEAN_OUTPUT_TOKENS, write_config, write_sources
 from expansion_dag.store import CompletionStore
 from expansion_dag.training import Manifest, current_version, data_files
 from expansion_dag_tests.ports import free_port

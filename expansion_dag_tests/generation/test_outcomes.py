@@ -29,16 +29,15 @@ from expansion_dag.generation import (
     spearman,
 )
 from expansion_dag.servers import DegenerateError, Loop, error_from_status
-from expansion_dag.sim import (
+from expansion_dag.sim import SimServerConfig, SimulatedFleet
+from expansion_dag.store import CompletionStore
+from expansion_dag_tests.helpers import default_sampling, default_engine, wait_for
+from expansion_dag_tests.workloads.borrowing import (
     BORROWING_SERVER,
     BORROWING_SHARDS,
-    SimServerConfig,
-    SimulatedFleet,
     borrowing_prompt,
     most_borrowed_at_once,
 )
-from expansion_dag.store import CompletionStore
-from expansion_dag_tests.helpers import default_sampling, default_engine, wait_for
 
 MODEL = SimServerConfig().model_name
 SAMPLING = default_sampling()

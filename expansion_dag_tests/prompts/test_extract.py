@@ -2,7 +2,6 @@
 ``datasets`` as the pipeline does) and on small hand-made tables for each edge case."""
 
 import hashlib
-import importlib.util
 import json
 import random
 import unicodedata
@@ -27,6 +26,7 @@ from expansion_dag.prompts import (
     package_dir,
     select_prompts,
 )
+from expansion_dag_tests.workloads import make_samples
 
 
 @pytest.fixture(scope="module")
@@ -583,18 +583,10 @@ def test_the_vectorized_path_matches_a_plain_python_reference():
 
 
 def test_make_samples_reproduces_the_committed_files(tmp_path):
-    module_path = package_dir("samples") / "make_samples.py"
-    spec = importlib.util.spec_from_file_location("make_samples", module_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(tmp_path)
+    make_samples.main(tmp_path)
     committed = package_dir("samples")
     written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert written == sorted(
-        p.relative_to(committed)
-        for p in committed.rglob("*")
-        if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts
-    )
+    assert written == sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file())
     for relative in written:
         new, old = tmp_path / relative, committed / relative
         if relative.suffix == ".parquet":  # compare content: the writer's version is in the bytes

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from expansion_dag.sim.config import SimServerConfig
+from expansion_dag.sim import SimServerConfig
 
 #: Each shard's prompts: shard 0 ends at once, the other three borrow its server.
 BORROWING_SHARDS = (5, 150, 150, 150)

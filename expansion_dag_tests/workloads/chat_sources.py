@@ -8,7 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from expansion_dag.samples.sample_files import (
+from expansion_dag_tests.workloads.sample_files import (
     conversations_array,
     gpt,
     human,

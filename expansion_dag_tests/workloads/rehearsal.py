@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from expansion_dag.samples.text_model import TextModel, lognormal_ints
-from expansion_dag.samples.tool_sources import AGENT_SPLITS, HERMES_CONFIGS
+from expansion_dag_tests.workloads.text_model import TextModel, lognormal_ints
+from expansion_dag_tests.workloads.tool_sources import AGENT_SPLITS, HERMES_CONFIGS
 
 REFERENCE_PROMPTS = 193_010
 REFERENCE_OUTPUT_TOKENS = 523_000_000

@@ -1,6 +1,6 @@
 """Writes the bundled sample datasets: small files in the real layouts and schemas of the six sources.
 
-    python expansion_dag/samples/make_samples.py
+    .venv/bin/python -m expansion_dag_tests.workloads.make_samples    # from the repository root
 
 All text is written here (no real dataset rows). Besides ordinary prompts of many lengths, the
 samples hold on purpose: rows each quarantine reason catches, non-English Infinity-Instruct rows
@@ -15,19 +15,22 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from expansion_dag.samples.chat_sources import (
+import expansion_dag
+
+from expansion_dag_tests.workloads.chat_sources import (
     write_codefeedback,
     write_infinity_instruct,
     write_metamathqa,
     write_webinstructsub,
 )
-from expansion_dag.samples.tool_sources import write_agentinstruct, write_hermes
+from expansion_dag_tests.workloads.tool_sources import write_agentinstruct, write_hermes
 
-HERE = Path(__file__).parent
+#: Where the package ships them.
+SAMPLES = Path(expansion_dag.__file__).parent / "samples"
 SEED = 20240625
 
 
-def main(out_dir: Path = HERE) -> None:
+def main(out_dir: Path = SAMPLES) -> None:
     rng = random.Random(SEED)
     for write in (
         write_infinity_instruct,
