@@ -16,8 +16,7 @@ Under the storage root:
 The pointer only moves forward: a build that finishes after a newer one published keeps its
 version as an older one. After a switch, versions beyond ``keep`` (the current one included) are
 removed, oldest first, and so are versions that were never published, but never one that a live
-builder owns. A set in the layout of earlier releases (``training_set/`` a folder) becomes a
-version on a local root, and is removed from an object store once the pointer names a version.
+builder owns.
 """
 
 from __future__ import annotations
@@ -44,8 +43,6 @@ from expansion_dag.training.manifest import MANIFEST_NAME, current_version
 VERSIONS = "training_set_versions"
 CURRENT = "training_set"
 POINTER = f"{CURRENT}.json"  # on an object store
-#: The owner of a set moved from the layout of earlier releases: no builder's, so never alive.
-LEGACY_OWNER = "0" * 16
 #: A version's name, or a staging folder's made from it: its start, then its builder's claim.
 _NAME = re.compile(r"\.?(\d{8}T\d{12}Z)-([0-9a-f]{16})")
 
@@ -97,7 +94,7 @@ def publishing(root: str | os.PathLike[str], *, claim: Claim, keep: int, scratch
             shutil.rmtree(folder, ignore_errors=True)
     # The claim still holds: no other builder can have judged this version abandoned.
     claim.check()
-    version.current = _switch_link(local_path(root), name) if is_local(root) else _switch_pointer(root, name, log)
+    version.current = _switch_link(local_path(root), name) if is_local(root) else _switch_pointer(root, name)
     if not version.current:
         log.warning(f"a newer version of the training set was published while {name} was built: it stays "
                     f"the current one, and {url} is kept as an older version")
@@ -108,8 +105,6 @@ def _switch_link(root: Path, name: str) -> bool:
     """Point ``root/training_set`` at the version ``name`` unless a newer one is named already."""
     link = root / CURRENT
     with _locked(root / f".{CURRENT}.lock"):
-        if link.exists() and not link.is_symlink():
-            _adopt(link, root / VERSIONS)
         if link.is_symlink() and Path(os.readlink(link)).name > name:
             return False
         staged = root / f".{CURRENT}.link-{name}"
@@ -124,15 +119,6 @@ def _switch_link(root: Path, name: str) -> bool:
     return True
 
 
-def _adopt(legacy: Path, versions: Path) -> None:
-    """A set of an earlier release's layout (a folder of its own) becomes the oldest kind of version."""
-    manifest = legacy / MANIFEST_NAME
-    written = (manifest if manifest.exists() else legacy).stat().st_mtime
-    versions.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(written))
-    os.rename(legacy, versions / f"{stamp}000000Z-{LEGACY_OWNER}")
-
-
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +130,7 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _switch_pointer(root: UPath, name: str, log: Log) -> bool:
+def _switch_pointer(root: UPath, name: str) -> bool:
     """Write ``root/training_set.json`` naming the version ``name`` unless a newer one is named already."""
     pointer = conditional_file(root / POINTER)
     body = (json.dumps({"version": name, "path": f"{VERSIONS}/{name}"}, indent=2) + "\n").encode()
@@ -158,13 +144,6 @@ def _switch_pointer(root: UPath, name: str, log: Log) -> bool:
             return False
         if pointer.swap(body, found.version) is not None:
             break
-    legacy = root / CURRENT
-    if (legacy / MANIFEST_NAME).exists():
-        # A reader of the old folder finds no manifest first, then nothing: never a mixed set.
-        legacy.fs.rm_file((legacy / MANIFEST_NAME).path)
-        legacy.fs.rm(legacy.path, recursive=True)
-        log.warning(f"the training set of an earlier release's layout, {legacy}, was removed: the current set is "
-                    f"the version {root / POINTER} names")
     return True
 
 

@@ -9,7 +9,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from expansion_dag.core import as_upath, load_tokenizer, upload
+from expansion_dag.core import as_upath, load_tokenizer
 from expansion_dag.store import BuildClaim
 from expansion_dag.training import (
     POINTER,
@@ -121,27 +121,3 @@ def test_a_version_a_live_builder_owns_is_never_removed(root, qwen3, tmp_path):
              else {o.split("/")[1] for o in objects(str(root)) if o.startswith(f"{VERSIONS}/")})
     assert names == {newest.name}
     assert read_set(root / "training_set") == (ids_of(range(4)), 4)
-
-
-def test_a_set_in_the_layout_of_an_earlier_release_becomes_a_version(qwen3, tmp_path):
-    root = as_upath(str(tmp_path / "storage"))
-    build_training_set([record(i) for i in range(2)], qwen3, CONFIG, tmp_path / "storage" / "training_set",
-                       identities=one_mode(MODEL))
-    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run", log=Said(), local_dir=tmp_path / "machine") as claim:
-        newest = published(root, qwen3, range(3), tmp_path, claim=claim, keep=2)
-    assert read_set(root / "training_set") == (ids_of(range(3)), 3)
-    [older] = [p for p in (tmp_path / "storage" / VERSIONS).iterdir() if p.name != newest.name]
-    assert older.name.endswith("-0000000000000000") and read_set(older) == (ids_of(range(2)), 2)
-
-
-def test_on_an_object_store_a_set_of_the_earlier_layout_goes_once_a_version_is_current(bucket, qwen3, tmp_path):
-    root = as_upath(f"s3://{bucket}/storage")
-    build_training_set([record(i) for i in range(2)], qwen3, CONFIG, tmp_path / "earlier", identities=one_mode(MODEL))
-    upload(tmp_path / "earlier", root / "training_set", last="manifest.json")
-    assert read_set(root / "training_set") == (ids_of(range(2)), 2)  # read as it always was, until then
-    said = Said()
-    with BuildClaim(root, timeout_s=LEASE_TIMEOUT_S, run_id="run", log=said, local_dir=tmp_path / "machine") as claim:
-        published(root, qwen3, range(3), tmp_path, claim=claim, log=said)
-    assert read_set(root / "training_set") == (ids_of(range(3)), 3)
-    assert not [o for o in objects(str(root)) if o.startswith("training_set/")]
-    assert said.saying(f"the training set of an earlier release's layout, {root / 'training_set'}, was removed")
