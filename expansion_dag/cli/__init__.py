@@ -2,8 +2,8 @@
 its run's one sequence, for whoever runs it from Python (the benchmarks measure each of its steps).
 """
 
-from expansion_dag.cli.commands import STAGES, Stage, main, mirrored_fleet, run_expansion
+from expansion_dag.cli.commands import STAGES, main, mirrored_fleet, run_expansion
 
 __all__ = [
-    "STAGES", "Stage", "main", "mirrored_fleet", "run_expansion"
+    "STAGES", "main", "mirrored_fleet", "run_expansion",
 ]

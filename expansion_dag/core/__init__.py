@@ -30,14 +30,7 @@ from expansion_dag.core.errors import (
     unwritable,
 )
 from expansion_dag.core.histogram import bar_chart_png, png_data_uri
-from expansion_dag.core.modes import (
-    DEFAULT_MODE,
-    ModeError,
-    ModeIdentities,
-    ModeMix,
-    base_prompt_id,
-    parse_modes,
-)
+from expansion_dag.core.modes import DEFAULT_MODE, ModeError, ModeIdentities, ModeMix, base_prompt_id, parse_modes
 from expansion_dag.core.outcomes import (
     CANARY_PROMPTS,
     CONTENT,
@@ -75,25 +68,21 @@ from expansion_dag.core.urls import (
     local_path,
     server_url,
     upload,
-    upload_after,
-    url_credentials,
     without_credentials,
     write_atomically,
 )
 
 __all__ = [
-    "AuthError", "BadResponseError", "Breaker", "CANARY_PROMPTS", "CONTENT", "CONTEXT_EXHAUSTED",
-    "ConnectError", "ContextLengthError", "ContextOverflow", "DEFAULT_MODE", "DEFAULT_TOKENIZER",
-    "ENDINGS", "FAILED", "FleetError", "FleetMismatchError", "IDS_LEFT_OUT", "Identity", "InputTooLong",
-    "ModeError", "ModeIdentities", "ModeMix", "OK", "OUTPUT_IDS", "PROMPT_IDS", "QueueFullError",
-    "RETRYABLE_CONTENT", "RejectedError", "RequestError", "SamplingSettings", "ServerStartError",
-    "ServerUnreachableError", "ShardAborted", "TURN_UNFINISHED", "TimeoutError_", "TransientError",
-    "UNWRITABLE", "UnfinishedError", "WeightsProbe", "as_upath", "auth_headers", "bar_chart_png",
-    "base_prompt_id", "borrowed_verdict", "bundled_qwen3_path", "canary_verdict", "completion_key",
+    "AuthError", "BadResponseError", "Breaker", "CANARY_PROMPTS", "CONTENT", "CONTEXT_EXHAUSTED", "ConnectError",
+    "ContextLengthError", "ContextOverflow", "DEFAULT_MODE", "DEFAULT_TOKENIZER", "ENDINGS", "FAILED", "FleetError",
+    "FleetMismatchError", "IDS_LEFT_OUT", "Identity", "InputTooLong", "ModeError", "ModeIdentities", "ModeMix", "OK",
+    "OUTPUT_IDS", "PROMPT_IDS", "QueueFullError", "RETRYABLE_CONTENT", "RejectedError", "RequestError",
+    "SamplingSettings", "ServerStartError", "ServerUnreachableError", "ShardAborted", "TURN_UNFINISHED",
+    "TimeoutError_", "TransientError", "UNWRITABLE", "UnfinishedError", "WeightsProbe", "as_upath", "auth_headers",
+    "bar_chart_png", "base_prompt_id", "borrowed_verdict", "bundled_qwen3_path", "canary_verdict", "completion_key",
     "count_prompt_tokens", "count_tokens", "default_local_dir", "describe", "entry_name", "error_from_exception",
-    "fleet_state_dir", "free_port_block", "is_final", "is_local", "listing", "load_tokenizer", "local_path",
-    "of_error", "pack", "parse_modes", "pid_alive", "process_start", "png_data_uri", "record_fields",
-    "render_prompts", "server_url", "unpack", "unwritable", "upload", "upload_after", "url_credentials",
-    "without_credentials", "write_atomically",
-    "ContextCappedError", "ContextMismatchError", "DeadlineError", "OtherModelError", "OversizedError",
+    "fleet_state_dir", "free_port_block", "is_final", "is_local", "listing", "load_tokenizer", "local_path", "of_error",
+    "pack", "parse_modes", "pid_alive", "process_start", "png_data_uri", "record_fields", "render_prompts",
+    "server_url", "unpack", "unwritable", "upload", "without_credentials", "write_atomically", "ContextCappedError",
+    "ContextMismatchError", "DeadlineError", "OtherModelError", "OversizedError",
 ]

@@ -15,10 +15,8 @@ layers import this one's names from here.
 
 from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
 from expansion_dag.servers.launching import (
-    KEY_DELIVERY,
     OWNER_ENV,
     ServerRecord,
-    KeyDelivery,
     Launcher,
     LaunchSpec,
     is_healthy,
@@ -29,15 +27,12 @@ from expansion_dag.servers.launching import (
 from expansion_dag.servers.loops import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop, loop_cut
 from expansion_dag.servers.probing import (
     PROBE_MESSAGES,
-    PROBE_TOKENS,
-    PROTECTED_PATH,
     SLOTS_CONFIGURED,
     SLOTS_FROM_SERVER,
     SLOTS_LAUNCHED,
     FleetInfo,
     ServerFacts,
     ServerInfo,
-    files_digest,
     folder_weights,
     hub_commit,
     parse_gen_throughput,
@@ -51,7 +46,6 @@ from expansion_dag.servers.probing import (
     read_server_facts,
     read_throughputs,
     reprobe_difference,
-    serves_without_key,
     weights_label,
 )
 from expansion_dag.servers.sending import Deadline, Exchange, RetryPolicy, generate, send_chat
@@ -70,19 +64,14 @@ from expansion_dag.servers.transport import (
 from expansion_dag.servers.wire import (
     Answer,
     AnswerIdentity,
-    ChatChunk,
     ChatRequest,
     ChatStream,
     DegenerateError,
-    Tool,
-    ToolCall,
-    Usage,
     chat_request,
     error_from_status,
     finish_error,
     parse_chat_completion,
     parse_chat_stream,
-    parse_chunk,
     parse_context_error,
     request_tools,
     template_tools,
@@ -90,17 +79,15 @@ from expansion_dag.servers.wire import (
 )
 
 __all__ = [
-    "Answer", "AsyncioBackend", "AsyncioStream", "AsyncioTransport", "ChatChunk", "ChatRequest", "ChatStream",
-    "CoalescingSelector", "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "KEY_DELIVERY",
-    "KeyDelivery", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop", "LoopDetector", "LoopThresholds", "OWNER_ENV",
-    "OffLoop", "PROBE_MESSAGES", "PROBE_TOKENS", "PROTECTED_PATH", "RetryPolicy", "SGLANG", "SGLANG_MIN_VERSION",
-    "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo", "ServerRecord", "Tool",
-    "ToolCall", "Usage", "VLLM", "asyncio_transport", "chat_request", "dialect_for", "error_from_status", "files_digest",
-    "find_loop", "finish_error", "loop_cut", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery",
-    "make_client", "parse_chat_completion", "parse_chat_stream", "parse_chunk", "parse_context_error",
-    "parse_gen_throughput", "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_fleet_weights",
-    "probe_server", "read_idle_slots", "read_server_facts", "read_throughputs", "request_tools", "run_ticked",
-    "send_chat", "serves_without_key", "template_tools", "tls_context", "tool_call_flags", "tool_choice_for",
-    "wait_ready", "weights_label",
-    "AnswerIdentity", "Deadline", "probe_weights", "reprobe_difference",
+    "Answer", "AsyncioBackend", "AsyncioStream", "AsyncioTransport", "ChatRequest", "ChatStream", "CoalescingSelector",
+    "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop",
+    "LoopDetector", "LoopThresholds", "OWNER_ENV", "OffLoop", "PROBE_MESSAGES", "RetryPolicy", "SGLANG",
+    "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo",
+    "ServerRecord", "VLLM", "asyncio_transport", "chat_request", "dialect_for", "error_from_status", "find_loop",
+    "finish_error", "loop_cut", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery", "make_client",
+    "parse_chat_completion", "parse_chat_stream", "parse_context_error", "parse_gen_throughput", "parse_idle_slots",
+    "parse_server_facts", "probe_fleet", "probe_fleet_weights", "probe_server", "read_idle_slots", "read_server_facts",
+    "read_throughputs", "request_tools", "run_ticked", "send_chat", "template_tools", "tls_context", "tool_call_flags",
+    "tool_choice_for", "wait_ready", "weights_label", "AnswerIdentity", "Deadline", "probe_weights",
+    "reprobe_difference",
 ]

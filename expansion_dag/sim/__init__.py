@@ -13,9 +13,9 @@ from expansion_dag.sim.dialects import VllmDialect
 from expansion_dag.sim.fleet import SimulatedFleet
 from expansion_dag.sim.generation import OutputModel
 from expansion_dag.sim.process import FleetProcess
-from expansion_dag.sim.server import READY_LINE, SimServer
+from expansion_dag.sim.server import READY_LINE
 
 __all__ = [
-    "DEFAULT_REASONING_SHARE", "FleetProcess", "OutputModel", "READY_LINE", "SimServer", "SimServerConfig",
-    "SimulatedFleet", "VllmDialect", "main",
+    "DEFAULT_REASONING_SHARE", "FleetProcess", "OutputModel", "READY_LINE", "SimServerConfig", "SimulatedFleet",
+    "VllmDialect", "main",
 ]

@@ -58,7 +58,7 @@ RENDERING_CORE = ("modes", "records", "sampling", "token_ids", "tokenizer")
 
 
 class Part(Protocol):
-    """A fixed set of records (``expansion_dag.store.SegmentPart``)."""
+    """A fixed set of records (``expansion_dag.store.completions.SegmentPart``)."""
 
     name: str
     size: int

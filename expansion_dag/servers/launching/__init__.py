@@ -2,8 +2,6 @@
 its API key kept off its command line and out of its log."""
 
 from expansion_dag.servers.launching.launcher import (
-    KEY_DELIVERY,
-    KeyDelivery,
     Launcher,
     LaunchSpec,
     is_healthy,
@@ -14,6 +12,6 @@ from expansion_dag.servers.launching.launcher import (
 from expansion_dag.servers.launching.records import OWNER_ENV, ServerRecord
 
 __all__ = [
-    "KEY_DELIVERY", "OWNER_ENV", "KeyDelivery", "LaunchSpec", "Launcher", "ServerRecord", "is_healthy", "key_delivery",
-    "tool_call_flags", "wait_ready",
+    "OWNER_ENV", "LaunchSpec", "Launcher", "ServerRecord", "is_healthy", "key_delivery", "tool_call_flags",
+    "wait_ready",
 ]

@@ -1,13 +1,7 @@
 """Probing and load polling: what each server is and serves (context, slots, model, version,
 dialect, weights), checked across the fleet, and its load while a run goes."""
 
-from expansion_dag.servers.probing.facts import (
-    PROTECTED_PATH,
-    ServerFacts,
-    parse_server_facts,
-    read_server_facts,
-    serves_without_key,
-)
+from expansion_dag.servers.probing.facts import ServerFacts, parse_server_facts, read_server_facts
 from expansion_dag.servers.probing.fleet import (
     SLOTS_CONFIGURED,
     SLOTS_FROM_SERVER,
@@ -25,8 +19,6 @@ from expansion_dag.servers.probing.loads import (
 )
 from expansion_dag.servers.probing.weights import (
     PROBE_MESSAGES,
-    PROBE_TOKENS,
-    files_digest,
     folder_weights,
     hub_commit,
     probe_fleet_weights,
@@ -36,9 +28,8 @@ from expansion_dag.servers.probing.weights import (
 )
 
 __all__ = [
-    "FleetInfo", "PROBE_MESSAGES", "PROBE_TOKENS", "PROTECTED_PATH", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER",
-    "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo", "files_digest", "folder_weights", "hub_commit",
-    "parse_gen_throughput", "parse_idle_slots", "parse_server_facts", "probe_fleet", "probe_fleet_weights",
-    "probe_server", "read_idle_slots", "read_server_facts", "read_throughputs", "serves_without_key", "weights_label",
-    "probe_weights", "reprobe_difference",
+    "FleetInfo", "PROBE_MESSAGES", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts",
+    "ServerInfo", "folder_weights", "hub_commit", "parse_gen_throughput", "parse_idle_slots", "parse_server_facts",
+    "probe_fleet", "probe_fleet_weights", "probe_server", "read_idle_slots", "read_server_facts", "read_throughputs",
+    "weights_label", "probe_weights", "reprobe_difference",
 ]
