@@ -114,8 +114,11 @@ def test_a_looping_prompt_is_asked_once_more_with_another_seed_when_loop_retries
     assert report.loop_retried["completed"] == len(completed)
     looped_again = [r for r in retried if r["status"] == FAILED]
     if "loop_rate" in sim:
-        # An unlucky sample (every 4th, retries included): another one mostly is not.
-        assert len(completed) >= len(retried) / 2 and report.ok == 40 - len(looped_again)
+        # An unlucky sample (every 4th request to arrive, retries included): another one may not be.
+        # How many of the second samples loop again depends on where they arrive among the first
+        # ones (a loaded machine's timing): the loops are a quarter of all requests, so some complete.
+        assert len(completed) >= 1 and report.ok == 40 - len(looped_again)
+        assert len(retried) + len(looped_again) == (40 + len(retried)) // 4
     else:
         # A prompt that always loops loops again: its second stop is final.
         assert completed == [] and all(r["error"] == "degenerate" for r in looped_again)
