@@ -1,5 +1,5 @@
 """Shared fixtures: an isolated Dagster instance, an S3-compatible server (moto) and a fresh bucket
-on it; no test may reach a hub. And how the suite is split between pytest-xdist's two workers
+on it; no test may reach a hub. And how the suite is split between pytest-xdist's workers
 (pyproject.toml's addopts)."""
 
 import os
@@ -19,9 +19,10 @@ import pytest  # noqa: E402
 from expansion_dag_tests.ports import free_port  # noqa: E402
 
 TESTS = Path(__file__).parent
-#: The longest groups, measured (`--durations`), go out first: each worker starts on one of the
-#: two longest, and no long group is left to run alone at the end. The rest keep collection order.
-LONGEST_FIRST = ("deployment", "real_engine", "cli/test_cli.py", "cli/test_rehearsal.py", "trainers",
+#: The longest groups, measured (`--junitxml`), go out first: each worker starts on one of the
+#: longest, and no long group is left to run alone at the end. The rest keep collection order.
+LONGEST_FIRST = ("real_engine", "deployment", "cli/test_cli.py", "cli/test_cli_fleet.py",
+                 "generation/test_one_sender.py", "cli/test_rehearsal.py", "trainers",
                  "defs/assets/test_completions.py", "defs/assets/test_kill_resume.py")
 #: The environment suites: each folder's conftest starts session fixtures (a PostgreSQL server, a vLLM
 #: server, `dagster dev`) that all its tests share.
