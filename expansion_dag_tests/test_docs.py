@@ -19,7 +19,7 @@ def anchors(doc: Path) -> set[str]:
     found = set()
     for line in doc.read_text().splitlines():
         if heading := re.match(r"#+\s+(.*)", line):
-            text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()
+            text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()
             found.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
     return found
 

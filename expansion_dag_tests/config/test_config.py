@@ -134,3 +134,25 @@ def test_the_quick_start_installs_no_test_only_package():
     readme = (ROOT / "README.md").read_text()
     quick_start = readme[readme.index("## Quick start"):readme.index("**(2)**")]
     assert "pip install -e . &&" in quick_start and "[test]" not in quick_start
+
+
+def test_the_configuration_docs_table_names_every_key_and_no_other():
+    """docs/configuration.md's table is the third place a field is described (beside the schema and
+    the bundled file's comments): it must not drift from them."""
+    config = load_config(bundled_config_path(), env={})
+
+    def leaves(data, prefix=""):
+        for key, value in data.items():
+            if isinstance(value, dict) and key not in ("expected_output_by_source", "chat_template_kwargs"):
+                yield from leaves(value, prefix + key + ".")
+            else:
+                yield prefix + key
+
+    documented = set()
+    for row in (ROOT / "docs" / "configuration.md").read_text().splitlines():
+        if not row.startswith("| `"):
+            continue
+        first, *others = re.findall(r"`([^`]+)`", row.split("|")[1])
+        documented.add(first)  # `section.key`, then `key`s of the same section
+        documented |= {f"{first.rsplit('.', 1)[0]}.{name}" for name in others}
+    assert documented == set(leaves(config.masked()))
