@@ -26,15 +26,21 @@ def test_the_bundled_file_reproduces_the_demo():
     assert (config.schedule.cron, config.schedule.timezone, config.schedule.quota) == ("0 2 * * *", "UTC", 1000)
 
 
+def keys(data, prefix="", *, sections=True):
+    """The dotted keys of a configuration (``sections``: the sections' own too); the two fields
+    that are mappings are keys, not sections."""
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in ("expected_output_by_source", "chat_template_kwargs"):
+            if sections:
+                yield prefix + key
+            yield from keys(value, prefix + key + ".", sections=sections)
+        else:
+            yield prefix + key
+
+
 def test_the_bundled_file_documents_every_key():
     text = bundled_config_path().read_text()
     config = load_config(bundled_config_path(), env={})
-
-    def keys(data, prefix=""):
-        for key, value in data.items():
-            yield prefix + key
-            if isinstance(value, dict) and key not in ("expected_output_by_source", "chat_template_kwargs"):
-                yield from keys(value, prefix + key + ".")
 
     # "A key left out takes the default shown here": the file shows exactly the defaults.
     assert config.masked() == parse_config({}, where="empty.yaml", env={}).masked()
@@ -140,14 +146,6 @@ def test_the_configuration_docs_table_names_every_key_and_no_other():
     """docs/configuration.md's table is the third place a field is described (beside the schema and
     the bundled file's comments): it must not drift from them."""
     config = load_config(bundled_config_path(), env={})
-
-    def leaves(data, prefix=""):
-        for key, value in data.items():
-            if isinstance(value, dict) and key not in ("expected_output_by_source", "chat_template_kwargs"):
-                yield from leaves(value, prefix + key + ".")
-            else:
-                yield prefix + key
-
     documented = set()
     for row in (ROOT / "docs" / "configuration.md").read_text().splitlines():
         if not row.startswith("| `"):
@@ -155,4 +153,4 @@ def test_the_configuration_docs_table_names_every_key_and_no_other():
         first, *others = re.findall(r"`([^`]+)`", row.split("|")[1])
         documented.add(first)  # `section.key`, then `key`s of the same section
         documented |= {f"{first.rsplit('.', 1)[0]}.{name}" for name in others}
-    assert documented == set(leaves(config.masked()))
+    assert documented == set(keys(config.masked(), sections=False))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import expansion_dag
+from expansion_dag.prompts import package_dir
 
 from expansion_dag_tests.workloads.chat_sources import (
     write_codefeedback,
@@ -25,12 +25,10 @@ from expansion_dag_tests.workloads.chat_sources import (
 )
 from expansion_dag_tests.workloads.tool_sources import write_agentinstruct, write_hermes
 
-#: Where the package ships them.
-SAMPLES = Path(expansion_dag.__file__).parent / "samples"
 SEED = 20240625
 
 
-def main(out_dir: Path = SAMPLES) -> None:
+def main(out_dir: Path = package_dir("samples")) -> None:
     rng = random.Random(SEED)
     for write in (
         write_infinity_instruct,

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-import expansion_dag
+from expansion_dag.prompts import package_dir
 from expansion_dag_tests.workloads.text_model import TextModel, lognormal_ints
 from expansion_dag_tests.workloads.tool_sources import AGENT_SPLITS, HERMES_CONFIGS
 
@@ -57,8 +57,8 @@ PROMPT_WORDS = {
 }
 DUPLICATES = 0.02  # rows whose prompt repeats an earlier row's
 NON_ENGLISH = 0.09  # Infinity-Instruct rows the langdetect filter drops
-SAMPLES = Path(expansion_dag.__file__).parent / "samples"
-SAMPLES_CATALOG = SAMPLES.parent / "catalogs" / "samples.yaml"
+SAMPLES = package_dir("samples")
+SAMPLES_CATALOG = package_dir("catalogs") / "samples.yaml"
 
 
 def quotas(n: int) -> dict[str, int]:
