@@ -3,7 +3,7 @@ item 8), this tree beside a baseline tree (SIMULATOR).
 
 Every figure is a SIMULATOR figure (``expansion_dag.sim``), never a GPU one. One shard of
 ``--requests`` prompts goes to one simulated SGLang server of ``--slots`` slots (a process of its
-own) as ``generate_shard`` sends it: a ``ShardRun`` on ``run_ticked``'s loop (streamed, loops
+own) as ``generate_shard`` sends it: a ``ShardRun`` on its own event loop (streamed, loops
 stopped, no canary, so the flood starts at once), its store writer fsyncing every 2 s (the asset's
 default) and a progress report every second. ``os.fsync`` on the store's files is slowed by
 ``--fsync-ms`` (a sleep before the real one): a disk that takes 200 ms to sync. A probe task on the
@@ -81,10 +81,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import expansion_dag
     from expansion_dag.config import GenerationConfig, engine_config, sampling_settings
     from expansion_dag.generation import Server, ShardRun, WorkItem
-    try:
+    try:  # a baseline tree from before the client ran on asyncio's own loop
         from expansion_dag.servers import run_ticked
-    except ImportError:  # a baseline tree from before the event loop joined servers/transport/
-        from expansion_dag.generation import run_ticked
+    except ImportError:
+        run_ticked = None
     from expansion_dag.store import CompletionStore
 
     folder = Path(tempfile.mkdtemp(prefix="bench-loop-lag-"))
@@ -114,7 +114,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             return await task
 
     cpu, wall = time.process_time(), time.monotonic()
-    report = run_ticked(main(), tick_s=config.client_tick_s)
+    report = asyncio.run(main()) if run_ticked is None else run_ticked(main(), tick_s=config.client_tick_s)
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     ordered = sorted(lag for _, lag in lags)
     # The probes asleep while a slowed fsync ran: the disk's share of the lag, apart from the

@@ -94,8 +94,6 @@ def write_inputs(work: Path, args: argparse.Namespace) -> tuple[Path, dict[str, 
     start = time.perf_counter()
     inputs = write_sources(work / "sources", args.prompts, args.seed, load_tokenizer().get_vocab())
     generation: dict[str, Any] = {}
-    if args.client_tick_s is not None:
-        generation["client_tick_s"] = args.client_tick_s
     if args.plain:
         generation["stop_degenerate"] = False
     config = write_config(
@@ -368,7 +366,7 @@ def summarize(n: int, inputs: dict[str, Any], stages: dict[str, Any], after: dic
         },
         "config": {"servers": args.servers, "slots": args.slots, "token_latency_ms": args.token_latency_ms,
                    "ttft_ms": args.ttft_ms, "max_output_tokens": MAX_OUTPUT_TOKENS, "output_sigma": OUTPUT_SIGMA,
-                   "client_tick_s": args.client_tick_s, "plain": args.plain,
+                   "plain": args.plain,
                    "mean_output_tokens": round(MEAN_OUTPUT_TOKENS), "output_median_tokens": output_median()},  # fmt: skip
     }
 
@@ -399,8 +397,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--token-latency-ms", type=float, default=1.0, help="the simulator's time per output token")
     p.add_argument("--ttft-ms", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--client-tick-s", type=float, default=None,
-                   help="generation.client_tick_s (default: the configuration's; 0: a wake-up an event)")
     # The simulator here never loops, so both send the same answers: the difference is the stream.
     p.add_argument("--plain", action="store_true",
                    help="plain requests (generation.stop_degenerate: false) instead of streamed ones")

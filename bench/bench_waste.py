@@ -10,8 +10,7 @@ simulated SGLang servers in a process of their own (``FleetProcess``), so the CP
 the client's alone. 3% of prompts loop until the cap each time they are asked (``--looping-prompt-share``),
 and the servers' queues are bounded (``--max-queued-requests``: a 503 beyond it, backpressure). Phases on the same prompts:
 ``stream+stop`` (streaming at ``--stream-interval`` tokens an event, loops stopped by the
-detector), ``stream+stop, a wake-up an event`` (the same on asyncio's own event loop, without the
-client's coalesced wake-ups, ``client_tick_s: 0``), ``stream+stop, every token`` (the servers'
+detector), ``stream+stop, every token`` (the servers'
 default interval of 1, for the CPU it costs) and ``plain`` (no streaming, every answer runs to
 its end). The answers that are not loops are lognormal (median ``ANSWER_MEDIAN``, sigma
 ``ANSWER_SIGMA``): 0.4% of them are longer than the cap and cut there, in every phase, which no
@@ -88,7 +87,7 @@ from expansion_dag.generation import (
     WorkItem,
     spearman,
 )
-from expansion_dag.servers import find_loop, run_ticked
+from expansion_dag.servers import find_loop
 from expansion_dag.sim import DEFAULT_REASONING_SHARE, FleetProcess, OutputModel, SimServerConfig
 from expansion_dag.store import CompletionStore
 
@@ -146,9 +145,9 @@ def part_a_items(n: int, servers: int) -> list[list[WorkItem]]:
 
 
 async def run_phase(
-    shards: list[list[WorkItem]], urls: list[str], store_root: Path, stop: bool, stream_interval: int, tick_s: float
+    shards: list[list[WorkItem]], urls: list[str], store_root: Path, stop: bool, stream_interval: int
 ) -> dict[str, Any]:
-    config = engine_config(GenerationConfig(), stop_degenerate=stop, canary=False, client_tick_s=tick_s)
+    config = engine_config(GenerationConfig(), stop_degenerate=stop, canary=False)
     store = CompletionStore(store_root)
     sampling = sampling_settings(GenerationConfig(), max_output_tokens=CONTEXT)
 
@@ -208,32 +207,25 @@ async def run_phase(
 
 
 def part_a(args: argparse.Namespace) -> dict[str, Any]:
-    """The phases on the same prompts, each against simulators launched with its stream interval,
-    each on the event loop ``generate_shard`` runs it on (``EngineConfig.client_tick_s``)."""
+    """The phases on the same prompts, each against simulators launched with its stream interval."""
     shards = part_a_items(args.requests, args.servers)
-    tick = GenerationConfig().client_tick_s if args.client_tick_s is None else args.client_tick_s
     phases = [
-        ("stream+stop", True, args.stream_interval, tick),
-        ("stream+stop, a wake-up an event", True, args.stream_interval, 0.0),
-        ("plain", False, 1, tick),
+        ("stream+stop", True, args.stream_interval),
+        ("plain", False, 1),
     ]
     if args.stream_interval > 1:
-        phases.insert(2, ("stream+stop, every token", True, 1, tick))
+        phases.insert(1, ("stream+stop, every token", True, 1))
     results = {}
-    for n, (name, stop, interval, tick_s) in enumerate(phases):
+    for name, stop, interval in phases:
         with simulated_fleet(args, interval) as fleet, tempfile.TemporaryDirectory(prefix="bench-waste-") as scratch:
-            # The engine's own loop, as generate_shard runs a shard (tick 0: asyncio's own).
-            phase = run_phase(shards, fleet.urls, Path(scratch), stop, interval, tick_s)
-            results[name] = run_ticked(phase, tick_s=tick_s)
+            results[name] = asyncio.run(run_phase(shards, fleet.urls, Path(scratch), stop, interval))
             results[name]["stream_interval"] = interval if stop else None
-            results[name]["client_tick_s"] = tick_s
     stream, plain = results["stream+stop"], results["plain"]
 
     def fall(key: str) -> float | None:  # None: nothing was dropped without stopping (a run too small)
         return round(1 - stream[key] / plain[key], 4) if plain[key] else None
 
     cpu_ratio = stream["client_cpu_ms_per_request"] / plain["client_cpu_ms_per_request"]
-    every_wake_up = results["stream+stop, a wake-up an event"]["client_cpu_ms_per_request"]
     # One core's worth at the reference rate: unscaled, a request costs the same client CPU.
     reference_core_share = REFERENCE_RATE * stream["client_cpu_ms_per_request"] / 1000
     return {
@@ -241,7 +233,6 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
         "dropped_slot_seconds_fall": fall("dropped_slot_seconds_total"),
         "dropped_slot_seconds_fall_loops_only": fall("dropped_slot_seconds_loops"),
         "cpu_ratio_stream_over_plain": round(cpu_ratio, 3),
-        "cpu_ratio_stream_a_wake_up_an_event_over_plain": round(every_wake_up / plain["client_cpu_ms_per_request"], 3),
         "reference_rate_core_share_streaming": round(reference_core_share, 4),
     }
 
@@ -615,8 +606,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="part B: requests on 8 x 72 slots, one run per value (fewer: a bigger tail)")
     p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                    help="part A: tokens per streamed event (a phase at 1 runs beside it)")
-    p.add_argument("--client-tick-s", type=float, default=None,
-                   help="part A: the engine's client_tick_s (default: its default); a phase without it runs beside")
     p.add_argument("--skip-a", action="store_true")
     p.add_argument("--skip-b", action="store_true")
     p.add_argument("--mixed-prompts", type=int, default=20_000,

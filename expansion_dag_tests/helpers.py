@@ -4,7 +4,6 @@ import asyncio
 import collections
 import gzip
 import json
-import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -33,7 +32,7 @@ from expansion_dag.core import (
 from expansion_dag.defs.resources import FleetResource, GenerationSettings, ParquetIOManager, StorageResource
 from expansion_dag.generation import EngineConfig
 from expansion_dag.prompts import BudgetConfig
-from expansion_dag.servers import HttpClient, LoopThresholds, make_client
+from expansion_dag.servers import LoopThresholds, async_client
 from expansion_dag.training import DEFAULT_MAX_LENGTH, TrainingSetConfig
 from expansion_dag_tests.data.make_repetitive_corpus import CORPUS_PATH
 
@@ -156,10 +155,9 @@ def _polled(predicate: Callable[[], Any], what: str, timeout_s: float) -> Iterat
         assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:.0f} s"
 
 
-def mock_client(handler) -> HttpClient:
+def mock_client(handler) -> httpx.AsyncClient:
     """A generation client whose requests ``handler`` answers in-process (httpx's MockTransport)."""
-    return make_client(timeout_s=10.0, connect_timeout_s=2.0, tls=ssl.create_default_context(),
-                       transport=httpx.MockTransport(handler))
+    return async_client(timeout_s=10.0, connect_timeout_s=2.0, transport=httpx.MockTransport(handler))
 
 
 def loop_thresholds(**changes: Any) -> LoopThresholds:

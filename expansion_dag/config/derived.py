@@ -118,7 +118,6 @@ def engine_config(generation: GenerationConfig, **changes: Any) -> EngineConfig:
         loop_min_chars=g.loop_min_chars,
         loop_window_chars=g.loop_window_chars,
         loop_retries=g.loop_retries,
-        client_tick_s=g.client_tick_s,
         owner_wait_s=g.owner_wait_s,
         # The cap is named in the gate's advice on cut answers.
         yield_gate=YieldGate(g.min_yield, g.yield_gate_answers, g.max_output_tokens),

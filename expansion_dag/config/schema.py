@@ -198,14 +198,6 @@ class GenerationConfig(BaseModel):
     loop_min_repeats: int = Field(default=4, ge=2, description="Back-to-back repeats of the span that make a loop.")
     loop_min_chars: int = Field(default=400, ge=1, description="Characters the repeats must cover together.")
     loop_window_chars: int = Field(default=8192, ge=1, description="How far back from the end a loop is looked for.")
-    client_tick_s: float = Field(
-        default=0.1,
-        ge=0,
-        # Seconds, not ms: a tick typed as 100 would hold every answer back 100 s.
-        le=1.0,
-        description="While streamed events come often, the client reads all streams once a tick instead of "
-        "waking up for each event; an event is read at most this late (seconds, at most 1). 0: wake up for every event.",
-    )
 
     @pydantic.field_validator("retry_outcomes")
     @classmethod

@@ -16,9 +16,11 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 
+import httpx
+
 from expansion_dag.generation.dispatch import PromptQueue, claim_share
 from expansion_dag.generation.engine_config import Server
-from expansion_dag.servers import HttpClient, read_idle_slots
+from expansion_dag.servers import read_idle_slots
 
 #: Load readings in a row that must show a server idle before its slots are claimed.
 STEADY_READINGS = 3
@@ -127,7 +129,7 @@ class Borrowing:
     async def run(
         self,
         queue: PromptQueue,
-        client: Callable[[], HttpClient],
+        client: Callable[[], httpx.AsyncClient],
         start: Callable[[Server], None],
         stopped: Callable[[], bool],
         in_flight: Callable[[Server], int],
@@ -150,7 +152,7 @@ class Borrowing:
                     self.reasons[helper.url][reason] += 1
 
     async def _poll(
-        self, helper: Server, client: HttpClient, queue: PromptQueue, start: Callable[[Server], None],
+        self, helper: Server, client: httpx.AsyncClient, queue: PromptQueue, start: Callable[[Server], None],
         in_flight: Callable[[Server], int], turn: int,
     ) -> str:
         """One reading of ``helper``'s load, and the claim it moves; why it did or did not borrow."""

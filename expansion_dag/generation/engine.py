@@ -2,11 +2,10 @@
 
 Dispatch: ``slots + headroom`` workers per server pull from one queue ordered longest expected
 answer first (``expansion_dag.generation.dispatch``), so a slot is refilled the moment it frees and
-the long tail starts early. Each worker owns one keep-alive connection: a shared pool of hundreds
-costs more CPU per request (httpcore scans every connection on each checkout) than the rest of the
-client. Idle servers of the fleet take a share of the queue too (``expansion_dag.generation.borrowing``).
+the long tail starts early. Each worker owns its client, one keep-alive connection: a shared pool of
+hundreds scans every connection on each checkout. Idle servers of the fleet take a share of the queue too (``expansion_dag.generation.borrowing``).
 
-The loop only streams. The store's writer runs in a thread of the run's own (``servers.OffLoop``),
+The loop only streams. The store's writer runs in a thread of the run's own (``off_loop.OffLoop``),
 fed by a queue of at most ``write_queue`` answers, and the progress callback in another, so a slow
 disk or event log never delays a stream. An answer is durable once that thread wrote its line: a
 run killed outright loses at most the answers still queued, which the next run sends again; a run
@@ -52,6 +51,7 @@ from expansion_dag.generation.conversations import Ended, TurnPlanner
 from expansion_dag.generation.dispatch import PromptQueue, WorkItem
 from expansion_dag.generation.engine_config import EngineConfig, Server, WeightsWatch
 from expansion_dag.generation.recorder import Judge, LoopRetry, Recorder
+from expansion_dag.generation.off_loop import OffLoop
 from expansion_dag.generation.shard_report import Progress, ServerStats, ShardReport
 from expansion_dag.servers import (
     Answer,
@@ -59,13 +59,10 @@ from expansion_dag.servers import (
     Deadline,
     DegenerateError,
     Exchange,
-    HttpClient,
-    OffLoop,
+    async_client,
     chat_request,
     generate,
-    make_client,
     reprobe_difference,
-    run_ticked,
 )
 from expansion_dag.store import SegmentWriter
 
@@ -96,7 +93,7 @@ class Sender:
         self.report = recorder.report
 
     async def send(
-        self, client: HttpClient, item: WorkItem, server: Server, *, borrowed: bool = False,
+        self, client: httpx.AsyncClient, item: WorkItem, server: Server, *, borrowed: bool = False,
         on_output: Callable[[], None] | None = None, canary: bool = False,
     ) -> RequestError | None:
         """Send one prompt and record its outcome; return the error if any.
@@ -122,7 +119,7 @@ class Sender:
         return error
 
     async def _exchange(
-        self, client: HttpClient, item: WorkItem, server: Server, borrowed: bool, on_output: Callable[[], None] | None,
+        self, client: httpx.AsyncClient, item: WorkItem, server: Server, borrowed: bool, on_output: Callable[[], None] | None,
         canary: bool,
     ) -> tuple[RequestError | None, Answer | None]:
         stats = self.report.servers.get(server.url) or self.report.helpers[server.url]
@@ -210,7 +207,7 @@ class Sender:
 
 
 async def send_canary(
-    send: Callable[..., Awaitable[RequestError | None]], client: Callable[[], HttpClient], queue: PromptQueue,
+    send: Callable[..., Awaitable[RequestError | None]], client: Callable[[], httpx.AsyncClient], queue: PromptQueue,
     server: Server,
 ) -> tuple[str | None, asyncio.Task[RequestError | None] | None]:
     """One request to ``server``, alone, before the flood: a misconfigured fleet fails in seconds.
@@ -333,8 +330,8 @@ class ShardRun:
     def _all_stats(self) -> list[ServerStats]:
         return [*self.report.servers.values(), *self.report.helpers.values()]
 
-    def _client(self) -> HttpClient:
-        return make_client(
+    def _client(self) -> httpx.AsyncClient:
+        return async_client(
             timeout_s=self._config.request_timeout_s,
             connect_timeout_s=self._config.connect_timeout_s,
             api_key=self._api_key,
@@ -515,7 +512,7 @@ async def _report_every(
 
 
 def generate_shard(items: Iterable[WorkItem], servers: Sequence[Server], **options: Any) -> ShardReport:
-    """Run a shard to the end (or to its abort) on a fresh event loop (``config.client_tick_s``);
+    """Run a shard to the end (or to its abort) on a fresh event loop;
     the synchronous entry point. ``options``: :class:`ShardRun`'s keywords, ``config`` among them.
 
     ``helpers``: the fleet's other servers, borrowed while idle; ``fleet_urls``: every server of the
@@ -532,4 +529,4 @@ def generate_shard(items: Iterable[WorkItem], servers: Sequence[Server], **optio
     async def main() -> ShardReport:
         return await ShardRun(items, servers, **options).run()
 
-    return run_ticked(main(), tick_s=options["config"].client_tick_s)
+    return asyncio.run(main())

@@ -70,10 +70,6 @@ class EngineConfig:
     #: A prompt whose answer was stopped as a loop is asked once more, with another seed, when 1;
     #: 0: the stop is final (``generation.loop_retries``).
     loop_retries: int
-    #: While streamed events come often, read every stream once a tick instead of waking up for
-    #: each event (``expansion_dag.servers.transport.event_loop``); an event is read at most this
-    #: late. 0: never.
-    client_tick_s: float
     #: Stops a shard whose first answers the training set would mostly leave out (a content
     #: verdict, only with a ``judge``: ``expansion_dag.generation.answer_yield``).
     yield_gate: YieldGate
@@ -89,8 +85,6 @@ class EngineConfig:
             raise ValueError(f"spill_poll_s must be positive, got {self.spill_poll_s}")
         if self.owner_wait_s < 0:
             raise ValueError(f"owner_wait_s must be at least 0, got {self.owner_wait_s}")
-        if self.client_tick_s < 0:
-            raise ValueError(f"client_tick_s must be at least 0, got {self.client_tick_s}")
         self.loop_thresholds()  # validates the loop fields
 
     def loop_thresholds(self) -> LoopThresholds | None:

@@ -1,6 +1,6 @@
 """Each prompt's outcome, handed to the completion store's writer the moment it is known, and counted.
 
-The writer runs off the event loop (``expansion_dag.servers.OffLoop``): a record is
+The writer runs off the event loop (``off_loop.OffLoop``): a record is
 queued here and written there, in the order queued; ``engine`` says what is durable when.
 
 A completion record carries everything a trainer and a reader need (the answer, the counts, the
@@ -34,7 +34,8 @@ from expansion_dag.core import (
 from expansion_dag.generation.conversations import Ended
 from expansion_dag.generation.dispatch import WorkItem
 from expansion_dag.generation.shard_report import ShardReport
-from expansion_dag.servers import Answer, DegenerateError, Exchange, OffLoop, loop_cut
+from expansion_dag.generation.off_loop import OffLoop
+from expansion_dag.servers import Answer, DegenerateError, Exchange, loop_cut
 from expansion_dag.store import SegmentWriter
 
 #: The training set's verdict on a record (``training_set.AnswerJudge``): ``row`` or why not.

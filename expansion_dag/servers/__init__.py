@@ -1,7 +1,7 @@
 """Everything said to an inference server, one folder a job, each with its front door:
 
 - ``dialects/``: the table of differences between servers (SGLang's versions, vLLM), read by all;
-- ``transport/``: the HTTP transport the project owns (httpx's one seam) and the event loop;
+- ``transport``: httpx's clients, built one way (TLS context, credentials);
 - ``wire/``: the wire format, typed (``wire/protocol.py``): requests, answers plain and streamed,
   tools, and the errors a server's body means;
 - ``loops/``: loop detection in a streamed answer;
@@ -49,18 +49,7 @@ from expansion_dag.servers.probing import (
     weights_label,
 )
 from expansion_dag.servers.sending import Deadline, Exchange, RetryPolicy, generate, send_chat
-from expansion_dag.servers.transport import (
-    AsyncioBackend,
-    AsyncioStream,
-    AsyncioTransport,
-    CoalescingSelector,
-    HttpClient,
-    OffLoop,
-    asyncio_transport,
-    make_client,
-    run_ticked,
-    tls_context,
-)
+from expansion_dag.servers.transport import async_client, tls_context
 from expansion_dag.servers.wire import (
     Answer,
     AnswerIdentity,
@@ -79,15 +68,15 @@ from expansion_dag.servers.wire import (
 )
 
 __all__ = [
-    "Answer", "AsyncioBackend", "AsyncioStream", "AsyncioTransport", "ChatRequest", "ChatStream", "CoalescingSelector",
-    "DegenerateError", "Dialect", "Exchange", "FleetInfo", "HttpClient", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop",
-    "LoopDetector", "LoopThresholds", "OWNER_ENV", "OffLoop", "PROBE_MESSAGES", "RetryPolicy", "SGLANG",
+    "Answer", "ChatRequest", "ChatStream", 
+    "DegenerateError", "Dialect", "Exchange", "FleetInfo", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop",
+    "LoopDetector", "LoopThresholds", "OWNER_ENV", "PROBE_MESSAGES", "RetryPolicy", "SGLANG",
     "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo",
-    "ServerRecord", "VLLM", "asyncio_transport", "chat_request", "dialect_for", "error_from_status", "find_loop",
-    "finish_error", "loop_cut", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery", "make_client",
+    "ServerRecord", "VLLM", "chat_request", "dialect_for", "error_from_status", "find_loop",
+    "finish_error", "loop_cut", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery",
     "parse_chat_completion", "parse_chat_stream", "parse_context_error", "parse_gen_throughput", "parse_idle_slots",
     "parse_server_facts", "probe_fleet", "probe_fleet_weights", "probe_server", "read_idle_slots", "read_server_facts",
-    "read_throughputs", "request_tools", "run_ticked", "send_chat", "template_tools", "tls_context", "tool_call_flags",
+    "read_throughputs", "request_tools", "send_chat", "template_tools", "tls_context", "tool_call_flags",
     "tool_choice_for", "wait_ready", "weights_label", "AnswerIdentity", "Deadline", "probe_weights",
-    "reprobe_difference",
+    "reprobe_difference", "async_client",
 ]

@@ -71,7 +71,6 @@ def test_a_file_sets_the_generation_settings_and_the_fleet(tmp_path):
         ({"generation": {"temperature": 3}}, r"generation\.temperature: Input should be less than or equal to 2"),
         ({"generation": {"chat_template_kwargs": [1]}}, r"generation\.chat_template_kwargs: must be a mapping"),
         ({"generation": {"reasoning": "hide"}}, r"generation\.reasoning: Input should be 'keep' or 'drop'"),
-        ({"generation": {"client_tick_s": 100}}, r"generation\.client_tick_s: Input should be less than or equal to 1"),
         ({"fleet": {"mode": "attach", "urls": ["http://a:1"]}}, r"fleet: attach mode needs one URL per shard: 1 URL"),
         ({"fleet": {"urls": ["gpu-node:30000"]}}, r"fleet\.urls: 'gpu-node:30000' is not an http\(s\) URL"),
         ({"schedule": {"timezone": "Mars/Olympus"}}, r"schedule\.timezone: unknown time zone"),

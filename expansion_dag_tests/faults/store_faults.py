@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from expansion_dag.generation import Server, ShardRun, WorkItem, generate_shard
-from expansion_dag.servers import run_ticked
 from expansion_dag.store import CompletionStore
 from expansion_dag_tests.helpers import default_sampling, default_engine
 
@@ -72,7 +71,7 @@ class HeldRun(Background):
                                       config=default_engine(**FAST), **kwargs)
                 return await self.shard.run()
 
-        super().__init__(lambda: run_ticked(main(), tick_s=0.1))
+        super().__init__(lambda: asyncio.run(main()))
 
     def queued(self) -> int:
         """Answers the run has queued for its writer so far."""

@@ -104,8 +104,10 @@ def vllm_server(tmp_path_factory, figures) -> Iterator[VllmServer]:
 #: The roomy server's context: room for loops to run on for many seconds (this CPU engine decodes the
 #: tiny model at about 100 tokens a second a request) and for whole conversations with their tools.
 #: At the suite's 256 a loop reached its cap within two seconds, before a client sharing two cores
-#: with another test worker had read far enough to stop it, and no conversation with tools fits.
-ROOMY_CONTEXT_LENGTH = 4096
+#: with another test worker had read far enough to stop it, and no conversation with tools fits. At
+#: 4,096, on two cores busy with other workers, a stopped-stream test's first events came 14-21 s
+#: after its requests and three of its four loops had reached their cap by then.
+ROOMY_CONTEXT_LENGTH = 16384
 
 
 @pytest.fixture(scope="session")

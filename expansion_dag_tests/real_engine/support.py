@@ -34,11 +34,9 @@ from expansion_dag.servers import (
     ChatRequest,
     DegenerateError,
     Dialect,
-    HttpClient,
     LoopThresholds,
-    asyncio_transport,
+    async_client,
     chat_request,
-    make_client,
     send_chat,
 )
 from expansion_dag_tests.deployment.support import isolated_env, make_dagster_home
@@ -554,8 +552,8 @@ def looping_request(
     return ForcedLoop(**asked, token_id=server.token_id(LOOP_TEXT))
 
 
-def stream_client(server: EngineServer, transport: httpx.AsyncBaseTransport | None = None) -> HttpClient:
-    return make_client(timeout_s=REQUEST_TIMEOUT_S, connect_timeout_s=5.0, tls=ssl.create_default_context(),
+def stream_client(server: EngineServer, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    return async_client(timeout_s=REQUEST_TIMEOUT_S, connect_timeout_s=5.0, tls=ssl.create_default_context(),
                        api_key=server.api_key, transport=transport)
 
 
@@ -604,7 +602,7 @@ class _HeldBodies(httpx.AsyncBaseTransport):
     """The client's own transport, each answer's body held (``_HeldBody``)."""
 
     def __init__(self, gate: _Gate):
-        self._inner = asyncio_transport(tls=ssl.create_default_context())
+        self._inner = httpx.AsyncHTTPTransport(verify=ssl.create_default_context())
         self._gate = gate
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

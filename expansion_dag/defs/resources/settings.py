@@ -30,7 +30,7 @@ from expansion_dag.training import TrainingSetConfig
 #: Settings that change how fast a shard runs and reports, never what it generates: left out of
 #: the record the configuration drift check compares.
 _NOT_RECORDED = frozenset(
-    {"progress_interval_s", "client_tick_s", "training_formats", "train_newline_after_end_of_turn",
+    {"progress_interval_s", "training_formats", "train_newline_after_end_of_turn",
      "training_build_workers",
      "plan_output_tokens_per_s", "owner_wait_s"}
 )

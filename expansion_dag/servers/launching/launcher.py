@@ -43,10 +43,10 @@ from typing import Any, BinaryIO
 
 import httpx
 
-from expansion_dag.core import FleetError, ServerStartError, auth_headers, pid_alive
+from expansion_dag.core import FleetError, ServerStartError, pid_alive
 from expansion_dag.servers.launching import log_filter
 from expansion_dag.servers.launching.records import ServerRecord, fleet_owner, running, unuse, use, users
-from expansion_dag.servers.transport import tls_context
+from expansion_dag.servers.transport import client
 
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
 SIMULATOR_MODULE = "expansion_dag.sim"
@@ -119,7 +119,8 @@ def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:
     for _ in range(attempts):
         try:
             url = url.rstrip("/")
-            answer = httpx.get(url + "/health", headers=auth_headers(url), timeout=timeout_s, verify=tls_context())
+            with client(timeout_s=timeout_s) as http:
+                answer = http.get(url + "/health")
             if answer.status_code == 200:
                 return True
         except httpx.HTTPError:
@@ -160,7 +161,8 @@ def wait_ready(
     last = "no answer yet"
     while True:
         try:
-            status = httpx.get(url + "/health", timeout=max(poll_s, 5.0), verify=tls_context()).status_code
+            with client(timeout_s=max(poll_s, 5.0)) as http:
+                status = http.get(url + "/health").status_code
             if status == 200:
                 return
             last = f"HTTP {status} (warming up)" if status == 503 else f"HTTP {status}"
@@ -186,7 +188,8 @@ def wait_ready(
 
 def _get_json(url: str, path: str, api_key: str | None = None) -> object:
     try:
-        response = httpx.get(url + path, headers=auth_headers(url, api_key), timeout=5.0, verify=tls_context())
+        with client(timeout_s=5.0, api_key=api_key) as http:
+            response = http.get(url + path)
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

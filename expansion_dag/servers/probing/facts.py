@@ -14,7 +14,7 @@ import httpx
 
 from expansion_dag.core import FleetError, FleetMismatchError, ServerUnreachableError
 from expansion_dag.servers.dialects import DIALECTS, SGLANG_MIN_VERSION, Dialect, dialect_for
-from expansion_dag.servers.transport import tls_context
+from expansion_dag.servers.transport import client
 from expansion_dag.servers.wire import quote
 
 
@@ -159,6 +159,7 @@ PROTECTED_PATH = "/v1/models"
 def serves_without_key(url: str, *, timeout_s: float) -> bool:
     """Whether the server answers a protected route to a request with no key (it has none set)."""
     try:
-        return httpx.get(url + PROTECTED_PATH, timeout=timeout_s, verify=tls_context()).status_code == 200
+        with client(timeout_s=timeout_s) as http:
+            return http.get(url + PROTECTED_PATH).status_code == 200
     except httpx.HTTPError as exc:
         raise ServerUnreachableError(f"{url}{PROTECTED_PATH}: cannot reach the server ({exc})") from exc

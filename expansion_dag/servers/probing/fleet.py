@@ -26,14 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-import httpx
 
 from expansion_dag.core import (
     FleetError,
     FleetMismatchError,
     ServerUnreachableError,
     WeightsProbe,
-    auth_headers,
     server_url,
 )
 from expansion_dag.servers.dialects import Dialect
@@ -44,7 +42,7 @@ from expansion_dag.servers.probing.facts import (
     read_server_facts,
     serves_without_key,
 )
-from expansion_dag.servers.transport import tls_context
+from expansion_dag.servers.transport import client
 from expansion_dag.servers.wire import AnswerIdentity, tool_choice_for
 
 Backend = Literal["sglang", "vllm"]
@@ -178,8 +176,8 @@ def probe_server(
     (SGLang's ``/server_info``) is believed instead.
     """
     url = server_url(url)
-    with httpx.Client(timeout=timeout_s, headers=auth_headers(url, api_key), verify=tls_context()) as client:
-        facts = read_server_facts(client, url, backend)
+    with client(timeout_s=timeout_s, api_key=api_key) as http:
+        facts = read_server_facts(http, url, backend)
     if api_key and serves_without_key(url, timeout_s=timeout_s):
         raise FleetError(
             f"{url} answers {PROTECTED_PATH} without the API key although one is configured: "

@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from expansion_dag.core import auth_headers
 from expansion_dag.servers.dialects import Dialect
-from expansion_dag.servers.transport import HttpClient, tls_context
+from expansion_dag.servers.transport import client
 
 if TYPE_CHECKING:
     from expansion_dag.servers.probing.fleet import ServerInfo
@@ -53,13 +52,13 @@ def parse_gen_throughput(body: object, dialect: Dialect) -> float | None:
 
 
 async def read_idle_slots(
-    client: HttpClient, url: str, dialect: Dialect, *, slots: int | None, timeout_s: float
+    http: httpx.AsyncClient, url: str, dialect: Dialect, *, slots: int | None, timeout_s: float
 ) -> int | None:
     """:func:`parse_idle_slots` of the server's load now; None when it cannot say (never an error)."""
     if dialect.loads_path is None:
         return None
     try:
-        response = await client.get(url + dialect.loads_path, timeout_s=timeout_s)
+        response = await http.get(url + dialect.loads_path, timeout=timeout_s)
         if response.status_code != 200:
             return None
         return parse_idle_slots(response.json(), dialect, slots)
@@ -73,11 +72,11 @@ def read_throughputs(
     """Each server's output tokens a second now (``parse_gen_throughput``); None where it
     does not say or does not answer."""
     found: dict[str, float | None] = {}
-    with httpx.Client(timeout=timeout_s, verify=tls_context()) as client:
+    with client(timeout_s=timeout_s, api_key=api_key) as http:
         for server in servers:
             path = server.dialect.loads_path
             try:
-                response = client.get(server.url + path, headers=auth_headers(server.url, api_key)) if path else None
+                response = http.get(server.url + path) if path else None
                 ok = response is not None and response.status_code == 200
                 found[server.url] = parse_gen_throughput(response.json(), server.dialect) if ok else None
             except (httpx.HTTPError, ValueError):

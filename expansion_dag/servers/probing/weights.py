@@ -31,7 +31,7 @@ from huggingface_hub.constants import HF_HUB_CACHE
 from expansion_dag.core import FleetMismatchError, RequestError, SamplingSettings, WeightsProbe, describe
 from expansion_dag.servers.probing.fleet import FleetInfo, ServerInfo
 from expansion_dag.servers.sending import RetryPolicy, generate
-from expansion_dag.servers.transport import make_client
+from expansion_dag.servers.transport import async_client
 from expansion_dag.servers.wire import chat_request
 
 #: Files whose bytes are the weights; of the others only the model's config is read (whole).
@@ -200,7 +200,7 @@ async def probe_weights(server: ServerInfo, api_key: str | None) -> WeightsProbe
     request = chat_request(
         server.model, PROBE_MESSAGES, max_tokens, PROBE_SAMPLING, token_ids=server.dialect.token_ids
     )
-    async with make_client(timeout_s=300.0, connect_timeout_s=10.0, api_key=api_key) as client:
+    async with async_client(timeout_s=300.0, connect_timeout_s=10.0, api_key=api_key) as client:
         exchange = await generate(
             client, server.url, request, server.dialect, PROBE_POLICY, stream_interval=server.stream_interval
         )

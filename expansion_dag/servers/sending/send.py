@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import httpx
+import pydantic_core
 import stamina
 
 from expansion_dag.core import (
@@ -31,7 +32,7 @@ from expansion_dag.core import (
 )
 from expansion_dag.servers.dialects import Dialect
 from expansion_dag.servers.loops import LoopThresholds
-from expansion_dag.servers.transport import HttpClient, read_body
+from expansion_dag.servers.transport import read_body
 from expansion_dag.servers.wire import (
     Answer,
     AnswerIdentity,
@@ -89,7 +90,7 @@ class Exchange:
 
 
 async def send_chat(
-    client: HttpClient,
+    client: httpx.AsyncClient,
     url: str,
     request: ChatRequest,
     dialect: Dialect,
@@ -143,8 +144,17 @@ async def send_chat(
         raise DeadlineError(f"{what} within {bound_s:g} s of the request", status=None) from exc
 
 
+async def _post(client: httpx.AsyncClient, url: str, request: ChatRequest) -> httpx.Response:
+    """The response to ``request``, its headers read and its body left for the caller to read and
+    close. The body is encoded by pydantic's Rust encoder: a sixth of ``json.dumps``'s CPU on prompts
+    of non-ASCII text."""
+    body = pydantic_core.to_json(request.body())
+    sent = client.build_request("POST", url, content=body, headers={"Content-Type": "application/json"})
+    return await client.send(sent, stream=True)
+
+
 async def _send(
-    client: HttpClient,
+    client: httpx.AsyncClient,
     url: str,
     request: ChatRequest,
     dialect: Dialect,
@@ -156,7 +166,7 @@ async def _send(
     if not request.stream:
         return await _send_plain(client, url, request, dialect, identity)
     try:
-        response = await client.post(f"{url}/v1/chat/completions", request.body())
+        response = await _post(client, f"{url}/v1/chat/completions", request)
         try:
             if response.status_code != 200:
                 body = await read_body(response, limit=wire_limit(request.max_tokens))
@@ -164,7 +174,7 @@ async def _send(
             stream = ChatStream(
                 dialect, thresholds, stream_interval=stream_interval, max_tokens=request.max_tokens, identity=identity
             )
-            async for data in response.stream:
+            async for data in response.aiter_bytes():
                 loop = stream.feed(data)
                 if loop is not None:
                     raise stream.degenerate(loop)
@@ -186,10 +196,10 @@ async def _send(
 
 
 async def _send_plain(
-    client: HttpClient, url: str, request: ChatRequest, dialect: Dialect, identity: AnswerIdentity | None
+    client: httpx.AsyncClient, url: str, request: ChatRequest, dialect: Dialect, identity: AnswerIdentity | None
 ) -> Answer:
     try:
-        response = await client.post(f"{url}/v1/chat/completions", request.body())
+        response = await _post(client, f"{url}/v1/chat/completions", request)
         try:
             data = await read_body(response, limit=wire_limit(request.max_tokens))
         finally:
@@ -233,7 +243,7 @@ class Patience:
 
 
 async def generate(
-    client: HttpClient,
+    client: httpx.AsyncClient,
     url: str,
     request: ChatRequest,
     dialect: Dialect,
