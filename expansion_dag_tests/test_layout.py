@@ -416,3 +416,24 @@ def test_no_default_of_the_schema_is_said_again_below_it():
                 if name in fields and not (is_none or from_schema or required) and (where, name) not in OTHER_MEANING:
                     repeated.append(f"{where}:{line}: {name} = {ast.unparse(default)[:60]}")
     assert repeated == []
+
+
+#: Where a server backend may be named in the product: its row of the table of differences, the run
+#: configuration's schema (the choices a user types) and the simulator (which plays each backend).
+NAMES_BACKENDS = ("expansion_dag.servers.dialects.table", "expansion_dag.config.schema")
+
+
+def test_a_backend_is_named_only_in_the_dialect_table_the_schema_and_the_simulator():
+    """A new backend is its dialect row (its launch recipe with it) and the simulator's: no list of
+    backends, and no ``if`` on one, anywhere else."""
+    from expansion_dag.servers import BACKENDS
+
+    naming = sorted(
+        f"{name}:{node.lineno}: {node.value!r}"
+        for name, tree in modules().items()
+        if name not in NAMES_BACKENDS and folder(name) != "sim"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in BACKENDS
+    )
+    assert naming == []
+

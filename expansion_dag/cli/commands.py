@@ -47,7 +47,13 @@ from expansion_dag.config import (
     load_config,
     storage_settings,
 )
-from expansion_dag.generation import ProgressDisplay, ShardProgress, quiet_third_party, retry_summary
+from expansion_dag.generation import (
+    ProgressDisplay,
+    ShardProgress,
+    quiet_third_party,
+    retry_summary,
+)
+from expansion_dag.servers import BACKENDS
 
 if TYPE_CHECKING:
     from upath import UPath
@@ -541,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     dry_parser = sub.add_parser("dry-run", help="run everything on simulators mirroring a real fleet")
     dry_parser.add_argument("--config", help=config_help)
     dry_parser.add_argument("--mirror", help="comma-separated URLs of the real servers (default: fleet.urls)")
-    dry_parser.add_argument("--backend", choices=["sglang", "vllm"], help="default: fleet.backend")
+    dry_parser.add_argument("--backend", choices=BACKENDS, help="default: fleet.backend")
     dry_parser.add_argument("--api-key-env", help="default: fleet.api_key_env")
     dry_parser.add_argument("--keep-fleet", action="store_true", help="leave launched simulators running")
     _retry_outcomes_option(dry_parser)

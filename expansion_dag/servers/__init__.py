@@ -13,15 +13,13 @@ A job imports another only through that job's front door (``test_layout.py`` hol
 layers import this one's names from here.
 """
 
-from expansion_dag.servers.dialects import SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
+from expansion_dag.servers.dialects import BACKENDS, SGLANG, SGLANG_MIN_VERSION, VLLM, Dialect, dialect_for
 from expansion_dag.servers.launching import (
     OWNER_ENV,
     ServerRecord,
     Launcher,
     LaunchSpec,
     is_healthy,
-    key_delivery,
-    tool_call_flags,
     wait_ready,
 )
 from expansion_dag.servers.loops import LOOP_RULES, Loop, LoopDetector, LoopThresholds, find_loop, loop_cut
@@ -68,15 +66,15 @@ from expansion_dag.servers.wire import (
 )
 
 __all__ = [
-    "Answer", "ChatRequest", "ChatStream", 
+    "Answer", "BACKENDS", "ChatRequest", "ChatStream", 
     "DegenerateError", "Dialect", "Exchange", "FleetInfo", "LOOP_RULES", "LaunchSpec", "Launcher", "Loop",
     "LoopDetector", "LoopThresholds", "OWNER_ENV", "PROBE_MESSAGES", "RetryPolicy", "SGLANG",
     "SGLANG_MIN_VERSION", "SLOTS_CONFIGURED", "SLOTS_FROM_SERVER", "SLOTS_LAUNCHED", "ServerFacts", "ServerInfo",
     "ServerRecord", "VLLM", "chat_request", "dialect_for", "error_from_status", "find_loop",
-    "finish_error", "loop_cut", "folder_weights", "generate", "hub_commit", "is_healthy", "key_delivery",
+    "finish_error", "loop_cut", "folder_weights", "generate", "hub_commit", "is_healthy",
     "parse_chat_completion", "parse_chat_stream", "parse_context_error", "parse_gen_throughput", "parse_idle_slots",
     "parse_server_facts", "probe_fleet", "probe_fleet_weights", "probe_server", "read_idle_slots", "read_server_facts",
-    "read_throughputs", "request_tools", "send_chat", "template_tools", "tls_context", "tool_call_flags",
+    "read_throughputs", "request_tools", "send_chat", "template_tools", "tls_context",
     "tool_choice_for", "wait_ready", "weights_label", "AnswerIdentity", "Deadline", "probe_weights",
     "reprobe_difference", "async_client",
 ]

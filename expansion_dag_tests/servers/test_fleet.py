@@ -141,7 +141,7 @@ def test_vllm_slots_are_never_guessed_and_the_error_names_what_the_user_sets():
         with pytest.raises(FleetError) as info:
             probe_server(fleet.urls[0], backend="vllm", stream_interval=1)
     message = str(info.value)
-    assert message.startswith(f"{fleet.urls[0]}: vLLM does not report its running-request slots")
+    assert message.startswith(f"{fleet.urls[0]}: the server does not report its running-request slots (--max-num-seqs")
     # The file's key and its variable (config/test_config.py), and the flag a launched server takes.
     assert "set fleet.slots in the run configuration file (or EXPANSION_SLOTS" in message
     assert "pass --max-num-seqs {max_running_requests} in fleet.launch.command" in message

@@ -10,7 +10,7 @@ import pytest
 from expansion_dag.config import parse_config
 from expansion_dag.core import FleetError, pid_alive
 from expansion_dag.definitions import fleet_for
-from expansion_dag.servers import ServerRecord, tool_call_flags
+from expansion_dag.servers import ServerRecord
 from expansion_dag.sim import SimServerConfig, SimulatedFleet
 from expansion_dag_tests.ports import free_ports
 from expansion_dag_tests.servers.test_fleet import simulator_launcher
@@ -80,14 +80,6 @@ def test_a_simulator_with_another_pid_is_not_taken_for_the_launched_one(tmp_path
         finally:
             other.kill()
             other.wait()
-
-
-def test_tool_call_flags_per_backend():
-    assert tool_call_flags("sglang", "qwen25") == "--tool-call-parser qwen25"
-    assert tool_call_flags("vllm", "hermes") == "--enable-auto-tool-choice --tool-call-parser hermes"
-    assert tool_call_flags("vllm", None) == ""
-    with pytest.raises(FleetError, match="no tool-call parser flags"):
-        tool_call_flags("tgi", "hermes")
 
 
 def test_a_server_launched_otherwise_is_refused_naming_the_difference_while_another_run_uses_it(tmp_path):

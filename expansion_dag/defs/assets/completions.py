@@ -159,10 +159,10 @@ def _engine_server(server: ServerInfo) -> Server:
 
 
 def _helpers(fleet: FleetResource, settings: GenerationSettings, url: str) -> list[Server]:
-    """The other servers, which lend idle slots; vLLM has no /v1/loads to say when they are idle."""
-    if not settings.spill_to_idle_servers or fleet.backend != "sglang":
+    """The other servers, which lend idle slots: those whose load says when they are idle (vLLM's does not)."""
+    if not settings.spill_to_idle_servers:
         return []
-    return [_engine_server(s) for s in fleet.info.servers if s.url != url]
+    return [_engine_server(s) for s in fleet.info.servers if s.url != url and s.dialect.has_loads]
 
 
 def _identities_and_work(

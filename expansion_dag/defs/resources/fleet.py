@@ -5,6 +5,7 @@ what they answer: ``expansion_dag.servers.weights``)."""
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import replace
 from collections.abc import Callable
@@ -21,10 +22,9 @@ from expansion_dag.servers import (
     LaunchSpec,
     folder_weights,
     is_healthy,
-    key_delivery,
     probe_fleet,
     probe_fleet_weights,
-    tool_call_flags,
+    dialect_for,
     weights_label,
 )
 
@@ -67,14 +67,13 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
 
     def command(self) -> str:
         """The launch command template; a keyed fleet's servers get the key off their command line
-        (``key_delivery``: SGLang by ``--config {api_key_file}``, vLLM in its environment), and
-        the tool-call parser by the backend's flags."""
-        command = self.launch_command
+        (the dialect's ``key_flags``: SGLang by ``--config {api_key_file}``, vLLM in its
+        environment), and the tool-call parser by the backend's flags."""
+        command, dialect = self.launch_command, dialect_for(self.backend)
         if self.tool_call_parser and "{tool_call_parser}" not in command:
-            command += " " + tool_call_flags(self.backend, self.tool_call_parser)
-        flags = key_delivery(self.backend).flags
-        if self.api_key() and flags and "{api_key_file}" not in command:
-            command += " " + flags
+            command += " " + dialect.tool_call_flags.format(tool_call_parser=shlex.quote(self.tool_call_parser))
+        if self.api_key() and dialect.key_flags and "{api_key_file}" not in command:
+            command += " " + dialect.key_flags
         return command
 
     def launcher(self) -> Launcher:
@@ -95,7 +94,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 "python": sys.executable,
             },
             api_key=self.api_key(),
-            key_env=key_delivery(self.backend).env,
+            key_env=dialect_for(self.backend).key_env,
         )
 
     def _configured_urls(self) -> list[str]:

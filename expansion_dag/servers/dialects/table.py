@@ -56,12 +56,26 @@ class Dialect:
     #: Fields the server adds to each tool it hands the chat template (see :func:`template_tools`).
     tool_template_extras: tuple[tuple[str, Any], ...]
     #: How the server returns the prompt's and the sampled token ids when asked: ``"sglext"``
-    #: (SGLang from 0.5.20), ``"vllm"`` (``return_token_ids``), None: it cannot, so it is not asked
+    #: (SGLang from 0.5.20), ``"return_token_ids"`` (vLLM), None: it cannot, so it is not asked
     #: and its answers carry none (see :func:`chat_request` and :func:`parse_chat_completion`).
     token_ids: str | None
     #: Each answer's ``model`` names the served model (vLLM's ``model_name``), so an answer from
     #: another model says so; SGLang echoes the request's, which proves nothing (``AnswerIdentity``).
     answers_name_model: bool
+    #: The launch recipe. The flag that sets the running-request slots (the simulator takes SGLang's).
+    slots_flag: str
+    #: The flags that make the server parse tool calls into ``message.tool_calls``: vLLM builds a
+    #: tool parser only with ``--enable-auto-tool-choice`` as well (``ParserManager``), and refuses
+    #: that flag without ``--tool-call-parser`` (``cli_args.validate_parsed_serve_args``).
+    tool_call_flags: str
+    #: How a launched server is given its API key, off its command line: flags appended when a key
+    #: is set and the command names none, and the variable of its environment that holds it (None:
+    #: none is read). SGLang 0.5.23 reads its key only as an argument (``--api-key``; no variable) and
+    #: takes arguments from a YAML file as well (``--config``, merged inside the process, never into
+    #: its argv); vLLM 0.32 reads ``VLLM_API_KEY`` when ``--api-key`` is not given
+    #: (``entrypoints/serve/middleware/register.py``) and leaves it out of the arguments it logs.
+    key_flags: str
+    key_env: str | None
 
     @property
     def has_loads(self) -> bool:
@@ -85,6 +99,10 @@ SGLANG = Dialect(
     tool_template_extras=(("defer_loading", None),),
     token_ids="sglext",
     answers_name_model=False,
+    slots_flag="--max-running-requests",
+    tool_call_flags="--tool-call-parser {tool_call_parser}",
+    key_flags="--config {api_key_file}",
+    key_env=None,
 )
 VLLM = Dialect(
     name="vllm",
@@ -101,8 +119,12 @@ VLLM = Dialect(
     auto_tool_choice_needs_parser=True,
     tool_template_extras=(),
     # Any vLLM is asked: one older than the field ignores it (``OpenAIBaseModel``: extra "allow").
-    token_ids="vllm",
+    token_ids="return_token_ids",
     answers_name_model=True,
+    slots_flag="--max-num-seqs",
+    tool_call_flags="--enable-auto-tool-choice --tool-call-parser {tool_call_parser}",
+    key_flags="",
+    key_env="VLLM_API_KEY",
 )
 #: Newest first within a backend: :func:`dialect_for` takes the first row the version reaches.
 DIALECTS: tuple[Dialect, ...] = (
@@ -126,6 +148,8 @@ DIALECTS: tuple[Dialect, ...] = (
     VLLM,
 )
 BACKENDS = tuple(dict.fromkeys(d.backend for d in DIALECTS))
+#: The launch flags that set a server's running-request slots, of every backend.
+SLOTS_FLAGS = tuple(dict.fromkeys(d.slots_flag for d in DIALECTS))
 
 
 def parse_version(version: str) -> Version | None:

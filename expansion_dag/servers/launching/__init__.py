@@ -5,13 +5,11 @@ from expansion_dag.servers.launching.launcher import (
     Launcher,
     LaunchSpec,
     is_healthy,
-    key_delivery,
-    tool_call_flags,
     wait_ready,
 )
 from expansion_dag.servers.launching.records import OWNER_ENV, ServerRecord
 
 __all__ = [
-    "OWNER_ENV", "LaunchSpec", "Launcher", "ServerRecord", "is_healthy", "key_delivery", "tool_call_flags",
+    "OWNER_ENV", "LaunchSpec", "Launcher", "ServerRecord", "is_healthy",
     "wait_ready",
 ]

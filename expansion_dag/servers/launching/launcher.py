@@ -19,7 +19,7 @@
 - The API key stays off the server's command line, which every user of the machine reads (``ps``):
   SGLang gets it in a YAML file of arguments readable by this user alone (``--config
   {api_key_file}``), removed once the server is ready; vLLM in its environment (``VLLM_API_KEY``);
-  see :data:`KEY_DELIVERY`. A command that names ``{api_key}`` or ``--api-key`` is refused.
+  see ``Dialect.key_flags``. A command that names ``{api_key}`` or ``--api-key`` is refused.
 - SGLang 0.5.23 logs its arguments, the key among them, at start-up: a keyed server's output
   reaches its log through ``log_filter.py``, which masks the key as it is written.
 """
@@ -44,25 +44,13 @@ from typing import Any, BinaryIO
 import httpx
 
 from expansion_dag.core import FleetError, ServerStartError, pid_alive
+from expansion_dag.servers.dialects import SLOTS_FLAGS
 from expansion_dag.servers.launching import log_filter
 from expansion_dag.servers.launching.records import ServerRecord, fleet_owner, running, unuse, use, users
 from expansion_dag.servers.transport import client
 
 #: The project's simulator, launched as ``{python} -m expansion_dag.sim``: it reports its pid.
 SIMULATOR_MODULE = "expansion_dag.sim"
-
-#: The flags that make a server parse tool calls into ``message.tool_calls``, per backend: vLLM
-#: builds a tool parser only with ``--enable-auto-tool-choice`` as well (``ParserManager``), and
-#: refuses that flag without ``--tool-call-parser`` (``cli_args.validate_parsed_serve_args``).
-TOOL_CALL_FLAGS = {
-    "sglang": "--tool-call-parser {tool_call_parser}",
-    "vllm": "--enable-auto-tool-choice --tool-call-parser {tool_call_parser}",
-}
-
-
-#: The launch flags that set a server's running-request slots: vLLM's, and SGLang's (the simulator's too).
-SLOTS_FLAGS = ("--max-num-seqs", "--max-running-requests")
-
 
 def _slots_flag_value(argv: Sequence[str]) -> int | None:
     """The running-request slots an argument list passes (the last such flag, as argparse reads it)."""
@@ -72,46 +60,6 @@ def _slots_flag_value(argv: Sequence[str]) -> int | None:
         if name in SLOTS_FLAGS:
             found = value if equals else (argv[i + 1] if i + 1 < len(argv) else None)
     return int(found) if found is not None and found.isdigit() else None
-
-
-@dataclass(frozen=True)
-class KeyDelivery:
-    """How a launched server of one backend is given its API key, off its command line."""
-
-    #: Appended to the launch command when a key is set and the command does not name them.
-    flags: str
-    #: The variable of the server's environment that holds the key; None: none is read.
-    env: str | None
-
-
-#: Read from the pinned wheels. SGLang 0.5.23 reads its key only as an argument (``--api-key``; no
-#: variable), and takes arguments from a YAML file as well (``--config``:
-#: ``utils/server_args_config_parser.ConfigArgumentMerger``, merged inside the process, never into
-#: its argv). vLLM 0.32 reads ``VLLM_API_KEY`` when ``--api-key`` is not given
-#: (``entrypoints/serve/middleware/register.py``) and leaves it out of the arguments it logs.
-KEY_DELIVERY = {
-    "sglang": KeyDelivery(flags="--config {api_key_file}", env=None),
-    "vllm": KeyDelivery(flags="", env="VLLM_API_KEY"),
-}
-
-
-def key_delivery(backend: str) -> KeyDelivery:
-    try:
-        return KEY_DELIVERY[backend]
-    except KeyError:
-        raise FleetError(f"no way to hand an API key to backend {backend!r}; known: {', '.join(KEY_DELIVERY)}") from None
-
-
-def tool_call_flags(backend: str, tool_call_parser: str | None) -> str:
-    """The launch flags for ``tool_call_parser`` on ``backend`` ("" for none)."""
-    if not tool_call_parser:
-        return ""
-    try:
-        template = TOOL_CALL_FLAGS[backend]
-    except KeyError:
-        known = ", ".join(TOOL_CALL_FLAGS)
-        raise FleetError(f"no tool-call parser flags for backend {backend!r}; known: {known}") from None
-    return template.format(tool_call_parser=shlex.quote(tool_call_parser))
 
 
 def is_healthy(url: str, *, timeout_s: float = 30.0, attempts: int = 2) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 
 from expansion_dag.core import (
@@ -45,7 +45,6 @@ from expansion_dag.servers.probing.facts import (
 from expansion_dag.servers.transport import client
 from expansion_dag.servers.wire import AnswerIdentity, tool_choice_for
 
-Backend = Literal["sglang", "vllm"]
 
 #: Where a server's slot count came from.
 SLOTS_FROM_SERVER = "server"
@@ -157,7 +156,7 @@ class FleetInfo:
 def probe_server(
     url: str,
     *,
-    backend: Backend,
+    backend: str,
     api_key: str | None = None,
     slots_override: int | None = None,
     launched_slots: int | None = None,
@@ -213,11 +212,12 @@ def _slots(url: str, facts: ServerFacts, configured: int | None, launched: int |
         return facts.slots, SLOTS_FROM_SERVER
     if launched is not None:
         return launched, SLOTS_LAUNCHED
-    if facts.dialect.backend == "vllm":
+    flag = facts.dialect.slots_flag
+    if facts.dialect.server_info_path is None:  # vLLM: nothing describes the server
         raise FleetError(
-            f"{url}: vLLM does not report its running-request slots (--max-num-seqs; its default is "
-            f"1024 on GPUs with 70 GiB or more, 256 otherwise): {SET_SLOTS} to the --max-num-seqs the "
-            "servers run with, or, in launch mode, pass --max-num-seqs {max_running_requests} in "
+            f"{url}: the server does not report its running-request slots ({flag}; vLLM's default "
+            f"is 1024 on GPUs with 70 GiB or more, 256 otherwise): {SET_SLOTS} to the {flag} the "
+            f"servers run with, or, in launch mode, pass {flag} {{max_running_requests}} in "
             "fleet.launch.command"
         )
     raise FleetError(
@@ -230,7 +230,7 @@ def _slots(url: str, facts: ServerFacts, configured: int | None, launched: int |
 def probe_fleet(
     urls: Sequence[str],
     *,
-    backend: Backend,
+    backend: str,
     api_key: str | None = None,
     slots_override: int | None = None,
     launched_slots: Mapping[str, int] | None = None,

@@ -64,7 +64,7 @@ def parse_chat_completion(body: object, dialect: Dialect, identity: AnswerIdenti
         prompt_ids = output_ids = None
         if dialect.token_ids == "sglext":
             prompt_ids, output_ids = sglext_ids(body.get("sglext"))  # type: ignore[union-attr]
-        elif dialect.token_ids == "vllm":
+        elif dialect.token_ids == "return_token_ids":
             prompt_ids, output_ids = id_array(body.get("prompt_token_ids")), id_array(choice.get("token_ids"))  # type: ignore[union-attr]
         return checked_answer(
             content=message["content"],

@@ -153,7 +153,7 @@ class ChatRequest:
     #: Sent with the tools only.
     tool_choice: str | None = None
     #: How the prompt's and the answer's token ids are asked for (``Dialect.token_ids``).
-    token_ids: Literal["sglext", "vllm"] | None = None
+    token_ids: Literal["sglext", "return_token_ids"] | None = None
 
     def body(self) -> dict[str, Any]:
         """The JSON body as sent."""
@@ -187,7 +187,7 @@ class ChatRequest:
         if self.token_ids == "sglext":
             body["return_input_ids_in_sglext"] = True
             body["return_output_ids_in_sglext"] = True
-        elif self.token_ids == "vllm":
+        elif self.token_ids == "return_token_ids":
             body["return_token_ids"] = True
         return body
 

@@ -23,7 +23,7 @@ def chat_request(
     continuous_usage: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
     tool_choice: str = "auto",
-    token_ids: Literal["sglext", "vllm"] | None = None,
+    token_ids: Literal["sglext", "return_token_ids"] | None = None,
 ) -> ChatRequest:
     """The request for ``messages``, sampled as ``sampling`` says (the fields SGLang and vLLM both read).
 

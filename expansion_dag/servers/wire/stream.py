@@ -294,7 +294,7 @@ def parse_chunk(data: bytes, dialect: Dialect, identity: AnswerIdentity | None =
     try:
         choice = choices[0]
         prompt_ids = output_ids = None
-        if dialect.token_ids == "vllm":
+        if dialect.token_ids == "return_token_ids":
             prompt_ids, output_ids = id_array(chunk.get("prompt_token_ids")), id_array(choice.get("token_ids"))
         delta = choice.get("delta") or {}
         content = delta.get("content")
