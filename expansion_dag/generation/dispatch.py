@@ -77,6 +77,11 @@ class _Cell:
     prompts: int = 0
     #: Their expectations over their cell's when they were ordered: what their words (and caps) add.
     shift: float = 0.0
+    #: The same of the cell's prompts already taken, and how many.
+    taken_shift: float = 0.0
+    taken: int = 0
+    #: Answers of the cell learned before the run (the store's: earlier nights, a whole population).
+    before: int = 0
     #: Conversation turns after theirs.
     later: int = 0
     #: One of them (its prompt tokens, prior and cap stand for the cell's).
@@ -87,6 +92,17 @@ class _Cell:
         self.shift += sign * shift
         self.later += sign * (item.turn.turns - item.turn.turn if item.turn is not None else 0)
         self.sample = self.sample or item
+
+    def relative_shift(self) -> float:
+        """The queued prompts' shifts over those of the answers the cell's learned length rests on:
+        the words' level, learned against a moving mean, cancels. Those answers are this run's
+        prompts taken (the longest first) and the store's, whose prompts stand for all of the run's."""
+        if not self.taken and not self.before:
+            return float(self.prompts)
+        everyone = (self.shift + self.taken_shift) / (self.prompts + self.taken)
+        taken = self.taken_shift / self.taken if self.taken else 0.0
+        reference = (self.before * everyone + self.taken * taken) / (self.before + self.taken)
+        return self.shift / reference
 
 
 @dataclass(frozen=True)
@@ -119,9 +135,13 @@ class PromptQueue:
         #: Each item's expectation over its cell's then (``_Cell.shift``), and the queued cells' sums.
         self._shift: dict[str, float] = {}
         self._cells: dict[tuple[str, int], _Cell] = {}
+        #: Per cell, the answers learned before the run (the store's), counted as a cell first appears.
+        self._before: dict[tuple[str, int], int] = {}
         #: Items sent and not settled, with their stream once sent (``decoding``).
         self._running: dict[str, tuple[WorkItem, Stream | None]] = {}
         self._items = collections.deque(sorted(items, key=self._order))
+        #: Items taken from the queue (sent, or answered): the learned lengths rest on them.
+        self._taken: dict[str, WorkItem] = {}
         self._count_cells()
         self._returned = 0
         self._next_reorder = FIRST_REORDER
@@ -195,20 +215,45 @@ class PromptQueue:
 
     def _order(self, item: WorkItem) -> tuple[int, str]:
         expected = self._ordered_on[item.key] = self.expected(item)
-        cell = self.lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens).tokens
-        self._shift[item.key] = expected / max(cell, 1)
+        self._shift[item.key] = self._shift_of(item, expected)
         return (-self.remaining(item), item.prompt_id)
 
+    def _shift_of(self, item: WorkItem, expected: int) -> float:
+        return expected / max(self.lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens).tokens, 1)
+
     def _cell(self, item: WorkItem) -> _Cell:
-        return self._cells.setdefault((item.source, prompt_bucket(item.prompt_tokens)), _Cell())
+        key = (item.source, prompt_bucket(item.prompt_tokens))
+        if key not in self._cells:
+            self._cells[key] = _Cell(before=self._before.setdefault(key, self._learned(item)))
+        return self._cells[key]
+
+    def _learned(self, item: WorkItem) -> int:
+        estimate = self.lengths.estimate(item.source, item.prompt_tokens, item.expected_output_tokens)
+        return estimate.answers if estimate.basis == "source+bucket" else 0
 
     def _queued(self, item: WorkItem, sign: int) -> None:
         self._cell(item).add(item, self._shift[item.key], sign)
 
+    def _took(self, item: WorkItem, sign: int) -> None:
+        cell = self._cell(item)
+        cell.taken += sign
+        cell.taken_shift += sign * self._shift[item.key]
+        if sign > 0:
+            self._taken[item.key] = item
+        else:
+            del self._taken[item.key]
+
     def _count_cells(self) -> None:
+        """The cells' sums, the taken prompts' shifts said again by what the queue's order now rests
+        on: a shift compares with another only under the same learned words."""
         self._cells = {}
         for item in self._items:
             self._queued(item, +1)
+        for item in self._taken.values():
+            self._shift[item.key] = self._shift_of(item, self.expected(item))
+            cell = self._cell(item)
+            cell.taken += 1
+            cell.taken_shift += self._shift[item.key]
 
     def work_left(self, stream_rate: float | None, now: float) -> WorkLeft:
         """The output tokens still to come (:func:`work_left`); ``stream_rate``: tokens a second a
@@ -224,6 +269,7 @@ class PromptQueue:
         """The longest expected work (``shortest``: the other end, for a canary)."""
         item = self._items.pop() if shortest else self._items.popleft()
         self._queued(item, -1)
+        self._took(item, +1)
         if not self._items:
             self.drained.set()
         return item
@@ -232,6 +278,7 @@ class PromptQueue:
         """A prompt that could not be sent where it went: first in line again."""
         self._items.appendleft(item)
         self._queued(item, +1)
+        self._took(item, -1)
         self.drained.clear()
 
     def learn(self, item: WorkItem, output_tokens: int) -> None:
@@ -283,7 +330,7 @@ def work_left(
         assert cell.sample is not None
         cap, each = cell.sample.max_tokens, mean(cell.sample)
         # The learned lengths are of answers as capped: the cap bounds, it does not cut again.
-        total += min(cell.prompts * cap, cell.shift * each) + cell.later * min(cap, each)
+        total += min(cell.prompts * cap, cell.relative_shift() * each) + cell.later * min(cap, each)
     rest = 0.0
     for item, so_far in running:
         later = item.turn.turns - item.turn.turn if item.turn is not None else 0
