@@ -54,7 +54,7 @@ SLOTS = BORROWING_SERVER.max_running_requests
 MODEL = BORROWING_SERVER.model_name
 SAMPLING = sampling_settings(GenerationConfig())
 #: Shard 0 is done within ``owner_wait_s``: its server is lent soon after, as a done shard's is.
-ENGINE = engine_config(GenerationConfig(), backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01,
+ENGINE = engine_config(GenerationConfig(), backoff_initial_s=0.01,
                        progress_interval_s=3600, spill_poll_s=0.2, max_attempts=2, owner_wait_s=0.5)  # fmt: skip
 
 

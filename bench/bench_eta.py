@@ -63,7 +63,8 @@ def said(progress: Progress, plan: ShardPlan, *, learned: bool) -> float | None:
         return None
     ahead = outlook(progress.speed, plan, answered_tokens=progress.answered_tokens,
                     answers=progress.done - progress.failed, left=progress.total - progress.done,
-                    tokens_left=progress.work.tokens if learned and progress.work is not None else None)
+                    tokens_left=progress.work.tokens if learned and progress.work is not None else None,
+                    drain_tokens=progress.work.drain_tokens if learned and progress.work is not None else 0.0)
     return progress.elapsed_s + ahead.finish_s if ahead is not None else None
 
 

@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--event-chars", type=int, default=768)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    thresholds = engine_config(GenerationConfig()).loop_thresholds()  # as a run configures them
+    thresholds = engine_config(GenerationConfig()).loop  # as a run configures them
     corpus = _read("repetitive_answers.jsonl.gz")
     real = _read("real_model_answers.jsonl.gz")
     sets = {

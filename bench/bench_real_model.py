@@ -411,7 +411,7 @@ def detector_phase(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(str(args.model_dir))
     old_detector, old_thresholds = baseline_detector(args.baseline)
 
-    now = engine_config(GenerationConfig()).loop_thresholds()  # the engine's, as a run configures it
+    now = engine_config(GenerationConfig()).loop  # the engine's, as a run configures it
     result: dict[str, Any] = {"answers": len(texts), "chars": sum(map(len, texts))}
     for interval in (256, 1):
         streams = [stream_events(tokenizer, t, interval) for t in texts]

@@ -55,7 +55,7 @@ def main() -> None:
     with gzip.open(FIXTURE, "rt", encoding="utf-8") as f:
         answers = [json.loads(line) for line in f]
     tokenizer = load_tokenizer(args.model_dir)
-    thresholds = engine_config(GenerationConfig()).loop_thresholds()
+    thresholds = engine_config(GenerationConfig()).loop
     loops = [a["content"] for a in answers if a["label"] == "loop"]
     legitimate = [a["content"] for a in answers if a["label"] != "loop"]
     result = header("stream_interval", "transformers", simulator=False) | {

@@ -101,7 +101,7 @@ async def measure(name: str, url: str, repeats: int, event_tokens: int) -> float
     else:
         client = async_client(timeout_s=60.0, connect_timeout_s=5.0)
         chat = chat_request("m", REQUEST["messages"], 1 << 20, sampling_settings(GenerationConfig()), stream=True)
-        thresholds = engine_config(GenerationConfig()).loop_thresholds()  # the engine's, as a run configures it
+        thresholds = engine_config(GenerationConfig()).loop  # the engine's, as a run configures it
         run = lambda: send_chat(client, url, chat, SGLANG, thresholds, stream_interval=event_tokens)  # noqa: E731
     await run()  # connect and warm up outside the measurement
     cpu = time.process_time()

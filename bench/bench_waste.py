@@ -170,7 +170,7 @@ async def run_phase(
     all_slot_s = sum(sum(r.slot_seconds_by_outcome.values()) for r in reports)
     # Which truncated answers were loops (plain phase: they ran to the cap): the detector's verdict
     # on the whole text; the others were long answers cut at the cap, which stopping cannot save.
-    thresholds = engine_config(GenerationConfig()).loop_thresholds()
+    thresholds = engine_config(GenerationConfig()).loop
     assert thresholds is not None
     truncated = collections.Counter()
     for shard in store.shards():

@@ -1,6 +1,7 @@
 """Helpers shared by tests: prompt frames and resources bound to a simulated fleet."""
 
 import asyncio
+import dataclasses
 import collections
 import gzip
 import json
@@ -161,16 +162,10 @@ def mock_client(handler) -> httpx.AsyncClient:
 
 
 def loop_thresholds(**changes: Any) -> LoopThresholds:
-    """The loop detector's thresholds as the run configuration sets them by default (its
-    ``generation.loop_*``), with ``changes``."""
-    generation = GenerationConfig()
-    configured = {
-        "min_span_chars": generation.loop_min_span_chars,
-        "min_repeats": generation.loop_min_repeats,
-        "min_loop_chars": generation.loop_min_chars,
-        "window_chars": generation.loop_window_chars,
-    }
-    return LoopThresholds(**{**configured, **changes})
+    """The loop detector's thresholds as a run configures them by default, with ``changes``."""
+    loop = default_engine().loop
+    assert loop is not None  # answers are streamed and loops stopped by default
+    return dataclasses.replace(loop, **changes)
 
 
 def repetitive_answers() -> list[dict[str, str]]:

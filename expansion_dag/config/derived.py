@@ -25,10 +25,14 @@ from expansion_dag.config.schema import (
 from expansion_dag.core import ModeIdentities, SamplingSettings, default_local_dir, fleet_state_dir
 from expansion_dag.generation import EngineConfig, TurnPlanner, YieldGate
 from expansion_dag.prompts import BudgetConfig
+from expansion_dag.servers import LoopThresholds, RetryPolicy
 from expansion_dag.training import TrainingSetConfig
 
 #: The longest wait between two attempts of a request, unless ``backoff_initial_s`` is longer.
 BACKOFF_MAX_S = 30.0
+#: How long a prompt may wait in all on its server's full queue (backpressure) before the queue-full
+#: answer is its failure; such waits use none of its attempts.
+BACKPRESSURE_WAIT_S = 600.0
 #: A turn that ended so lets its conversation go on; with ``drop_truncated: false``, a cut one too.
 FINISHED = ("stop", "tool_calls")
 
@@ -90,12 +94,31 @@ def sampling_settings(generation: GenerationConfig, **changes: Any) -> SamplingS
 
 
 def engine_config(generation: GenerationConfig, **changes: Any) -> EngineConfig:
-    """How hard a shard's engine pushes its servers and when it gives up; ``changes``: the fields
-    set otherwise (the engine's own, or a test's or a benchmark's)."""
-    g = generation
+    """How hard a shard's engine pushes its servers and when it gives up; ``changes``: settings
+    of ``generation`` (what the engine's own objects are built from) or fields of the engine's
+    own, set otherwise (a test's or a benchmark's)."""
+    g = generation.model_copy(update={k: v for k, v in changes.items() if k in GenerationConfig.model_fields})
+    own = {k: v for k, v in changes.items() if k not in GenerationConfig.model_fields}
+    retry = RetryPolicy(
+        attempts=g.max_attempts,
+        # Each wait doubles from the first, up to BACKOFF_MAX_S, with up to the first wait of jitter.
+        wait_initial_s=g.backoff_initial_s,
+        wait_max_s=max(g.backoff_initial_s, BACKOFF_MAX_S),
+        wait_jitter_s=g.backoff_initial_s,
+        context_retry=True,
+        # A context-length retry recomputes max_tokens as the budget did: with its margin, and
+        # never under the budget's floor.
+        margin=g.margin,
+        min_output_tokens=g.min_output_tokens,
+        backpressure_wait_s=BACKPRESSURE_WAIT_S,
+    )
+    loop = LoopThresholds(
+        min_span_chars=g.loop_min_span_chars, min_repeats=g.loop_min_repeats, min_chars=g.loop_min_chars,
+        window_chars=g.loop_window_chars,
+    )
     derived = dict(
         request_timeout_s=g.request_timeout_s,
-        max_attempts=g.max_attempts,
+        retry=retry,
         first_output_timeout_s=g.first_output_timeout_s,
         deadline_slack=g.deadline_slack,
         # Before a server's speed is measured: the speed at which the longest answer allowed takes one
@@ -103,26 +126,14 @@ def engine_config(generation: GenerationConfig, **changes: Any) -> EngineConfig:
         # full). A request's deadline is then at most first_output_timeout_s + deadline_slack x
         # request_timeout_s (2.1 h at the defaults), however it trickles.
         floor_stream_rate=g.max_output_tokens / g.request_timeout_s,
-        # Each wait doubles from the first, up to BACKOFF_MAX_S, with up to the first wait of jitter.
-        backoff_initial_s=g.backoff_initial_s,
-        backoff_max_s=max(g.backoff_initial_s, BACKOFF_MAX_S),
-        backoff_jitter_s=g.backoff_initial_s,
-        # A context-length retry recomputes max_tokens as the budget did: with its margin, and
-        # never under the budget's floor.
-        context_margin=g.margin,
-        min_output_tokens=g.min_output_tokens,
         progress_interval_s=g.progress_interval_s,
-        stop_degenerate=g.stop_degenerate,
-        loop_min_span_chars=g.loop_min_span_chars,
-        loop_min_repeats=g.loop_min_repeats,
-        loop_min_chars=g.loop_min_chars,
-        loop_window_chars=g.loop_window_chars,
+        loop=loop if g.stop_degenerate else None,
         loop_retries=g.loop_retries,
         owner_wait_s=g.owner_wait_s,
         # The cap is named in the gate's advice on cut answers.
         yield_gate=YieldGate(g.min_yield, g.yield_gate_answers, g.max_output_tokens),
     )
-    return EngineConfig(**{**derived, **changes})
+    return EngineConfig(**{**derived, **own})
 
 
 def budget_config(generation: GenerationConfig, **changes: Any) -> BudgetConfig:

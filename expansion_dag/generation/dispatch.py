@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,9 @@ class WorkLeft:
     tokens: float
     #: Of them, the rest of the answers still running (past their tokens so far).
     running_tokens: float
+    #: The tokens one stream decodes until the last answer ends, the answers dealt longest first
+    #: onto the slots: the time to finish at a stream's speed once fewer answers are left than slots.
+    drain_tokens: float
     queued: int
     running: int
     #: Answers the expectations rest on (the store's and this run's); 0: the typed priors alone.
@@ -255,15 +259,15 @@ class PromptQueue:
             cell.taken += 1
             cell.taken_shift += self._shift[item.key]
 
-    def work_left(self, stream_rate: float | None, now: float) -> WorkLeft:
-        """The output tokens still to come (:func:`work_left`); ``stream_rate``: tokens a second a
-        stream decodes (None: not measured yet)."""
+    def work_left(self, stream_rate: float | None, now: float, slots: int) -> WorkLeft:
+        """The output tokens still to come (:func:`work_left`) on ``slots``; ``stream_rate``: tokens
+        a second a stream decodes (None: not measured yet)."""
         running = []
         for item, stream in self._running.values():
             since = stream.decoding_since if stream is not None else None
             so_far = min(item.max_tokens, stream_rate * (now - since)) if stream_rate and since is not None else 0.0
             running.append((item, so_far))
-        return work_left(self.lengths, self._cells.values(), running, queued=len(self._items))
+        return work_left(self.lengths, self._cells.values(), running, queued=len(self._items), slots=slots)
 
     def take(self, *, shortest: bool = False) -> WorkItem:
         """The longest expected work (``shortest``: the other end, for a canary)."""
@@ -295,7 +299,7 @@ class PromptQueue:
 
 
 def work_left(
-    lengths: AnswerLengths, cells: Iterable[_Cell], running: list[tuple[WorkItem, float]], *, queued: int
+    lengths: AnswerLengths, cells: Iterable[_Cell], running: list[tuple[WorkItem, float]], *, queued: int, slots: int
 ) -> WorkLeft:
     """The output tokens still to come: each queued prompt's expected answer (and its
     conversation's later turns), each running answer's expected rest past its tokens so far, every
@@ -325,17 +329,40 @@ def work_left(
         """The cell's expected answer, scaled for survivorship, not yet capped."""
         return fits[item.source][0] * lengths.estimate(item.source, item.prompt_tokens, priors[item.source]).tokens
 
-    total = 0.0
+    # Past this many answers a slot, the slots' loads differ by less than an answer in hundreds:
+    # the tokens left over the slots are the time to finish, without dealing each answer.
+    deal = sum(cell.prompts for cell in cells) + len(running) <= _DEALT_PER_SLOT * slots
+    total, answers = 0.0, []
     for cell in cells:
         assert cell.sample is not None
         cap, each = cell.sample.max_tokens, mean(cell.sample)
         # The learned lengths are of answers as capped: the cap bounds, it does not cut again.
-        total += min(cell.prompts * cap, cell.relative_shift() * each) + cell.later * min(cap, each)
+        tokens = min(cell.prompts * cap, cell.relative_shift() * each) + cell.later * min(cap, each)
+        total += tokens
+        if deal:
+            answers += [tokens / cell.prompts] * cell.prompts
     rest = 0.0
     for item, so_far in running:
         later = item.turn.turns - item.turn.turn if item.turn is not None else 0
-        rest += fits[item.source][1].rest(so_far, item.max_tokens) + later * min(item.max_tokens, mean(item))
-    return WorkLeft(total + rest, rest, queued, len(running), lengths.answers)
+        its = fits[item.source][1].rest(so_far, item.max_tokens) + later * min(item.max_tokens, mean(item))
+        rest += its
+        answers.append(its)
+    drain = longest_first_makespan(answers, slots) if deal else (total + rest) / slots
+    return WorkLeft(total + rest, rest, drain, queued, len(running), lengths.answers)
+
+
+_DEALT_PER_SLOT = 16
+
+
+def longest_first_makespan(durations: list[float], slots: int) -> float:
+    """The makespan of ``durations`` on ``slots`` parallel slots, longest first, each to the slot
+    that frees first: the clairvoyant bound a queue ordered on estimates is measured against."""
+    if not durations or slots < 1:
+        return 0.0
+    free = [0.0] * min(slots, len(durations))
+    for duration in sorted(durations, reverse=True):
+        heapq.heapreplace(free, free[0] + duration)
+    return max(free)
 
 
 def claim_share(idle: int, borrowers: int, rank: int, turn: int = 0) -> int:

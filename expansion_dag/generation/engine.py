@@ -84,7 +84,7 @@ class Sender:
         self._sampling = sampling
         self._planner = planner
         self._policies = {borrowed: config.retry_policy(borrowed=borrowed) for borrowed in (False, True)}
-        self._thresholds = config.loop_thresholds()
+        self._thresholds = config.loop
         self._first_output_s, self._slack = config.first_output_timeout_s, config.deadline_slack
         self._floor_rate = config.floor_stream_rate
         self._loop_retries = config.loop_retries

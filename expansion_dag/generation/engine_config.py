@@ -5,7 +5,7 @@ it gives up (``EngineConfig``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from expansion_dag.core import RequestError, WeightsProbe
 from expansion_dag.generation.answer_yield import YieldGate
@@ -27,7 +27,8 @@ class EngineConfig:
     connect_timeout_s: float = 10.0
     #: A long generation on a loaded server takes minutes; this bounds a hung request.
     request_timeout_s: float
-    max_attempts: int
+    #: How often a prompt is tried on its own server (on a borrowed one: :meth:`retry_policy`).
+    retry: RetryPolicy
     #: The canary's bound on its first streamed text, and each request's allowance for its wait
     #: and prefill within its deadline: ``first_output_timeout_s + deadline_slack * max_tokens /
     #: per-stream speed`` (``Deadline``), the speed measured on the server, else ``floor_stream_rate``.
@@ -35,13 +36,6 @@ class EngineConfig:
     deadline_slack: float
     #: Tokens a second a stream is taken to decode at least until its server's speed is measured.
     floor_stream_rate: float
-    backoff_initial_s: float
-    backoff_max_s: float
-    backoff_jitter_s: float
-    #: Tokens kept free when ``max_tokens`` is recomputed after a context-length 400, and the
-    #: fewest output tokens such a retry may ask for.
-    context_margin: int
-    min_output_tokens: int
     canary: bool = True
     breaker_window: int = 24
     breaker_failure_fraction: float = 0.8
@@ -54,19 +48,10 @@ class EngineConfig:
     #: of one run start seconds apart; a server borrowed before its shard starts refuses that
     #: shard's first requests once its queue is bounded (``Borrowing``).
     owner_wait_s: float
-    #: How long a prompt may wait in all on its server's full queue (backpressure) before the
-    #: queue-full answer is its failure; such waits use none of its attempts.
-    backpressure_wait_s: float = 600.0
-    #: Stream each answer and stop it as soon as it loops (recorded as a ``degenerate`` outcome,
-    #: text kept, final for the prompt); False sends plain requests and lets every answer run to its end.
-    stop_degenerate: bool
-    #: A loop is a span of at least ``loop_min_span_chars`` repeated back to back at least
-    #: ``loop_min_repeats`` times over at least ``loop_min_chars``, within the last
-    #: ``loop_window_chars`` (see ``expansion_dag.servers.loops.degeneration``).
-    loop_min_span_chars: int
-    loop_min_repeats: int
-    loop_min_chars: int
-    loop_window_chars: int
+    #: When an answer is a loop: each answer is streamed and stopped as soon as it loops (recorded
+    #: as a ``degenerate`` outcome, text kept, final for the prompt). None: plain requests, every
+    #: answer runs to its end.
+    loop: LoopThresholds | None
     #: A prompt whose answer was stopped as a loop is asked once more, with another seed, when 1;
     #: 0: the stop is final (``generation.loop_retries``).
     loop_retries: int
@@ -75,8 +60,8 @@ class EngineConfig:
     yield_gate: YieldGate
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.retry.attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.retry.attempts}")
         if self.breaker_window < 1:
             raise ValueError(f"breaker_window must be at least 1, got {self.breaker_window}")
         if not 0.0 < self.breaker_failure_fraction <= 1.0:
@@ -85,18 +70,6 @@ class EngineConfig:
             raise ValueError(f"spill_poll_s must be positive, got {self.spill_poll_s}")
         if self.owner_wait_s < 0:
             raise ValueError(f"owner_wait_s must be at least 0, got {self.owner_wait_s}")
-        self.loop_thresholds()  # validates the loop fields
-
-    def loop_thresholds(self) -> LoopThresholds | None:
-        """The detector's thresholds; None when answers are not streamed and never stopped."""
-        if not self.stop_degenerate:
-            return None
-        return LoopThresholds(
-            min_span_chars=self.loop_min_span_chars,
-            min_repeats=self.loop_min_repeats,
-            min_loop_chars=self.loop_min_chars,
-            window_chars=self.loop_window_chars,
-        )
 
     def workers_for(self, slots: int) -> int:
         return slots + max(self.min_headroom, int(slots * self.headroom_fraction))
@@ -104,16 +77,7 @@ class EngineConfig:
     def retry_policy(self, *, borrowed: bool = False) -> RetryPolicy:
         """On a borrowed server a prompt gets one attempt and no wait on a full queue: its retries
         and its patience belong to its own server."""
-        return RetryPolicy(
-            attempts=1 if borrowed else self.max_attempts,
-            wait_initial_s=self.backoff_initial_s,
-            wait_max_s=self.backoff_max_s,
-            wait_jitter_s=self.backoff_jitter_s,
-            context_retry=not borrowed,
-            context_margin=self.context_margin,
-            min_output_tokens=self.min_output_tokens,
-            backpressure_wait_s=0.0 if borrowed else self.backpressure_wait_s,
-        )
+        return replace(self.retry, attempts=1, context_retry=False, backpressure_wait_s=0.0) if borrowed else self.retry
 
 
 @dataclass(frozen=True)

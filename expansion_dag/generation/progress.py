@@ -92,7 +92,8 @@ def _speed_fields(progress: Progress, plan: ShardPlan) -> dict[str, Any]:
         return fields | {"speed_basis": "measuring: slots not full yet"}
     ahead = outlook(speed, plan, answered_tokens=progress.answered_tokens, answers=progress.done - progress.failed,
                     left=progress.total - progress.done,
-                    tokens_left=progress.work.tokens if progress.work is not None else None)
+                    tokens_left=progress.work.tokens if progress.work is not None else None,
+                    drain_tokens=progress.work.drain_tokens if progress.work is not None else 0.0)
     if ahead is None:
         return fields | {"speed_basis": f"measuring: {speed.answers} of {speed.needed} answers since the slots filled"}
     return fields | {

@@ -7,12 +7,11 @@ completions asset turns the report into metadata and checks.
 from __future__ import annotations
 
 import collections
-import heapq
 import time
 from dataclasses import dataclass, field
 
 from expansion_dag.generation.answer_yield import AnswerYield
-from expansion_dag.generation.dispatch import PromptQueue, WorkLeft
+from expansion_dag.generation.dispatch import PromptQueue, WorkLeft, longest_first_makespan
 from expansion_dag.generation.speed import MIN_ANSWERS, Speed, SpeedMeter, Stream
 
 
@@ -177,7 +176,7 @@ class ShardReport:
             answer_yield=self.answer_yield.summary() if self.answer_yield.judged else "",
             speed=speed,
             answered_tokens=self.output_tokens,
-            work=queue.work_left(stream_rate, now) if queue is not None else None,
+            work=queue.work_left(stream_rate, now, sum(s.slots for s in self.servers.values())) if queue is not None else None,
         )
 
     def utilization(self) -> float:
@@ -244,13 +243,3 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     vy = sum((b - my) ** 2 for b in ry)
     return cov / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else 0.0
 
-
-def longest_first_makespan(durations: list[float], slots: int) -> float:
-    """The makespan of ``durations`` on ``slots`` parallel slots, longest first, each to the slot
-    that frees first: the clairvoyant bound a queue ordered on estimates is measured against."""
-    if not durations or slots < 1:
-        return 0.0
-    free = [0.0] * min(slots, len(durations))
-    for duration in sorted(durations, reverse=True):
-        heapq.heapreplace(free, free[0] + duration)
-    return max(free)

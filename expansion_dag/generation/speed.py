@@ -190,29 +190,35 @@ class Outlook:
 
 
 def outlook(
-    speed: Speed, plan: ShardPlan, *, answered_tokens: int, answers: int, left: int, tokens_left: float | None = None
+    speed: Speed, plan: ShardPlan, *, answered_tokens: int, answers: int, left: int,
+    tokens_left: float | None = None, drain_tokens: float = 0.0,
 ) -> Outlook | None:
     """The time to finish and GPU-hours of a shard at ``speed`` (None: not yet defensible).
 
-    What is left is ``tokens_left``, learned from the run's answers (``PromptQueue.work_left``);
-    without it, the plan's output tokens less those made so far (answers and streams still
-    decoding), and for a run whose answers outgrow the plan, at least its prompts not answered yet
-    at the length its answers have had.
+    What is left is ``tokens_left``, learned from the run's answers (``PromptQueue.work_left``), at
+    the speed with the slots full, or, once few answers are left, ``drain_tokens`` (the longest
+    slot's load) at one stream's speed (the last answers end one by one, the slots emptying); without it,
+    the plan's output tokens less those made so far (answers and streams still decoding), and for a
+    run whose answers outgrow the plan, at least its prompts not answered yet at the length its
+    answers have had.
     """
     if not speed.defensible or speed.tokens_per_s <= 0:
         return None
     made = answered_tokens + speed.in_flight_tokens
+    per_server = speed.tokens_per_s
     if tokens_left is None:
         floor = left * answered_tokens / answers if answers else 0.0
         tokens_left = max(plan.output_tokens - made, floor) if left else 0.0
         total = plan.output_tokens
     else:
         total = made + tokens_left
-    per_server = speed.tokens_per_s
+    finish_s = tokens_left / (per_server * speed.servers)
+    if speed.streams > 0:  # a stream's speed: the server's over its streams decoding
+        finish_s = max(finish_s, drain_tokens * speed.streams / per_server)
     return Outlook(
         tokens_per_s=per_server,
         output_tokens_left=tokens_left,
-        finish_s=tokens_left / (per_server * speed.servers),
+        finish_s=finish_s,
         gpu_hours=total / per_server / 3600,
         plan_off=per_server / plan.tokens_per_s - 1 if plan.tokens_per_s else None,
     )

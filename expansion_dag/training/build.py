@@ -293,7 +293,7 @@ def _write_manifest(
         output_tokens=tally.output_tokens,
         output_tokens_in_set=in_set,
         useful_token_share=round(in_set / tally.output_tokens, 4) if tally.output_tokens else 0.0,
-        outputs={f: shards if f == "parquet" else [FORMATS[f]] for f in config.formats},
+        outputs={f: shards if f == "parquet" else [FORMATS[f].file] for f in config.formats},
         trainer_files=[f for f in files if f["name"] not in shards],
         mask_convention=mask_convention(config),
         modes=stats.modes(tally.identities),

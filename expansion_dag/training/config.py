@@ -16,12 +16,68 @@ LOOP_PREFIX_POLICIES = ("keep", "drop")
 CONVERSATIONS_NAME = "conversations.jsonl"
 #: One file serves both trainers: each reads ``{"id", "input_ids", "loss_mask"}`` lines unchanged.
 PRETOKENIZED_NAME = "pretokenized.jsonl"
-#: Outputs a build can write, and the file each is (the Parquet set: its shards).
-FORMATS = {
-    "parquet": "part-*.parquet",
-    "specforge-pretokenized": PRETOKENIZED_NAME,
-    "specforge-conversations": CONVERSATIONS_NAME,
-    "speculators-pretokenized": PRETOKENIZED_NAME,
+
+
+@dataclass(frozen=True)
+class Output:
+    """An output a build can write: its file (the Parquet set: its shards), what it is to its
+    reader, and the command that loads it (the dataset card's; ``{model}``, ``{max_length}`` and
+    ``{specforge_template}`` filled in)."""
+
+    file: str
+    what: str
+    command: str
+
+
+#: How each trainer's own renderer differs from the set's rows when it reads the conversations
+#: (pre-tokenized rows it takes unchanged). expansion_dag_tests/trainers/ proves these, row by row.
+SPECFORGE_RENDERS = (
+    "SpecForge renders and masks the conversations itself. It adds its template's default "
+    "system prompt (`You are a helpful assistant.`, mask 0) to a conversation that has none, "
+    "and trains the newline after the end-of-turn token. Otherwise it masks as this set does: "
+    "`qwen3-thinking` (thinking on) trains the reasoning with its think tags, `qwen3-instruct` "
+    "(thinking off) leaves the empty think block untrained (its `ignore_token`). A conversation "
+    "carries its `tools` (JSON text) and its assistant turns' `tool_calls`, which SpecForge "
+    "passes to the template; it parses each call's arguments and the template writes them back "
+    "as JSON, the same text when the server wrote them as `json.dumps` does (vLLM, SGLang)."
+)
+SPECULATORS_RENDERS = (
+    "speculators renders conversations through vLLM's `/v1/chat/completions/render` without "
+    "chat_template_kwargs: it always trains the newline after the end-of-turn token and, with "
+    "thinking off, also the empty think block the template adds (its generation prompt has "
+    "none). Hence the pre-tokenized rows for it, which it keeps as they are."
+)
+FORMATS: dict[str, Output] = {
+    "parquet": Output(
+        "part-*.parquet",
+        "The tokenized set, Parquet shards of `id`, `source`, `input_ids`, `loss_mask`, `length`, `ids_from`, "
+        "`ids_match_text`.",
+        'python -c \'import datasets; print(datasets.load_dataset("parquet", data_files="part-*.parquet", '
+        'split="train"))\'\n'
+        "python -c 'import polars as pl; print(pl.read_parquet(\"part-*.parquet\"))'",
+    ),
+    "specforge-pretokenized": Output(
+        PRETOKENIZED_NAME,
+        "SpecForge 0.2 (`data.prompts_path`): one `{{id, input_ids, loss_mask}}` line per row, taken as "
+        "it is (only cut to `data.max_length`).",
+        "specforge train -c YOUR_SPECFORGE_CONFIG.yaml data.prompts_path=$PWD/pretokenized.jsonl "
+        "data.max_length={max_length}",
+    ),
+    "specforge-conversations": Output(
+        CONVERSATIONS_NAME,
+        "SpecForge 0.2 (`data.train_data_path`): `{{id, conversations}}` with the reasoning inline as "
+        "`<think>...</think>` before the answer, which Qwen3's template (run by its ThinkingParser) "
+        "reads back as the model's reasoning. " + SPECFORGE_RENDERS,
+        "specforge train -c YOUR_SPECFORGE_CONFIG.yaml data.train_data_path=$PWD/conversations.jsonl "
+        "data.chat_template={specforge_template} data.max_length={max_length}",
+    ),
+    "speculators-pretokenized": Output(
+        PRETOKENIZED_NAME,
+        "vLLM's speculators 0.9 (`prepare-data`, then `train --data-path`): the same "
+        "`{{id, input_ids, loss_mask}}` lines, passed through without rendering. " + SPECULATORS_RENDERS,
+        "speculators prepare-data --model {model} --data $PWD/pretokenized.jsonl --output ./speculators-data "
+        "--seq-length {max_length}",
+    ),
 }
 MASK_CONVENTION = (
     "loss_mask is 1 on exactly the tokens the assistant wrote: its answer, the reasoning kept "

@@ -14,58 +14,8 @@ import shlex
 from typing import Any
 
 from expansion_dag.core import bar_chart_png, png_data_uri
+from expansion_dag.training.config import FORMATS
 from expansion_dag.training.manifest import Manifest
-
-#: How each trainer's own renderer differs from the set's rows when it reads the conversations
-#: (pre-tokenized rows it takes unchanged). expansion_dag_tests/trainers/ proves these, row by row.
-CONSUMER_NOTES = {
-    "specforge-conversations": (
-        "SpecForge renders and masks the conversations itself. It adds its template's default "
-        "system prompt (`You are a helpful assistant.`, mask 0) to a conversation that has none, "
-        "and trains the newline after the end-of-turn token. Otherwise it masks as this set does: "
-        "`qwen3-thinking` (thinking on) trains the reasoning with its think tags, `qwen3-instruct` "
-        "(thinking off) leaves the empty think block untrained (its `ignore_token`). A conversation "
-        "carries its `tools` (JSON text) and its assistant turns' `tool_calls`, which SpecForge "
-        "passes to the template; it parses each call's arguments and the template writes them back "
-        "as JSON, the same text when the server wrote them as `json.dumps` does (vLLM, SGLang)."
-    ),
-    "speculators-conversations": (
-        "speculators renders conversations through vLLM's `/v1/chat/completions/render` without "
-        "chat_template_kwargs: it always trains the newline after the end-of-turn token and, with "
-        "thinking off, also the empty think block the template adds (its generation prompt has "
-        "none). Hence the pre-tokenized rows for it, which it keeps as they are."
-    ),
-}
-
-_LOADING = {
-    "parquet": (
-        "The tokenized set, Parquet shards of `id`, `source`, `input_ids`, `loss_mask`, `length`, `ids_from`, "
-        "`ids_match_text`.",
-        'python -c \'import datasets; print(datasets.load_dataset("parquet", data_files="part-*.parquet", '
-        'split="train"))\'\n'
-        "python -c 'import polars as pl; print(pl.read_parquet(\"part-*.parquet\"))'",
-    ),
-    "specforge-pretokenized": (
-        "SpecForge 0.2 (`data.prompts_path`): one `{{id, input_ids, loss_mask}}` line per row, taken as "
-        "it is (only cut to `data.max_length`).",
-        "specforge train -c YOUR_SPECFORGE_CONFIG.yaml data.prompts_path=$PWD/pretokenized.jsonl "
-        "data.max_length={max_length}",
-    ),
-    "specforge-conversations": (
-        "SpecForge 0.2 (`data.train_data_path`): `{{id, conversations}}` with the reasoning inline as "
-        "`<think>...</think>` before the answer, which Qwen3's template (run by its ThinkingParser) "
-        "reads back as the model's reasoning. " + CONSUMER_NOTES["specforge-conversations"],
-        "specforge train -c YOUR_SPECFORGE_CONFIG.yaml data.train_data_path=$PWD/conversations.jsonl "
-        "data.chat_template={specforge_template} data.max_length={max_length}",
-    ),
-    "speculators-pretokenized": (
-        "vLLM's speculators 0.9 (`prepare-data`, then `train --data-path`): the same "
-        "`{{id, input_ids, loss_mask}}` lines, passed through without rendering. "
-        + CONSUMER_NOTES["speculators-conversations"],
-        "speculators prepare-data --model {model} --data $PWD/pretokenized.jsonl --output ./speculators-data "
-        "--seq-length {max_length}",
-    ),
-}
 
 _MIXED_THINKING = (
     " This set mixes modes with thinking on and off, and SpecForge renders every conversation with "
@@ -220,7 +170,7 @@ def dataset_card(manifest: Manifest) -> str:
     ]
     digests = {f["name"]: f["sha256"] for f in [*manifest.files, *manifest.trainer_files]}
     for output, names in manifest.outputs.items():
-        what, command = _LOADING[output]
+        what, command = FORMATS[output].what, FORMATS[output].command
         if output == "specforge-conversations" and len(thinking) > 1:
             what += _MIXED_THINKING
         files = ", ".join(f"`{n}` (sha256 `{digests[n][:16]}`)" for n in names)

@@ -24,7 +24,7 @@ class _JsonlOutputs:
     """The trainers' JSONL files of a build, each opened only when its format is asked for."""
 
     def __init__(self, directory: Path, formats: Collection[str]):
-        names = {FORMATS[f] for f in formats if f != "parquet"}
+        names = {FORMATS[f].file for f in formats if f != "parquet"}
         self._files = {name: open(directory / name, "wb") for name in sorted(names)}
 
     def write(self, samples: Sequence[_Sample], table: pa.Table) -> None:

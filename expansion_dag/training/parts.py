@@ -319,7 +319,7 @@ def _assemble(
     """The parts' files as one set in ``directory``, and their counts added up into ``tally``."""
     stats = _Stats(config.max_length)
     shards: list[dict[str, Any]] = []
-    trainer_names = sorted({FORMATS[f] for f in config.formats if f != "parquet"})
+    trainer_names = sorted({FORMATS[f].file for f in config.formats if f != "parquet"})
     trainers = {name: (open(directory / name, "wb"), hashlib.sha256()) for name in trainer_names}
     try:
         for key in keys:

@@ -10,7 +10,7 @@ is found in its rendered text:
   around kept reasoning are the assistant's (mask 1): in thinking mode Qwen3 writes them itself.
 * The whitespace after the end-of-turn token (ChatML's ``\\n``) stays in ``input_ids`` with mask 0
   by default: the model never writes it. ``train_newline_after_end_of_turn=True`` follows SpecForge
-  and speculators, which train it (``MASK_CONVENTION``; ``dataset_card.CONSUMER_NOTES``).
+  and speculators, which train it (``MASK_CONVENTION``; ``config.SPECFORGE_RENDERS``, ``config.SPECULATORS_RENDERS``).
 * An earlier assistant turn is found by rendering the conversation again with that turn replaced by
   a marker: the renders agree before and after it, so what differs is the turn as the template
   renders it there (Qwen3 drops earlier turns' think blocks). A conversation that does not split so

@@ -20,7 +20,7 @@ SHARD = "shard-00"
 #: Answers of a few milliseconds on 8 slots: a shard of dozens of prompts in about a second.
 SIM = dict(port=0, max_running_requests=8, ttft_s=0.001, token_latency_s=0.0002, output_median_tokens=60,
            keep_timeline=True)
-FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600, canary=False)
+FAST = dict(backoff_initial_s=0.01, progress_interval_s=3600, canary=False)
 _FACT = re.compile(r"Tell me fact number (\d+)\.")
 
 

@@ -279,7 +279,7 @@ def test_an_answer_cut_by_the_cap_the_server_forced_is_not_final_and_a_rerun_ask
     store = CompletionStore(tmp_path)
     items = work(8, {4: "capped"})
     target = Server(url, 2, context_length=CONTEXT)
-    report = run(store, items, target, context_margin=16, min_output_tokens=16)
+    report = run(store, items, target, margin=16, min_output_tokens=16)
     assert report.context_retries == 1 and report.aborted is None
     failure = failure_of(store, "p004")
     assert (failure["error"], failure["outcome"], failure["max_tokens"]) == ("context_capped", "request", 34)

@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 
 import httpx
@@ -17,7 +18,7 @@ from expansion_dag_tests.helpers import default_sampling, default_engine
 URL = "http://gpu-0:30000"
 # These handlers answer plain JSON bodies; streamed requests are tested in test_engine_streaming.py.
 FAST = dict(
-    backoff_initial_s=0.001, backoff_max_s=0.002, backoff_jitter_s=0.0, progress_interval_s=3600, stop_degenerate=False,
+    backoff_initial_s=0.001, progress_interval_s=3600, stop_degenerate=False,
     owner_wait_s=0,  # the idle helpers here have no shard of their own to wait for
 )
 OVERFLOW = (
@@ -375,7 +376,7 @@ def test_context_length_400_is_retried_once_with_the_servers_own_count(tmp_path)
         return httpx.Response(200, json=completion(prompt_tokens=server_prompt))
 
     work = [items(1, max_tokens=200 - 10 - 16)[0]]
-    report, store = run(tmp_path, work, handler, config=default_engine(**FAST, context_margin=16, min_output_tokens=16))
+    report, store = run(tmp_path, work, handler, config=default_engine(**FAST, margin=16, min_output_tokens=16))
     assert sent == [174, 200 - 50 - 16]
     [record] = store.records("shard-00")
     assert record["max_tokens"] == 134
@@ -516,7 +517,8 @@ def test_a_queue_that_stays_full_past_the_wait_is_a_failure_a_rerun_asks_again(t
     def handler(request):
         return httpx.Response(503, json=QUEUE_FULL)
 
-    config = default_engine(**{**FAST, "backpressure_wait_s": 0.01, "canary": False, "breaker_window": 100})
+    config = default_engine(**{**FAST, "canary": False, "breaker_window": 100})
+    config = dataclasses.replace(config, retry=dataclasses.replace(config.retry, backpressure_wait_s=0.01))
     report, store = run(tmp_path, items(3), handler, config=config)
     assert report.failed == 3 and report.failures_by_kind == {"queue_full": 3}
     failures = list(store.records("shard-00", status="failed"))

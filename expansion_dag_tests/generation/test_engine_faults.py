@@ -16,7 +16,7 @@ from expansion_dag_tests.helpers import default_sampling, default_engine, wait_f
 from expansion_dag_tests.ports import free_ports
 
 SHARD = "shard-00"
-FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600,
+FAST = dict(backoff_initial_s=0.01, progress_interval_s=3600,
             owner_wait_s=0)  # the idle helpers here have no shard of their own to wait for
 SIM = dict(port=0, max_running_requests=8, ttft_s=0.001, token_latency_s=0.0002, output_median_tokens=60)
 

@@ -14,7 +14,7 @@ from expansion_dag.store import CompletionStore
 from expansion_dag_tests.helpers import default_engine, default_sampling, loop_thresholds, repetitive_answers, wait_for
 
 SHARD = "shard-00"
-FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600)
+FAST = dict(backoff_initial_s=0.01, progress_interval_s=3600)
 SIM = dict(port=0, max_running_requests=8, ttft_s=0.001, token_latency_s=0.0002, output_median_tokens=60)
 CAP = 3000
 MODEL = SimServerConfig().model_name

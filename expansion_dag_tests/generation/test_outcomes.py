@@ -41,7 +41,7 @@ from expansion_dag_tests.workloads.borrowing import (
 
 MODEL = SimServerConfig().model_name
 SAMPLING = default_sampling()
-FAST = dict(backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.01, progress_interval_s=3600,
+FAST = dict(backoff_initial_s=0.01, progress_interval_s=3600,
             spill_poll_s=0.05, owner_wait_s=0)  # the idle helpers here have no shard of their own to wait for
 SIM = dict(port=0, max_running_requests=4, ttft_s=0.001, token_latency_s=0.0003, output_median_tokens=40)
 

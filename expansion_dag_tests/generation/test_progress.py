@@ -158,7 +158,8 @@ def test_a_shard_reports_its_time_to_finish_and_gpu_hours_at_its_measured_speed(
 def test_the_time_to_finish_and_gpu_hours_rest_on_the_work_left_the_answers_taught_not_on_the_plan():
     # The plan said 400,000 tokens; the answers so far say 150,000 are left (20,000 of them the rest
     # of the answers running).
-    work = WorkLeft(tokens=150_000.0, running_tokens=20_000.0, queued=290, running=70, learned=1_930)
+    work = WorkLeft(tokens=150_000.0, running_tokens=20_000.0, drain_tokens=2_100.0, queued=290, running=70,
+                    learned=1_930)
     engine = Progress(done=40, total=400, elapsed_s=60.0, output_tokens_per_s=900.0, in_flight={}, eta_s=30.0,
                       speed=SPEED, answered_tokens=20_000, work=work)
     p = ShardProgress.from_engine(engine, ShardPlan(400_000.0, None, False))
@@ -168,6 +169,16 @@ def test_the_time_to_finish_and_gpu_hours_rest_on_the_work_left_the_answers_taug
     assert p.tokens_left == 150_000
     assert p.tokens_left_basis == "learned from 1,930 answers; 290 queued, 70 running at least their tokens so far"
     assert ShardProgress.from_metadata(p.as_metadata()) == p
+
+
+def test_once_fewer_answers_are_left_than_slots_the_time_to_finish_is_the_longest_ones_at_a_streams_speed():
+    # 70 streams at 2,000 tokens/s in all: 28.6 tokens/s each. Left: 10 answers running, one of
+    # them 4,000 tokens from its end: it ends alone, 140 s from now, whatever the 12,000 tokens left
+    # would take at the speed of 70 streams (6 s).
+    work = WorkLeft(tokens=12_000.0, running_tokens=12_000.0, drain_tokens=4_000.0, queued=0, running=10, learned=390)
+    engine = Progress(done=390, total=400, elapsed_s=600.0, output_tokens_per_s=900.0, in_flight={}, eta_s=15.0,
+                      speed=SPEED, answered_tokens=380_000, work=work)
+    assert ShardProgress.from_engine(engine, ShardPlan(400_000.0, None, False)).finish_s == 140.0
 
 
 def test_an_eta_the_prompts_rate_contradicts_by_over_twice_is_shown_beside_it():

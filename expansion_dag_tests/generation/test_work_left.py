@@ -80,7 +80,7 @@ def replay(answers: list[tuple[str, int, int]], slots: int, at: list[float], pri
         start()
         while marks and done >= marks[0] * len(items):
             so_far = sum(now - began for _, _, _, began in running)
-            left = queue.work_left(1.0, now)  # a token a second a stream
+            left = queue.work_left(1.0, now, slots)
             naive = made + (len(items) - done) * made / done
             said[marks.pop(0)] = (made + so_far + left.tokens, naive, truth)
     return said
@@ -116,6 +116,25 @@ def test_a_level_the_words_learned_from_the_first_answers_does_not_move_the_tota
     assert abs(errors[0.25]) < 0.15 and abs(errors[0.5]) < 0.1, errors
 
 
+def test_once_few_answers_are_left_the_end_is_the_longest_slots_load_not_the_tokens_over_all_slots():
+    lengths = AnswerLengths()
+    for n in (200, 400, 800, 1600, 3200) * 10:
+        lengths.observe("code", 20, n)
+    queue = PromptQueue([item(i, "code", 1000, cap=100_000) for i in range(3)], lengths)
+    meter = SpeedMeter(16)
+    taken = queue.take()
+    queue.opened(taken)
+    stream = meter.sent(0.0, streamed=True)
+    stream.output(0.0)
+    queue.decoding(taken, stream)
+    left = queue.work_left(1.0, 3000.0, 16)  # one answer 3,000 tokens in, two queued, 16 slots
+    running = left.running_tokens
+    each = (left.tokens - running) / 2
+    # Three answers on 16 slots: each on a slot of its own, the last to end the one with most to go.
+    assert left.drain_tokens == pytest.approx(max(running, each))
+    assert left.drain_tokens > 3 * left.tokens / 16
+
+
 def test_on_a_real_models_recorded_answers_the_total_is_near_in_every_order():
     # 240 answers of SmolLM2-135M on vLLM's CPU build (code, maths, explanations, lists; a third of
     # them loops run to their cap), in three orders, on the 16 slots the issue ran, with the
@@ -147,7 +166,7 @@ def test_the_cap_bounds_the_rest_of_a_running_answer_and_later_turns_count():
         stream = meter.sent(0.0, streamed=True)
         stream.output(0.0)
         queue.decoding(it, stream)
-    left = queue.work_left(1.0, 1500.0)  # 1,500 tokens each so far
+    left = queue.work_left(1.0, 1500.0, 2)  # 1,500 tokens each so far
     assert (left.queued, left.running, left.learned) == (0, 2, 50)
     # The capped answer has at most 500 to go; the conversation's answer some 2,500 and two more
     # turns at about 4,000 each: ~11,000, never the 2 x 4,000 of two fresh answers alone.

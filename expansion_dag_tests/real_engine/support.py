@@ -513,7 +513,7 @@ LOOP_TEXT = " loop"
 #: What a looping answer is asked for.
 LOOP_MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 #: A loop is seen after ~32 tokens of ``LOOP_TEXT`` (160 characters), checked every 8 characters.
-LOOP_THRESHOLDS = loop_thresholds(min_repeats=4, min_loop_chars=160, window_chars=512, check_every_chars=8)
+LOOP_THRESHOLDS = loop_thresholds(min_repeats=4, min_chars=160, window_chars=512, check_every_chars=8)
 #: Bound on the wait for stopped streams' slots to empty; they are expected to in well under a second.
 FREE_TIMEOUT_S = 15.0
 #: Bound on the wait for the looping streams' first events before they are read: a hang only.

@@ -126,8 +126,8 @@ def test_every_looping_answer_is_stopped_soon_after_its_loop_starts():
         stop, loop = first_stop(answer["text"])
         assert stop is not None, answer["id"]
         lag = stop - answer["loop_starts_at"]
-        # The loop must cover min_loop_chars (or min_repeats spans) before it counts, plus one check.
-        assert lag <= max(2 * DEFAULT.min_loop_chars, DEFAULT.min_repeats * 400) + DEFAULT.check_every_chars, answer["id"]
+        # The loop must cover min_chars (or min_repeats spans) before it counts, plus one check.
+        assert lag <= max(2 * DEFAULT.min_chars, DEFAULT.min_repeats * 400) + DEFAULT.check_every_chars, answer["id"]
         assert stop < len(answer["text"]) / 4, answer["id"]
 
 
@@ -149,7 +149,7 @@ def test_a_short_run_is_formatting_and_the_thresholds_decide_what_is_long():
     assert find_loop(separators, DEFAULT) is None
     chorus = "Oh the river, carry me home\n" * 5
     assert find_loop(chorus, DEFAULT) is None
-    assert find_loop(chorus, loop_thresholds(min_loop_chars=100, min_repeats=4)) is not None
+    assert find_loop(chorus, loop_thresholds(min_chars=100, min_repeats=4)) is not None
     # A span shorter than min_span_chars is not counted, however long its run.
     assert find_loop("ab" * 1000, loop_thresholds(min_span_chars=3)) is None
     assert find_loop("ab" * 1000, loop_thresholds(min_span_chars=2)) is not None

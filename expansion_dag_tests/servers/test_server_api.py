@@ -300,7 +300,7 @@ def test_a_context_length_that_disagrees_between_the_two_answers_is_refused():
 # --- generation -----------------------------------------------------------------------------------
 
 FAST = servers.RetryPolicy(
-    attempts=4, wait_initial_s=0.001, wait_max_s=0.002, wait_jitter_s=0.0, context_retry=True, context_margin=16,
+    attempts=4, wait_initial_s=0.001, wait_max_s=0.002, wait_jitter_s=0.0, context_retry=True, margin=16,
     min_output_tokens=16, backpressure_wait_s=600.0,
 )
 

@@ -155,7 +155,7 @@ def test_a_stopped_answers_tokens_are_the_servers_count_when_its_chunks_carry_on
     assert request.body()["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     events = [{"choices": [{"index": 0, "delta": {"content": " loop"}, "finish_reason": None}],
                "usage": {"prompt_tokens": 3, "completion_tokens": i + 1}} for i in range(400)]
-    stream = ChatStream(VLLM, loop_thresholds(min_loop_chars=200), stream_interval=256)
+    stream = ChatStream(VLLM, loop_thresholds(min_chars=200), stream_interval=256)
     loop = None
     for event in events:
         loop = loop or stream.feed_line(f"data: {json.dumps(event)}".encode())

@@ -8,7 +8,7 @@ and ``data.train_data_path``) and speculators 0.9.0 (``prepare-data``, conversat
 real vLLM ``/v1/chat/completions/render``) read two sets built from the same answers: one with
 thinking on and the project's mask convention, one with thinking off and the newline after the
 end-of-turn token trained. Row by row, token ids and masks must equal the Parquet set's, or differ
-by exactly what the dataset card documents for that trainer (``dataset_card.CONSUMER_NOTES``).
+by exactly what the dataset card documents for that trainer (``training.config.SPECFORGE_RENDERS`` and ``SPECULATORS_RENDERS``).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class LoopThresholds:
     min_repeats: int = _count(least=2)
     #: The repeated region must cover at least this many characters: short runs ("| --- | --- |",
     #: "ha ha ha", a row of "=") are formatting, not a loop.
-    min_loop_chars: int
+    min_chars: int
     #: How far back a check looks; the longest span found is ``window_chars // min_repeats``.
     window_chars: int
     #: New characters between checks.
@@ -77,9 +77,9 @@ class LoopThresholds:
             least, value = count.metadata.get("least"), getattr(self, count.name)
             if least is not None and value < least:
                 raise ValueError(f"{count.name} must be at least {least}, got {value}")
-        if self.window_chars < max(self.min_loop_chars, self.min_repeats * self.min_span_chars):
+        if self.window_chars < max(self.min_chars, self.min_repeats * self.min_span_chars):
             raise ValueError(
-                f"window_chars ({self.window_chars}) must hold min_loop_chars ({self.min_loop_chars}) "
+                f"window_chars ({self.window_chars}) must hold min_chars ({self.min_chars}) "
                 f"and min_repeats x min_span_chars"
             )
         if not 1 <= self.cycle_distinct < self.cycle_lines:
@@ -181,7 +181,7 @@ class LoopDetector:
         self._shape.feed(new)
         # Every rule sees every piece of text, whichever fires: the unit rules keep their own memory.
         units = self._units.feed(new)
-        exact = exact_loop(self._tail, min_repeats=t.min_repeats, min_chars=t.min_loop_chars, min_span=t.min_span_chars)
+        exact = exact_loop(self._tail, min_repeats=t.min_repeats, min_chars=t.min_chars, min_span=t.min_span_chars)
         if exact is not None:
             return Loop(*exact, rule="exact", start=self._checked - exact[2])
         shaped = shape_loop(

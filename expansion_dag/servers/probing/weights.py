@@ -54,7 +54,7 @@ PROBE_SAMPLING = SamplingSettings(
 )
 #: A server that fails the probe now and then is asked again, briefly; the canary judges it after.
 PROBE_POLICY = RetryPolicy(
-    attempts=3, wait_initial_s=0.5, wait_max_s=5.0, wait_jitter_s=0.5, context_retry=True, context_margin=16,
+    attempts=3, wait_initial_s=0.5, wait_max_s=5.0, wait_jitter_s=0.5, context_retry=True, margin=16,
     min_output_tokens=16, backpressure_wait_s=60.0,
 )
 

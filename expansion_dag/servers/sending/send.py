@@ -58,7 +58,7 @@ class RetryPolicy:
     #: Retry a context-length 400 once, with max_tokens from the server's own prompt count.
     context_retry: bool
     #: Tokens kept free when max_tokens is recomputed.
-    context_margin: int
+    margin: int
     min_output_tokens: int
     #: How long a prompt may wait on a full queue (backpressure, which uses no attempt), from its
     #: first queue-full answer, before the last one is its error; 0: at once (a borrowed server).
@@ -315,7 +315,7 @@ async def generate(
             if exc.overflow is None or not policy.context_retry:
                 raise
             # The server counted the prompt differently: trust its count, once.
-            budget = exc.overflow.context_length - exc.overflow.prompt_tokens - policy.context_margin
+            budget = exc.overflow.context_length - exc.overflow.prompt_tokens - policy.margin
             if budget < policy.min_output_tokens:
                 raise
             if on_retry is not None:
