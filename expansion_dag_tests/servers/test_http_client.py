@@ -9,6 +9,7 @@ import ssl
 import pytest
 import trustme
 
+import expansion_dag.core.urls as core_urls
 from expansion_dag.core import ConnectError, TimeoutError_, server_url
 from expansion_dag.servers import SGLANG, VLLM, async_client, chat_request, send_chat
 from expansion_dag_tests.helpers import default_sampling
@@ -125,8 +126,11 @@ def test_the_workers_client_sends_the_headers_servers_route_and_frame_by_and_rea
     assert [(a.content, a.finish_reason, a.completion_tokens) for a in answers] == [whole] * 2
 
 
-def test_a_server_named_with_credentials_gets_them_in_place_of_the_key():
+def test_a_server_named_with_credentials_gets_them_in_place_of_the_key(monkeypatch):
     """A server behind a proxy that asks for a password: its URL's ``user:password@``, never the key."""
+    # ``server_url`` keeps the credentials for the process: here for this test alone, so a later
+    # test's server on the same port is not sent them.
+    monkeypatch.setattr(core_urls, "_SERVER_CREDENTIALS", {})
 
     async def main():
         async with serving() as (server, url):
